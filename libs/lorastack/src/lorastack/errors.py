@@ -1,0 +1,61 @@
+"""The error tree shared by every service.
+
+Every error a user can cause carries a message that says what went wrong and a hint
+that says what to change. Services map these to exit codes (CLI) or HTTP statuses
+(gateway, inference) in one place each.
+
+    LorastackError
+    ├── ConfigError        a setting, config field or argument is invalid
+    ├── InvalidName        an artifact name or version breaks the naming rules
+    ├── NotFound           an artifact, version or file does not exist
+    ├── Conflict           the artifact version was already published by someone else
+    ├── IntegrityError     a downloaded file does not match its recorded sha256
+    ├── StoreUnavailable   the store could not be reached after bounded retries
+    └── Refused            a check refused to go on (preflight, resume, merge, ...)
+"""
+
+from __future__ import annotations
+
+
+class LorastackError(Exception):
+    """Base of all expected errors; `hint` says what the user should change."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+class ConfigError(LorastackError):
+    """A setting, config field or command-line argument is invalid."""
+
+
+class InvalidName(ConfigError):
+    """An artifact name or version breaks the naming rules."""
+
+
+class NotFound(LorastackError):
+    """An artifact, version or file does not exist."""
+
+
+class Conflict(LorastackError):
+    """Someone else already published this artifact version."""
+
+
+class IntegrityError(LorastackError):
+    """A file's content does not match the sha256 recorded in its manifest."""
+
+
+class StoreUnavailable(LorastackError):
+    """The store stayed unreachable after bounded retries."""
+
+
+class Refused(LorastackError):
+    """A check refused to continue; the message lists what failed."""
+
+    exit_code = 3

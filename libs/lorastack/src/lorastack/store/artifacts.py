@@ -1,0 +1,222 @@
+"""`ArtifactStore`: publish, look up, fetch and copy artifacts over any backend.
+
+Owns versioning (the next integer when none is given), the publish order (blobs,
+then manifest), verification of every downloaded file against its sha256 and the
+local cache (`CACHE/blobs/<sha256>` and `CACHE/artifacts/<digest>/`). It knows nothing
+of what an artifact contains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from lorastack.errors import ConfigError, Conflict, IntegrityError, NotFound
+from lorastack.manifest import (
+    KINDS,
+    Manifest,
+    Parent,
+    Producer,
+    content_digest,
+    git_commit,
+    now_iso,
+    scan_folder,
+    validate_name,
+    validate_version,
+    walk_files,
+)
+from lorastack.settings import CommonSettings
+from lorastack.store.backend import Backend
+
+_AUTO_VERSION_TRIES = 5
+
+
+def _version_key(v: str) -> tuple[int, int | str]:
+    return (0, int(v)) if v.isdigit() else (1, v)
+
+
+class ArtifactStore:
+    def __init__(self, backend: Backend, cache_dir: Path) -> None:
+        self.backend = backend
+        self.cache_dir = cache_dir
+        self.url = backend.url
+
+    # ---- publishing -------------------------------------------------------------
+
+    def publish(
+        self,
+        folder: Path,
+        *,
+        kind: str,
+        name: str,
+        service: str,
+        version: str | None = None,
+        parents: Iterable[Parent] = (),
+        config: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Upload every file of `folder`, then write the manifest exclusively."""
+        if kind not in KINDS:
+            raise ConfigError(f"unknown artifact kind {kind!r}", f"use one of {', '.join(KINDS)}")
+        validate_name(name)
+        if version is not None:
+            validate_version(version)
+        if not folder.is_dir():
+            raise NotFound(f"{folder} is not a folder", "publish a folder of files")
+        files = scan_folder(folder)
+        if not files:
+            raise ConfigError(f"{folder} holds no files", "an artifact needs at least one file")
+        by_path = dict(walk_files(folder))
+        for f in files:
+            self.backend.put_blob(f.sha256, by_path[f.path])
+        for _ in range(_AUTO_VERSION_TRIES):
+            ver = version or self._next_version(name)
+            manifest = Manifest(
+                kind=kind,
+                name=name,
+                version=ver,
+                digest=content_digest(files),
+                files=files,
+                created=now_iso(),
+                producer=Producer(service=service, git_commit=git_commit()),
+                parents=list(parents),
+                config=config or {},
+                metadata=metadata or {},
+            )
+            try:
+                self.backend.put_manifest(name, ver, manifest.to_json())
+                return manifest
+            except Conflict:
+                if version is not None:
+                    raise
+        raise Conflict(
+            f"could not take a new version of {name} after {_AUTO_VERSION_TRIES} tries",
+            "another writer is publishing the same name; retry, or give an explicit version",
+        )
+
+    def _next_version(self, name: str) -> str:
+        numbers = [int(v) for v in self.versions(name) if v.isdigit()]
+        return str(max(numbers, default=0) + 1)
+
+    # ---- lookups ----------------------------------------------------------------
+
+    def versions(self, name: str) -> list[str]:
+        validate_name(name)
+        found = [v for n, v in self.backend.list_manifests(name) if n == name]
+        return sorted(found, key=_version_key)
+
+    def manifest(self, name: str, version: str | None = None) -> Manifest:
+        """The manifest of `name:version`, or of the latest version when None."""
+        validate_name(name)
+        if version is None:
+            versions = self.versions(name)
+            if not versions:
+                raise NotFound(
+                    f"no artifact named {name!r} in {self.url}",
+                    "list what exists with 'lorastack store ls'",
+                )
+            version = versions[-1]
+        validate_version(version)
+        return Manifest.from_json(self.backend.get_manifest(name, version))
+
+    def resolve(self, ref: str) -> Manifest:
+        """Look up 'NAME[:VERSION]'."""
+        name, _, version = ref.partition(":")
+        return self.manifest(name, version or None)
+
+    def ls(self, prefix: str = "") -> list[Manifest]:
+        """Every published version whose name starts with `prefix`, sorted."""
+        pairs = sorted(
+            self.backend.list_manifests(prefix), key=lambda p: (p[0], _version_key(p[1]))
+        )
+        return [Manifest.from_json(self.backend.get_manifest(n, v)) for n, v in pairs]
+
+    def delete(self, name: str, version: str) -> None:
+        """Unpublish one version (its blobs stay until garbage-collected)."""
+        self.backend.delete_manifest(validate_name(name), validate_version(version))
+
+    # ---- fetching ---------------------------------------------------------------
+
+    def fetch(self, manifest: Manifest) -> Path:
+        """A verified local folder holding the artifact, from the cache when present."""
+        target = self.cache_dir / "artifacts" / manifest.digest.removeprefix("sha256:")
+        if target.is_dir():
+            return target
+        (self.cache_dir / "artifacts").mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=self.cache_dir / "artifacts", prefix=".tmp-"))
+        try:
+            for f in manifest.files:
+                blob = self._fetch_blob(manifest, f.path, f.sha256)
+                dest = staging / f.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(blob, dest)
+                except OSError:
+                    shutil.copyfile(blob, dest)
+            try:
+                os.rename(staging, target)
+            except OSError:  # another process materialised it first
+                if not target.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def get(self, manifest: Manifest, dest: Path) -> Path:
+        """Copy the verified artifact into `dest` (created; must be empty if it exists)."""
+        if dest.exists() and any(dest.iterdir()):
+            raise ConfigError(f"{dest} is not empty", "choose an empty or new folder")
+        shutil.copytree(self.fetch(manifest), dest, dirs_exist_ok=True)
+        return dest
+
+    def _fetch_blob(self, manifest: Manifest, path: str, sha256: str) -> Path:
+        blob = self.cache_dir / "blobs" / sha256
+        if blob.is_file():
+            return blob
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=blob.parent, prefix=".tmp-")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            self.backend.download_blob(sha256, tmp)
+            h = hashlib.sha256()
+            with tmp.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    h.update(chunk)
+            got = h.hexdigest()
+            if got != sha256:
+                raise IntegrityError(
+                    f"{manifest.ref}: file {path} is corrupted in {self.url} "
+                    f"(sha256 {got[:16]}…, manifest says {sha256[:16]}…)",
+                    "the stored object was altered or damaged; publish the artifact again "
+                    "from its source",
+                )
+            os.replace(tmp, blob)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return blob
+
+
+def open_store(settings: CommonSettings) -> ArtifactStore:
+    """Build the store named by `settings.resolved_store_url`."""
+    url = settings.resolved_store_url
+    cache = settings.resolved_cache_dir
+    if url.startswith("file://"):
+        from lorastack.store.local import LocalBackend
+
+        return ArtifactStore(LocalBackend(Path(url.removeprefix("file://")).expanduser()), cache)
+    if url.startswith("s3://"):
+        from lorastack.store.s3 import S3Backend
+
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ConfigError(f"store URL {url!r} names no bucket", "use s3://BUCKET[/PREFIX]")
+        return ArtifactStore(S3Backend(bucket, prefix, settings), cache)
+    raise ConfigError(
+        f"unsupported store URL {url!r}", "use file:///ABSOLUTE/DIR or s3://BUCKET[/PREFIX]"
+    )

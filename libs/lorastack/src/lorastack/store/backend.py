@@ -1,0 +1,40 @@
+"""The storage boundary: the few byte-level operations a backend must offer.
+
+Owns nothing about manifests, digests or caching; `ArtifactStore` builds those on top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+def blob_key(sha256: str) -> str:
+    return f"blobs/sha256/{sha256[:2]}/{sha256}"
+
+
+def manifest_key(name: str, version: str) -> str:
+    return f"manifests/{name}/@{version}.json"
+
+
+class Backend(Protocol):
+    url: str
+
+    def has_blob(self, sha256: str) -> bool: ...
+
+    def put_blob(self, sha256: str, src: Path) -> None:
+        """Store `src` under its sha256; storing the same blob twice is harmless."""
+
+    def download_blob(self, sha256: str, dest: Path) -> None:
+        """Write the blob's bytes to `dest` (unverified; the caller checks the hash)."""
+
+    def put_manifest(self, name: str, version: str, data: bytes) -> None:
+        """Create the manifest; raise Conflict if this version already exists."""
+
+    def get_manifest(self, name: str, version: str) -> bytes:
+        """Return the manifest bytes; raise NotFound if absent."""
+
+    def delete_manifest(self, name: str, version: str) -> None: ...
+
+    def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
+        """(name, version) of every manifest whose name starts with `prefix`."""

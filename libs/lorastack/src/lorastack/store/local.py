@@ -1,0 +1,80 @@
+"""`file://DIR` backend: the embedded default. It persists and needs no server.
+
+Atomicity comes from the file system: blobs are written to a temporary file and
+renamed into place; manifests are hard-linked into place, which fails if the name
+exists, so the first writer wins and nobody ever reads a partial manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from lorastack.errors import Conflict, NotFound
+from lorastack.store.backend import blob_key, manifest_key
+
+
+class LocalBackend:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"file://{root}"
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def _tmp(self) -> Path:
+        fd, name = tempfile.mkstemp(dir=self.root / "tmp")
+        os.close(fd)
+        return Path(name)
+
+    def has_blob(self, sha256: str) -> bool:
+        return (self.root / blob_key(sha256)).is_file()
+
+    def put_blob(self, sha256: str, src: Path) -> None:
+        dest = self.root / blob_key(sha256)
+        if dest.is_file():
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp()
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+
+    def download_blob(self, sha256: str, dest: Path) -> None:
+        src = self.root / blob_key(sha256)
+        if not src.is_file():
+            raise NotFound(f"blob {sha256} is missing from {self.url}")
+        shutil.copyfile(src, dest)
+
+    def put_manifest(self, name: str, version: str, data: bytes) -> None:
+        dest = self.root / manifest_key(name, version)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp()
+        try:
+            tmp.write_bytes(data)
+            os.link(tmp, dest)  # exclusive and atomic: fails if dest exists
+        except FileExistsError:
+            raise Conflict(
+                f"{name}:{version} was already published in {self.url}",
+                "publish under a new version (omit the version to take the next one)",
+            ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_manifest(self, name: str, version: str) -> bytes:
+        path = self.root / manifest_key(name, version)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise NotFound(f"{name}:{version} is not in {self.url}") from None
+
+    def delete_manifest(self, name: str, version: str) -> None:
+        (self.root / manifest_key(name, version)).unlink(missing_ok=True)
+
+    def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
+        base = self.root / "manifests"
+        out = []
+        for p in base.rglob("@*.json") if base.is_dir() else []:
+            name = p.parent.relative_to(base).as_posix()
+            if name.startswith(prefix):
+                out.append((name, p.name[1:-5]))
+        return out

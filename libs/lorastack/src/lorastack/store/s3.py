@@ -1,0 +1,192 @@
+"""`s3://BUCKET[/PREFIX]` backend over boto3 (MinIO under compose, moto in tests).
+
+Retries are ours, not botocore's: transient errors (connection failures, timeouts,
+5xx, throttling) are retried a bounded number of times with jittered exponential
+backoff; 4xx answers are final. The manifest is written with `If-None-Match: *`, so
+the second writer of a version gets HTTP 412 and we raise `Conflict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from lorastack.errors import Conflict, NotFound, StoreUnavailable
+from lorastack.settings import CommonSettings
+from lorastack.store.backend import blob_key, manifest_key
+
+T = TypeVar("T")
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "InternalError",
+    "ServiceUnavailable",
+}
+
+
+def _status(err: ClientError) -> int:
+    return int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def is_transient(err: BaseException) -> bool:
+    """True for errors worth another try: network trouble, 5xx, throttling."""
+    if isinstance(
+        err,
+        EndpointConnectionError | ConnectionClosedError | ConnectTimeoutError | ReadTimeoutError,
+    ):
+        return True
+    if isinstance(err, ClientError):
+        code = err.response.get("Error", {}).get("Code", "")
+        return _status(err) >= 500 or code in _TRANSIENT_CODES
+    return False
+
+
+class S3Backend:
+    def __init__(self, bucket: str, prefix: str, settings: CommonSettings) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._attempts = settings.s3_max_attempts
+        self._client: Any = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            region_name=settings.s3_region,
+            aws_access_key_id=(
+                settings.s3_access_key_id.get_secret_value() if settings.s3_access_key_id else None
+            ),
+            aws_secret_access_key=(
+                settings.s3_secret_access_key.get_secret_value()
+                if settings.s3_secret_access_key
+                else None
+            ),
+            config=Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=10),
+        )
+        part = settings.s3_multipart_mb * 1024 * 1024
+        self._transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        try:
+            for attempt in Retrying(
+                stop=stop_after_attempt(self._attempts),
+                wait=wait_exponential_jitter(initial=0.2, max=5),
+                retry=retry_if_exception(is_transient),
+                reraise=False,
+            ):
+                with attempt:
+                    return fn()
+        except RetryError as e:
+            last = e.last_attempt.exception()
+            raise StoreUnavailable(
+                f"{what} on {self.url} failed {self._attempts} times: {last}",
+                "check that the S3 endpoint is up and reachable (LORASTACK_S3_ENDPOINT_URL)",
+            ) from last
+        raise AssertionError("unreachable")
+
+    def has_blob(self, sha256: str) -> bool:
+        try:
+            self._call(
+                lambda: self._client.head_object(
+                    Bucket=self.bucket, Key=self._key(blob_key(sha256))
+                ),
+                "head blob",
+            )
+        except ClientError as e:
+            if _status(e) == 404:
+                return False
+            raise
+        return True
+
+    def put_blob(self, sha256: str, src: Path) -> None:
+        if self.has_blob(sha256):
+            return
+        key = self._key(blob_key(sha256))
+        self._call(
+            lambda: self._client.upload_file(str(src), self.bucket, key, Config=self._transfer),
+            f"upload of {src.name}",
+        )
+
+    def download_blob(self, sha256: str, dest: Path) -> None:
+        key = self._key(blob_key(sha256))
+        try:
+            self._call(
+                lambda: self._client.download_file(
+                    self.bucket, key, str(dest), Config=self._transfer
+                ),
+                f"download of blob {sha256[:12]}",
+            )
+        except ClientError as e:
+            if _status(e) == 404:
+                raise NotFound(f"blob {sha256} is missing from {self.url}") from None
+            raise
+
+    def put_manifest(self, name: str, version: str, data: bytes) -> None:
+        key = self._key(manifest_key(name, version))
+        try:
+            self._call(
+                lambda: self._client.put_object(
+                    Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*"
+                ),
+                "manifest write",
+            )
+        except ClientError as e:
+            if _status(e) in (409, 412):
+                raise Conflict(
+                    f"{name}:{version} was already published in {self.url}",
+                    "publish under a new version (omit the version to take the next one)",
+                ) from None
+            raise
+
+    def get_manifest(self, name: str, version: str) -> bytes:
+        key = self._key(manifest_key(name, version))
+        try:
+            resp = self._call(
+                lambda: self._client.get_object(Bucket=self.bucket, Key=key), "manifest read"
+            )
+        except ClientError as e:
+            if _status(e) == 404:
+                raise NotFound(f"{name}:{version} is not in {self.url}") from None
+            raise
+        body: bytes = resp["Body"].read()
+        return body
+
+    def delete_manifest(self, name: str, version: str) -> None:
+        key = self._key(manifest_key(name, version))
+        self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key), "delete")
+
+    def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
+        root = self._key("manifests/")
+        out = []
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = self._call(
+            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=root + prefix)), "list"
+        )
+        for page in pages:
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(root) :]
+                name, _, leaf = rel.rpartition("/@")
+                if leaf.endswith(".json") and name:
+                    out.append((name, leaf[:-5]))
+        return out

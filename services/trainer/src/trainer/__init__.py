@@ -1,0 +1,1 @@
+"""lorastack trainer service."""
