@@ -16,5 +16,14 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "${pip[@]}" install --no-deps --no-build-isolation \
   -e libs/lorastack -e services/trainer -e services/merger -e services/inference -e services/gateway
+# promtool, to validate the Prometheus configuration in the tests (Debian's package, unpacked).
+if [ ! -x .venv/bin/promtool ] && command -v apt-get >/dev/null; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 ||
+    { apt-get update >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } &&
+    dpkg -x prometheus_*.deb x && cp x/usr/bin/promtool "$OLDPWD/.venv/bin/promtool") ||
+    echo "warning: promtool not installed (apt-get download prometheus failed)" >&2
+  rm -rf "$tmp"
+fi
 touch .venv/.installed
 echo "set-up done: $(pwd)/.venv/bin/lorastack"
