@@ -1,0 +1,140 @@
+"""Offline checks of what cannot run here (no Docker engine, no cluster): compose.yaml
+against the Compose specification plus our invariants, the Prometheus configuration with
+promtool, and the Kubernetes manifests rendered and validated against the API schemas."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kustomize_lite import render
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+SECRET_WORDS = ("PASSWORD", "SECRET", "KEY", "TOKEN")
+K8S_VERSION = "1.31.0"
+
+
+def test_compose_matches_the_compose_specification() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+         str(REPO / "compose.yaml")],
+        capture_output=True, text=True, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def long_lived() -> dict[str, dict[str, Any]]:
+    return {
+        name: svc for name, svc in SERVICES.items()
+        if not svc.get("profiles") and svc.get("restart") != "no"
+    }
+
+
+def test_every_long_lived_service_has_a_healthcheck() -> None:
+    missing = [n for n, s in long_lived().items() if "healthcheck" not in s]
+    assert not missing, f"services without a healthcheck: {missing}"
+
+
+def test_gpu_is_reserved_for_inference_and_training() -> None:
+    for name in ("inference", "trainer", "merger"):
+        devices = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert any("gpu" in d["capabilities"] for d in devices), name
+
+
+def test_gateway_waits_for_a_healthy_inference() -> None:
+    assert SERVICES["gateway"]["depends_on"]["inference"]["condition"] == "service_healthy"
+    assert SERVICES["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_no_secret_has_a_default_value() -> None:
+    text = (REPO / "compose.yaml").read_text()
+    for var, op in re.findall(r"\$\{([A-Z0-9_]+)(:?[-?+]?)", text):
+        if any(w in var for w in SECRET_WORDS):
+            assert op == ":?", f"${{{var}}} must be written ${{{var}:?message}}, not with {op!r}"
+    for name, svc in SERVICES.items():
+        for key, value in (svc.get("environment") or {}).items():
+            if any(w in key for w in SECRET_WORDS) and "ALLOW" not in key:
+                assert str(value).startswith("${") and ":?" in str(value), (name, key)
+
+
+def test_images_are_pinned_and_dockerfiles_exist() -> None:
+    for name, svc in SERVICES.items():
+        if "image" in svc:
+            image = svc["image"]
+            assert ":" in image and not image.endswith(":latest"), f"{name}: pin {image}"
+        else:
+            dockerfile = REPO / svc["build"]["context"] / svc["build"]["dockerfile"]
+            assert dockerfile.is_file(), dockerfile
+
+
+@pytest.mark.parametrize("dockerfile", sorted(REPO.glob("services/*/Dockerfile")))
+def test_dockerfiles_pin_base_install_pinned_requirements_and_drop_root(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    assert froms and all(":" in f and not f.endswith(":latest") for f in froms), froms
+    assert "constraints.txt" in text, "install with -c constraints.txt (what CI tests)"
+    assert re.search(r"^USER\s+(?!root)\S+", text, flags=re.M), "run as a non-root user"
+    # dependencies are installed in their own layer before the code is copied
+    assert text.index("requirements.txt") < text.index("COPY libs/lorastack/src")
+
+
+def promtool() -> str:
+    tool = shutil.which("promtool", path=str(REPO / ".venv" / "bin")) or shutil.which("promtool")
+    assert tool, "promtool is missing: scripts/setup.sh installs it from Debian's prometheus"
+    return tool
+
+
+def test_prometheus_config_and_rules_pass_promtool() -> None:
+    out = subprocess.run(
+        [promtool(), "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
+        capture_output=True, text=True, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_k8s_prometheus_scrape_config_passes_promtool(tmp_path: Path) -> None:
+    docs = render(REPO / "deploy/k8s/base")
+    cm = next(d for d in docs if d["metadata"]["name"] == "prometheus-scrape")
+    (tmp_path / "prometheus.yml").write_text(cm["data"]["prometheus.yml"])
+    out = subprocess.run([promtool(), "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("folder", ["deploy/k8s/base", "deploy/k8s/overlays/multi-gpu-training"])
+def test_k8s_manifests_render_and_validate(folder: str) -> None:
+    import kubernetes_validate
+
+    docs = render(REPO / folder)
+    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Job", "Service"}
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_k8s_gateway_lists_every_inference_replica_and_gpus_are_requested() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(REPO / "deploy/k8s/base")}
+    sts = docs[("StatefulSet", "inference")]
+    replicas = sts["spec"]["replicas"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    gw = docs[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
+    backends = yaml.safe_load(
+        next(e["value"] for e in gw["env"] if e["name"] == "LORASTACK_GATEWAY_BACKENDS")
+    )
+    assert backends == [f"http://inference-{i}.inference:8000" for i in range(replicas)]
+
+
+def test_multi_gpu_overlay_runs_torchrun() -> None:
+    docs = render(REPO / "deploy/k8s/overlays/multi-gpu-training")
+    job = next(d for d in docs if d["kind"] == "Job")
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][0] == "torchrun" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
