@@ -23,8 +23,10 @@ def merge(base: Any, patch: Any) -> Any:
         for k, v in patch.items():
             out[k] = merge(base[k], v) if k in base else v
         return out
-    if isinstance(base, list) and isinstance(patch, list) and all(
-        isinstance(x, dict) and "name" in x for x in base + patch
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(x, dict) and "name" in x for x in base + patch)
     ):
         by_name = {x["name"]: x for x in base}
         out_list = [merge(by_name[x["name"]], x) if x["name"] in by_name else x for x in patch]
@@ -48,8 +50,11 @@ def render(folder: Path) -> list[dict[str, Any]]:
     for p in kust.get("patches", []):
         patch = yaml.safe_load((folder / p["path"]).read_text())
         target = next(
-            (d for d in docs
-             if d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"]),
+            (
+                d
+                for d in docs
+                if d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"]
+            ),
             None,
         )
         if target is None:

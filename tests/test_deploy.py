@@ -24,16 +24,25 @@ K8S_VERSION = "1.31.0"
 
 def test_compose_matches_the_compose_specification() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-         str(REPO / "compose.yaml")],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(REPO / "compose.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def long_lived() -> dict[str, dict[str, Any]]:
     return {
-        name: svc for name, svc in SERVICES.items()
+        name: svc
+        for name, svc in SERVICES.items()
         if not svc.get("profiles") and svc.get("restart") != "no"
     }
 
@@ -95,7 +104,9 @@ def promtool() -> str:
 def test_prometheus_config_and_rules_pass_promtool() -> None:
     out = subprocess.run(
         [promtool(), "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -104,8 +115,12 @@ def test_k8s_prometheus_scrape_config_passes_promtool(tmp_path: Path) -> None:
     docs = render(REPO / "deploy/k8s/base")
     cm = next(d for d in docs if d["metadata"]["name"] == "prometheus-scrape")
     (tmp_path / "prometheus.yml").write_text(cm["data"]["prometheus.yml"])
-    out = subprocess.run([promtool(), "check", "config", str(tmp_path / "prometheus.yml")],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [promtool(), "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
