@@ -1,0 +1,180 @@
+"""What the gateway knows about its vLLM backends, refreshed in the background.
+
+Every `scrape_interval_s` each backend's `/v1/models` and `/metrics` are read
+(concurrently); a backend that fails is marked down and skipped by routing until it
+answers again. The model catalog is the union of the models of the backends that are
+up. Tokenizers of newly seen base models are loaded in a worker thread here, so the
+first request does not pay for it.
+
+Owns: backend state, the model catalog, tokenizer lookup per model.
+Does not own: scoring (routing.py), parsing (scrape.py), proxying (upstream.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+
+from gateway.errors import GatewayError, TokenizerUnavailable, UnknownModel
+from gateway.metrics import GatewayMetrics
+from gateway.routing import BackendView, InflightCounter
+from gateway.scrape import BackendMetrics, ModelInfo, scrape_backend
+from gateway.settings import GatewaySettings
+from gateway.tokens import CountingTokenizer, TokenizerCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackendState:
+    url: str
+    up: bool = False
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    metrics: BackendMetrics | None = None
+    error: str = "not scraped yet"
+
+
+class Backends:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+        tokenizers: TokenizerCache,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.tokenizers = tokenizers
+        self.client = client
+        self.states = {url: BackendState(url) for url in settings.backends}
+        self.inflight = InflightCounter()
+        self.tokenizer_errors: dict[str, str] = {}  # source -> why it failed to load
+        self.last_refresh = 0.0  # monotonic seconds
+        self._refresh_lock = asyncio.Lock()
+
+    # --- refresh -------------------------------------------------------------
+    async def _scrape_one(self, st: BackendState) -> None:
+        try:
+            st.models, st.metrics = await scrape_backend(self.client, st.url)
+            if not st.up:
+                log.info("backend %s is up (%s)", st.url, ", ".join(sorted(st.models)))
+            st.up, st.error = True, ""
+        except (httpx.HTTPError, ValueError) as e:
+            if st.up or st.error == "not scraped yet":
+                log.warning("backend %s is down: %s", st.url, e)
+            st.up, st.error = False, f"{type(e).__name__}: {e}"
+        self.metrics.mirror_backend(st.url, st.up, st.metrics if st.up else None)
+
+    async def refresh(self) -> None:
+        """Scrape every backend once, then load tokenizers of new base models."""
+        async with self._refresh_lock:
+            await asyncio.gather(*(self._scrape_one(st) for st in self.states.values()))
+            self.last_refresh = time.monotonic()
+            for info in self.catalog().values():
+                source = self.tokenizer_source(info)
+                if self.tokenizers.get(source) is None and source not in self.tokenizer_errors:
+                    try:
+                        await anyio.to_thread.run_sync(self.tokenizers.load, source)
+                        log.info("tokenizer for %s loaded from %s", info.id, source)
+                    except GatewayError as e:
+                        self.tokenizer_errors[source] = str(e)
+                        log.error("tokenizer for %s: %s", info.id, e)
+
+    async def run(self) -> None:
+        """The background loop; cancelled when the app stops."""
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # keep refreshing whatever one round did
+                log.exception("backend refresh failed")
+            await asyncio.sleep(self.settings.scrape_interval_s)
+
+    # --- lookups -------------------------------------------------------------
+    def catalog(self) -> dict[str, ModelInfo]:
+        out: dict[str, ModelInfo] = {}
+        for st in self.states.values():
+            if st.up:
+                for mid, info in st.models.items():
+                    out.setdefault(mid, info)
+        return out
+
+    async def model(self, name: str) -> ModelInfo:
+        """The model's info; refreshes once (at most every second) before saying 404."""
+        info = self.catalog().get(name)
+        if info is None and time.monotonic() - self.last_refresh > 1.0:
+            await self.refresh()
+            info = self.catalog().get(name)
+        if info is None:
+            valid = ", ".join(sorted(self.catalog())) or "(none: no backend is up)"
+            raise UnknownModel(
+                f"The model `{name}` does not exist. Valid models: {valid}.",
+                "use one of the ids that GET /v1/models lists",
+                param="model",
+            )
+        return info
+
+    def max_model_len(self, info: ModelInfo) -> int:
+        if info.max_model_len:
+            return info.max_model_len
+        parent = self.catalog().get(info.parent or "")
+        if parent is not None and parent.max_model_len:
+            return parent.max_model_len
+        raise TokenizerUnavailable(
+            f"the backend does not report max_model_len for {info.id}",
+            "serve it with a vLLM that lists max_model_len in /v1/models",
+        )
+
+    def tokenizer_source(self, info: ModelInfo) -> str:
+        """Settings map (model, then its base) > the base's `root` if local > store ref."""
+        base = info.parent or info.id
+        mapped = self.settings.tokenizers
+        if info.id in mapped:
+            return mapped[info.id]
+        if base in mapped:
+            return mapped[base]
+        base_info = self.catalog().get(base, info)
+        if base_info.root and Path(base_info.root).is_dir():
+            return base_info.root
+        return base
+
+    async def tokenizer_for(self, info: ModelInfo) -> CountingTokenizer:
+        source = self.tokenizer_source(info)
+        tok = self.tokenizers.get(source)
+        if tok is not None:
+            return tok
+        if source in self.tokenizer_errors:
+            raise TokenizerUnavailable(
+                f"no tokenizer for {info.id}, so its prompt length cannot be checked:"
+                f" {self.tokenizer_errors[source]}",
+                "fix LORASTACK_TOKENIZERS and restart the gateway",
+            )
+        try:
+            return await anyio.to_thread.run_sync(self.tokenizers.load, source)
+        except GatewayError as e:
+            self.tokenizer_errors[source] = str(e)
+            raise
+
+    def views(self) -> list[BackendView]:
+        out = []
+        for st in self.states.values():
+            m = st.metrics or BackendMetrics()
+            out.append(
+                BackendView(
+                    url=st.url,
+                    healthy=st.up,
+                    models=frozenset(st.models),
+                    kv_usage=m.kv_usage,
+                    running=m.running,
+                    waiting=m.waiting,
+                    loaded_adapters=m.running_adapters | m.waiting_adapters,
+                    max_lora=m.max_lora,
+                    inflight=self.inflight.counts.get(st.url, 0),
+                )
+            )
+        return out

@@ -1,0 +1,172 @@
+"""Typed gateway errors and the ONE place they become HTTP responses or SSE events.
+
+    LorastackError (lorastack.errors)
+    └── GatewayError                 status 500, type "internal_error"
+        ├── BadRequest               400  invalid body, unsupported content
+        │   └── ContextLengthExceeded 400 prompt + max_tokens > max-model-len (reason context_length)
+        ├── PayloadTooLarge          413  body over max_body_bytes
+        ├── Unauthorized             401  missing or wrong API key (reason unauthorized)
+        ├── UnknownModel             404  no backend lists the model (reason unknown_model)
+        ├── RateLimited              429  per-key requests or tokens per minute (reason rate_limited)
+        ├── Overloaded               429  every eligible backend saturated (reason overloaded)
+        ├── UpstreamRejected         the backend's own 4xx/5xx, passed through verbatim
+        ├── UpstreamUnavailable      503  no backend reachable after capped retries
+        ├── UpstreamTimeout          504  connect / first byte / idle gap exceeded
+        ├── UpstreamBroken           502  the stream broke after it started (SSE event only)
+        └── TokenizerUnavailable     503  no tokenizer for the model, so no exact length check
+
+Before a response started, `error_response` gives the status and the OpenAI body
+`{"error": {"message", "type", "param", "code"}}`; once a stream has started,
+`sse_error_event` gives one `data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from lorastack.errors import LorastackError
+
+
+class GatewayError(LorastackError):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+    reason: str | None = None  # label of gateway_rejections_total, None = not a rejection
+
+    def __init__(self, message: str, hint: str = "", *, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> dict[str, Any]:
+        text = f"{self.message} {self.hint}".strip() if self.hint else self.message
+        return {
+            "error": {"message": text, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "BadRequestError"
+    code = "invalid_request"
+    reason = "invalid_request"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+    reason = "context_length"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "BadRequestError"
+    code = "payload_too_large"
+    reason = "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "AuthenticationError"
+    code = "invalid_api_key"
+    reason = "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class UnknownModel(GatewayError):
+    status = 404
+    type = "NotFoundError"
+    code = "model_not_found"
+    reason = "unknown_model"
+
+
+class _RetryLater(GatewayError):
+    status = 429
+    type = "RateLimitError"
+
+    def __init__(self, message: str, hint: str = "", *, retry_after_s: float) -> None:
+        super().__init__(message, hint)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class RateLimited(_RetryLater):
+    code = "rate_limit_exceeded"
+    reason = "rate_limited"
+
+
+class Overloaded(_RetryLater):
+    code = "overloaded"
+    reason = "overloaded"
+
+
+class UpstreamRejected(GatewayError):
+    """The backend answered an error before streaming; its body is passed through."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.raw = body
+        self.type = "BadRequestError" if status < 500 else "InternalServerError"
+
+    def body(self) -> dict[str, Any]:
+        try:
+            parsed = json.loads(self.raw)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return parsed
+        text = self.raw.decode("utf-8", "replace")[:2000] or self.message
+        return {"error": {"message": text, "type": self.type, "param": None, "code": self.status}}
+
+
+class UpstreamUnavailable(GatewayError):
+    status = 503
+    type = "ServiceUnavailableError"
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "TimeoutError"
+    code = "upstream_timeout"
+
+
+class UpstreamBroken(GatewayError):
+    status = 502
+    type = "InternalServerError"
+    code = "upstream_broken"
+
+
+class TokenizerUnavailable(GatewayError):
+    status = 503
+    type = "ServiceUnavailableError"
+    code = "tokenizer_unavailable"
+
+
+def as_gateway_error(exc: BaseException) -> GatewayError:
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, LorastackError):
+        return BadRequest(exc.message, exc.hint)
+    return GatewayError("internal error in the gateway; see its log")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    err = as_gateway_error(exc)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+def sse_error_event(exc: BaseException) -> bytes:
+    """One SSE error event and the terminating [DONE], for a stream that already started."""
+    err = as_gateway_error(exc)
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,106 @@
+"""`create_app(settings)`: wiring only. Routes, the error map and the background refresh."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.auth import Authenticator
+from gateway.backends import Backends
+from gateway.errors import GatewayError, error_response
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy
+from gateway.settings import GatewaySettings
+from gateway.tokens import TokenizerCache
+from gateway.upstream import Upstream
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    metrics = GatewayMetrics()
+    scrape_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
+    backends = Backends(settings, metrics, TokenizerCache(settings), scrape_client)
+    upstream = Upstream(settings, metrics, backends.inflight)
+    auth = Authenticator.from_settings(settings)
+    proxy = Proxy(settings, backends, upstream, auth, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(backends.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await upstream.aclose()
+            await scrape_client.aclose()
+
+    app = FastAPI(title="lorastack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.backends = backends
+    app.state.metrics = metrics
+    app.state.proxy = proxy
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = GatewayError(f"{request.method} {request.url.path}: {exc.detail}")
+        err.status = exc.status_code
+        err.type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        return error_response(err)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            auth.authenticate(request.headers.get("authorization"))
+        except GatewayError as e:
+            metrics.rejections.labels("unauthorized").inc()
+            return error_response(e)
+        now = int(time.time())
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": now,
+                "owned_by": "lorastack",
+                "root": m.root,
+                "parent": m.parent,
+                "max_model_len": m.max_model_len,
+            }
+            for m in sorted(backends.catalog().values(), key=lambda m: m.id)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
+        ok = any(st.up and st.models for st in backends.states.values())
+        return JSONResponse(
+            {"ready": ok, "backends": states, "models": sorted(backends.catalog())},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        for url, n in backends.inflight.counts.items():
+            metrics.backend_inflight.labels(url).set(n)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

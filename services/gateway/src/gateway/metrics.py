@@ -1,0 +1,134 @@
+"""The gateway's Prometheus metrics, in a registry of its own per app (never the global one).
+
+Per-backend gauges mirror what the last scrape of that backend's `/metrics` said; the
+gateway's own histograms time every proxied request as its client saw it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.scrape import BackendMetrics
+
+REJECTION_REASONS = (
+    "context_length",
+    "unknown_model",
+    "unauthorized",
+    "rate_limited",
+    "overloaded",
+    "invalid_request",
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        b = ["backend"]
+        self.backend_up = Gauge(
+            "lorastack_gateway_backend_up",
+            "1 when the last scrape of the backend succeeded",
+            b,
+            registry=r,
+        )
+        self.backend_kv = Gauge(
+            "lorastack_gateway_backend_kv_cache_usage",
+            "the backend's vllm:kv_cache_usage_perc (0..1) at the last scrape",
+            b,
+            registry=r,
+        )
+        self.backend_running = Gauge(
+            "lorastack_gateway_backend_requests_running",
+            "the backend's vllm:num_requests_running at the last scrape",
+            b,
+            registry=r,
+        )
+        self.backend_waiting = Gauge(
+            "lorastack_gateway_backend_requests_waiting",
+            "the backend's vllm:num_requests_waiting at the last scrape",
+            b,
+            registry=r,
+        )
+        self.backend_preemptions = Gauge(
+            "lorastack_gateway_backend_preemptions",
+            "the backend's vllm:num_preemptions_total at the last scrape",
+            b,
+            registry=r,
+        )
+        self.backend_inflight = Gauge(
+            "lorastack_gateway_backend_inflight",
+            "requests this gateway has open on the backend",
+            b,
+            registry=r,
+        )
+        labels = ["model", "route"]
+        self.duration = Histogram(
+            "lorastack_gateway_request_duration_seconds",
+            "end-to-end time of proxied requests, from the request to the last byte (seconds)",
+            [*labels, "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "lorastack_gateway_time_to_first_token_seconds",
+            "time from the request to the first streamed event from the backend (seconds; streaming requests)",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "lorastack_gateway_time_per_output_token_seconds",
+            "TPOT = (end-to-end - TTFT) / (output tokens - 1), seconds; streaming requests with >= 2 output tokens",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            "lorastack_gateway_output_tokens",
+            "completion tokens per request, from the backend's usage",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "lorastack_gateway_rejections_total",
+            "requests the gateway refused before reaching a backend, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "lorastack_gateway_upstream_errors_total",
+            "failed upstream attempts, by kind (connect, status_5xx, timeout, broken_stream)",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "lorastack_gateway_retries_total",
+            "upstream attempts repeated before the first byte",
+            registry=r,
+        )
+        self.clamped = Counter(
+            "lorastack_gateway_clamped_total",
+            "requests whose max_tokens the gateway lowered (clamp mode)",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "lorastack_gateway_inflight_requests", "requests being proxied now", registry=r
+        )
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+
+    def mirror_backend(self, url: str, up: bool, m: BackendMetrics | None) -> None:
+        self.backend_up.labels(url).set(1 if up else 0)
+        if m is None:
+            return
+        self.backend_kv.labels(url).set(m.kv_usage if m.kv_usage is not None else float("nan"))
+        self.backend_running.labels(url).set(m.running)
+        self.backend_waiting.labels(url).set(m.waiting)
+        self.backend_preemptions.labels(url).set(m.preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,387 @@
+"""The request flow of /v1/chat/completions and /v1/completions.
+
+auth -> body limits -> parse -> model check -> exact token count -> length check (or
+clamp) -> per-key limits -> route (admission control) -> upstream with retries ->
+pass the response through (SSE chunk by chunk) -> metrics.
+
+Streaming: the gateway always asks the backend for `stream_options.include_usage`, so
+it learns the exact output-token count for TPOT; when the client did not ask for usage,
+the final usage-only event is dropped (the other events then carry `"usage": null`,
+which OpenAI's own API also sends). Events are forwarded as soon as they are complete
+(bytes up to the blank line); a read from the backend that holds several events is
+forwarded as one write. Nothing else is buffered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Collection
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.auth import Authenticator
+from gateway.backends import Backends
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
+    UpstreamBroken,
+    UpstreamTimeout,
+    as_gateway_error,
+    error_response,
+    sse_error_event,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.routing import RouteRequest, Thresholds, pick_backend
+from gateway.settings import GatewaySettings
+from gateway.tokens import CountingTokenizer
+from gateway.upstream import Upstream, UpstreamCall
+from gateway.validation import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat,
+    parse_completion,
+    plan_tokens,
+    requested_output,
+)
+
+log = logging.getLogger(__name__)
+
+CLAMP_HEADER = "x-lorastack-clamp"  # request: "1"/"true" turns clamp mode on
+CLAMPED_HEADER = "X-Lorastack-Clamped-Max-Tokens"  # response: "<from>-><to>"
+PROMPT_TOKENS_HEADER = "X-Lorastack-Prompt-Tokens"
+BACKEND_HEADER = "X-Lorastack-Backend"
+LONG_INPUT_CHARS = 4000  # longer prompts are tokenized in a worker thread, off the loop
+
+
+@dataclass
+class Prepared:
+    model: str
+    route: str
+    stream: bool
+    client_wants_usage: bool
+    body: bytes
+    headers: dict[str, str]  # for the client
+    key: str
+    reserved_tokens: int
+    adapter: bool
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        backends: Backends,
+        upstream: Upstream,
+        auth: Authenticator,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.settings = settings
+        self.backends = backends
+        self.upstream = upstream
+        self.auth = auth
+        self.metrics = metrics
+        self.thresholds = Thresholds(settings.admit_max_kv_usage, settings.admit_max_waiting)
+
+    async def handle(self, request: Request, route: str) -> Response:
+        t0 = time.perf_counter()
+        self.metrics.inflight.inc()
+        done_here = True  # a streaming response takes the in-flight count over
+        try:
+            prep = await self._prepare(request, route)
+            call = await self._open(prep)
+            if prep.stream:
+                done_here = False
+                return _ProxyStream(self, prep, call, t0)
+            return await self._unary(prep, call, t0)
+        except Exception as e:
+            err = as_gateway_error(e)
+            if type(err) is GatewayError:
+                log.exception("unexpected error on %s", route)
+            if err.reason:
+                self.metrics.rejections.labels(err.reason).inc()
+            return error_response(err)
+        finally:
+            if done_here:
+                self.metrics.inflight.dec()
+
+    # --- before the upstream ------------------------------------------------
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(
+                f"the request body has {declared} bytes; the limit is {limit}",
+                "send a shorter prompt",
+            )
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise PayloadTooLarge(
+                    f"the request body is over {limit} bytes", "send a shorter prompt"
+                )
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise BadRequest(f"the body is not valid JSON: {e}", "send a JSON object") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object", "send a JSON object")
+        return body
+
+    async def _count(
+        self, tok: CountingTokenizer, req: ChatRequest | CompletionRequest
+    ) -> list[int]:
+        if isinstance(req, ChatRequest):
+            size = sum(len(str(m.content or "")) for m in req.messages)
+            fn: Any = lambda: [tok.count_chat(req)]  # noqa: E731
+        else:
+            size = len(str(req.prompt))
+            fn = lambda: tok.count_completion(req)  # noqa: E731
+        if size > LONG_INPUT_CHARS:
+            return list(await anyio.to_thread.run_sync(fn))
+        return list(fn())
+
+    async def _prepare(self, request: Request, route: str) -> Prepared:
+        key = self.auth.authenticate(request.headers.get("authorization"))
+        body = await self._read_json(request)
+        req: ChatRequest | CompletionRequest = (
+            parse_chat(body, self.settings.max_messages)
+            if route == "chat"
+            else parse_completion(body)
+        )
+        info = await self.backends.model(req.model)
+        max_len = self.backends.max_model_len(info)
+        tok = await self.backends.tokenizer_for(info)
+        counts = await self._count(tok, req)
+        clamp = self.settings.clamp_max_tokens or request.headers.get(CLAMP_HEADER, "").lower() in (
+            "1",
+            "true",
+            "yes",
+        )
+        param, requested = requested_output(req)
+        plans = [plan_tokens(c, requested, max_len, clamp=clamp, param=param) for c in counts]
+        out_tokens = min(p.max_tokens for p in plans)  # one value serves every prompt
+        headers = {PROMPT_TOKENS_HEADER: ",".join(str(c) for c in counts)}
+        changed = False
+        if any(p.clamped_from is not None for p in plans):
+            body[param] = out_tokens
+            headers[CLAMPED_HEADER] = f"{requested}->{out_tokens}"
+            self.metrics.clamped.inc()
+            changed = True
+        reserved = sum(counts) + out_tokens * req.n * len(counts)
+        self.auth.admit(key, reserved)
+        client_wants_usage = bool((req.stream_options or {}).get("include_usage"))
+        if req.stream and not client_wants_usage:
+            body["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
+            changed = True
+        raw = json.dumps(body).encode() if changed else await request.body()
+        return Prepared(
+            model=req.model,
+            route=route,
+            stream=req.stream,
+            client_wants_usage=client_wants_usage,
+            body=raw,
+            headers=headers,
+            key=key,
+            reserved_tokens=reserved,
+            adapter=info.parent is not None,
+        )
+
+    async def _open(self, prep: Prepared) -> UpstreamCall:
+        route_req = RouteRequest(prep.model, adapter=prep.adapter)
+        interval = self.settings.scrape_interval_s
+
+        def pick(tried: Collection[str]) -> str:
+            return pick_backend(
+                route_req,
+                self.backends.views(),
+                thresholds=self.thresholds,
+                avoid=tried,
+                retry_after_s=interval,
+            )
+
+        path = "/v1/chat/completions" if prep.route == "chat" else "/v1/completions"
+        try:
+            call = await self.upstream.open(
+                pick, path, prep.body, {"content-type": "application/json"}
+            )
+        except GatewayError:
+            self.auth.refund(prep.key, prep.reserved_tokens)
+            raise
+        prep.headers[BACKEND_HEADER] = call.backend
+        return call
+
+    # --- after the upstream answered ------------------------------------------
+    def _observe(
+        self,
+        prep: Prepared,
+        status: str,
+        t0: float,
+        ttft: float | None,
+        usage: dict[str, Any] | None,
+    ) -> None:
+        e2e = time.perf_counter() - t0
+        m = self.metrics
+        m.duration.labels(prep.model, prep.route, status).observe(e2e)
+        out = usage.get("completion_tokens") if usage else None
+        if isinstance(out, int):
+            m.output_tokens.labels(prep.model, prep.route).observe(out)
+            prompt = usage.get("prompt_tokens", 0) if usage else 0
+            used = (prompt if isinstance(prompt, int) else 0) + out
+            self.auth.refund(prep.key, prep.reserved_tokens - used)
+        if ttft is not None:
+            m.ttft.labels(prep.model, prep.route).observe(ttft)
+            if isinstance(out, int) and out >= 2:
+                m.tpot.labels(prep.model, prep.route).observe((e2e - ttft) / (out - 1))
+
+    async def _unary(self, prep: Prepared, call: UpstreamCall, t0: float) -> Response:
+        raw = b""
+        try:
+            async for chunk in call.chunks():
+                raw += chunk
+        except (httpx.HTTPError, UpstreamTimeout) as e:
+            kind = "timeout" if isinstance(e, UpstreamTimeout) else "broken_stream"
+            self.metrics.upstream_errors.labels(call.backend, kind).inc()
+            self._observe(prep, "502", t0, None, None)
+            err = (
+                e
+                if isinstance(e, GatewayError)
+                else UpstreamBroken(
+                    f"the backend {call.backend} broke the response: {type(e).__name__}"
+                )
+            )
+            return error_response(err)
+        finally:
+            await call.aclose()
+        usage = None
+        try:
+            parsed = json.loads(raw)
+            usage = parsed.get("usage") if isinstance(parsed, dict) else None
+        except ValueError:
+            pass
+        self._observe(prep, str(call.response.status_code), t0, None, usage)
+        return Response(
+            raw,
+            status_code=call.response.status_code,
+            media_type=call.response.headers.get("content-type", "application/json"),
+            headers=prep.headers,
+        )
+
+    async def _stream(
+        self, prep: Prepared, call: UpstreamCall, t0: float
+    ) -> AsyncGenerator[bytes, None]:
+        ttft: float | None = None
+        usage: dict[str, Any] | None = None
+        status = "200"
+        saw_done = False
+        buf = b""
+        try:
+            try:
+                async for chunk in call.chunks():
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    buf += chunk
+                    cut = buf.rfind(b"\n\n")
+                    if cut < 0:
+                        continue
+                    ready, buf = buf[: cut + 2], buf[cut + 2 :]
+                    if b'"usage":{' in ready or b"[DONE]" in ready:
+                        ready, found, done = _filter_events(
+                            ready, keep_usage=prep.client_wants_usage
+                        )
+                        usage = found or usage
+                        saw_done = saw_done or done
+                        if not ready:
+                            continue
+                    yield ready
+                if not saw_done:
+                    raise UpstreamBroken(
+                        f"the backend {call.backend} ended the stream without [DONE]"
+                    )
+            except (httpx.HTTPError, GatewayError) as e:
+                status = "502"
+                kind = "timeout" if isinstance(e, UpstreamTimeout) else "broken_stream"
+                self.metrics.upstream_errors.labels(call.backend, kind).inc()
+                err = (
+                    e
+                    if isinstance(e, GatewayError)
+                    else UpstreamBroken(
+                        f"the backend {call.backend} broke the stream: {type(e).__name__}",
+                        "retry the request",
+                    )
+                )
+                yield sse_error_event(err)
+        except BaseException:
+            status = "499"  # the client went away (cancelled) or the gateway is stopping
+            raise
+        finally:
+            await self._finish(prep, call, status, t0, ttft, usage)
+
+    async def _finish(
+        self,
+        prep: Prepared,
+        call: UpstreamCall,
+        status: str,
+        t0: float,
+        ttft: float | None,
+        usage: dict[str, Any] | None,
+    ) -> None:
+        """Once per stream: close the upstream (vLLM aborts the request), record metrics."""
+        if call.closed:
+            return
+        await call.aclose()
+        self._observe(prep, status, t0, ttft, usage)
+        self.metrics.inflight.dec()
+
+
+class _ProxyStream(StreamingResponse):
+    """A StreamingResponse that always finishes its stream, even when the client left
+    before the first event (then Starlette never starts the body iterator)."""
+
+    def __init__(self, proxy: Proxy, prep: Prepared, call: UpstreamCall, t0: float) -> None:
+        self._gen = proxy._stream(prep, call, t0)
+        self._cleanup = lambda: proxy._finish(prep, call, "499", t0, None, None)
+        super().__init__(
+            self._gen,
+            media_type="text/event-stream",
+            headers={**prep.headers, "Cache-Control": "no-cache"},
+        )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._gen.aclose()
+                await self._cleanup()
+
+
+def _filter_events(data: bytes, *, keep_usage: bool) -> tuple[bytes, dict[str, Any] | None, bool]:
+    """Pick the usage out of complete SSE events; drop the usage-only event unless wanted."""
+    out = []
+    usage = None
+    done = False
+    for event in data.split(b"\n\n"):
+        if not event:
+            continue
+        if event.startswith(b"data: [DONE]"):
+            done = True
+        elif b'"usage":{' in event:
+            try:
+                obj = json.loads(event.removeprefix(b"data:").strip())
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                usage = obj["usage"]
+                if not keep_usage and not obj.get("choices"):
+                    continue
+        out.append(event + b"\n\n")
+    return b"".join(out), usage, done

@@ -1,0 +1,138 @@
+"""Pure routing: score backends for a request from plain scraped data, then pick one.
+
+Each scorer maps `{backend url: score in 0..1}` (1 = best) and is a small plugin for one
+concern: KV-cache usage, queue depth, LoRA affinity. `pick_backend` combines them with
+weights, drops saturated backends (admission control) and breaks ties by the gateway's
+own in-flight count, then by URL, so the result is deterministic. No I/O here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+from gateway.errors import Overloaded, UpstreamUnavailable
+
+
+@dataclass(frozen=True)
+class BackendView:
+    """What routing knows of one backend (from its last scrape plus the gateway's count)."""
+
+    url: str
+    healthy: bool = True
+    models: frozenset[str] = frozenset()
+    kv_usage: float | None = None  # 0..1; None = not scraped yet
+    running: int = 0
+    waiting: int = 0
+    loaded_adapters: frozenset[str] = frozenset()  # running or waiting LoRA adapters
+    max_lora: int = 0
+    inflight: int = 0  # requests this gateway has open on it now (fresher than a scrape)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    model: str
+    adapter: bool = False  # the model is a LoRA adapter (it has a parent)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    max_kv_usage: float = 0.95  # 0..1
+    max_waiting: int = 8  # requests
+
+
+@dataclass(frozen=True)
+class Weights:
+    kv: float = 1.0
+    queue: float = 1.0
+    lora: float = 2.0  # a miss costs an adapter load (and may evict another)
+
+
+Scorer = Callable[[RouteRequest, list[BackendView]], dict[str, float]]
+
+
+def score_kv_usage(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """Free KV cache; an unscraped backend counts as half full."""
+    return {
+        v.url: 1.0 - min(1.0, max(0.0, 0.5 if v.kv_usage is None else v.kv_usage)) for v in views
+    }
+
+
+def score_queue(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """Shorter queue is better: waiting requests, plus half of the gateway's own in-flight."""
+    return {v.url: 1.0 / (1.0 + v.waiting + 0.5 * v.inflight) for v in views}
+
+
+def score_lora_affinity(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """1 when the adapter is already loaded, 0.5 when a LoRA slot is free, else 0."""
+    if not req.adapter:
+        return {v.url: 1.0 for v in views}
+    out = {}
+    for v in views:
+        if req.model in v.loaded_adapters:
+            out[v.url] = 1.0
+        elif len(v.loaded_adapters) < max(v.max_lora, 1):
+            out[v.url] = 0.5
+        else:
+            out[v.url] = 0.0
+    return out
+
+
+def score_combined(
+    req: RouteRequest, views: list[BackendView], weights: Weights = Weights()
+) -> dict[str, float]:
+    parts: list[tuple[float, Scorer]] = [
+        (weights.kv, score_kv_usage),
+        (weights.queue, score_queue),
+        (weights.lora, score_lora_affinity),
+    ]
+    total = sum(w for w, _ in parts) or 1.0
+    scores = {v.url: 0.0 for v in views}
+    for w, scorer in parts:
+        for url, s in scorer(req, views).items():
+            scores[url] += w * s / total
+    return scores
+
+
+def is_saturated(v: BackendView, t: Thresholds) -> bool:
+    return v.kv_usage is not None and v.kv_usage >= t.max_kv_usage and v.waiting >= t.max_waiting
+
+
+def pick_backend(
+    req: RouteRequest,
+    views: list[BackendView],
+    *,
+    thresholds: Thresholds = Thresholds(),
+    weights: Weights = Weights(),
+    avoid: Collection[str] = (),
+    retry_after_s: float = 1.0,
+) -> str:
+    """The best backend for `req`; `avoid` (already tried) is used only when nothing else is left."""
+    serving = [v for v in views if v.healthy and req.model in v.models]
+    if not serving:
+        raise UpstreamUnavailable(
+            f"no healthy backend serves {req.model!r} right now",
+            "check the inference service; the gateway retries its backends every few seconds",
+        )
+    open_ = [v for v in serving if not is_saturated(v, thresholds)]
+    if not open_:
+        raise Overloaded(
+            f"every backend serving {req.model!r} is saturated (KV-cache usage >="
+            f" {thresholds.max_kv_usage:.0%} and >= {thresholds.max_waiting} requests waiting)",
+            "retry after the Retry-After delay, or add replicas",
+            retry_after_s=retry_after_s,
+        )
+    fresh = [v for v in open_ if v.url not in avoid] or open_
+    scores = score_combined(req, fresh, weights)
+    by_url: Mapping[str, BackendView] = {v.url: v for v in fresh}
+    return min(scores, key=lambda u: (-round(scores[u], 9), by_url[u].inflight, u))
+
+
+@dataclass
+class InflightCounter:
+    """The gateway's own open requests per backend (single event loop: no lock needed)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, url: str, delta: int) -> None:
+        self.counts[url] = self.counts.get(url, 0) + delta

@@ -1,0 +1,110 @@
+"""The gateway's one settings class, built once at start and passed down.
+
+Environment variables use the shared prefix `LORASTACK_` (e.g. `LORASTACK_BACKENDS`,
+`LORASTACK_API_KEYS`). List fields accept JSON or a comma-separated string; the tokenizer
+map accepts JSON or `model=source,model=source`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from lorastack.settings import CommonSettings
+
+
+def _split_list(v: Any) -> Any:
+    if isinstance(v, str):
+        s = v.strip()
+        if s.startswith("["):
+            return json.loads(s)
+        return [p.strip() for p in s.split(",") if p.strip()]
+    return v
+
+
+class GatewaySettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="address uvicorn binds")
+    port: int = Field(8080, ge=1, le=65535)
+    backends: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="vLLM base URLs (without /v1)",
+    )
+    tokenizers: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="model id -> tokenizer source: a local HF folder or a store ref NAME[:VERSION]."
+        " Adapters use their parent base's tokenizer (the `parent` field of /v1/models); a"
+        " model missing here falls back to its `root` when that is a local folder, then to the"
+        " store artifact of the same name.",
+    )
+    # timeouts, seconds
+    connect_timeout_s: float = Field(5.0, gt=0)
+    first_byte_timeout_s: float = Field(
+        300.0, gt=0, description="until the upstream's first body byte (a CPU prefill is slow)"
+    )
+    idle_timeout_s: float = Field(60.0, gt=0, description="longest gap between two body chunks")
+    # request limits
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="bytes per request body")
+    max_messages: int = Field(512, ge=1, description="messages per chat request")
+    clamp_max_tokens: bool = Field(
+        False,
+        description="lower max_tokens to what fits instead of answering 400 (per request:"
+        " header `X-Lorastack-Clamp: 1`)",
+    )
+    # admission control: a backend is saturated when BOTH are at or over their threshold
+    admit_max_kv_usage: float = Field(0.95, ge=0, le=1, description="KV-cache usage, 0..1")
+    admit_max_waiting: int = Field(8, ge=0, description="requests waiting in vLLM's queue")
+    scrape_interval_s: float = Field(2.0, gt=0, description="seconds between /metrics scrapes")
+    # retries before the first byte only (connection errors, 502, 503)
+    retry_attempts: int = Field(3, ge=1, le=10, description="tries in all, first one included")
+    retry_backoff_s: float = Field(0.05, ge=0, description="first backoff; doubles, jittered")
+    retry_backoff_max_s: float = Field(1.0, ge=0)
+    # auth
+    auth_enabled: bool = Field(False, description="require `Authorization: Bearer KEY`")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    api_keys_file: Path | None = Field(None, description="one key per line; # comments")
+    key_requests_per_min: int = Field(0, ge=0, description="per key; 0 = unlimited")
+    key_tokens_per_min: int = Field(
+        0, ge=0, description="per key, prompt + max_tokens (refunded to usage); 0 = unlimited"
+    )
+
+    @field_validator("backends", "api_keys", mode="before")
+    @classmethod
+    def _lists(cls, v: Any) -> Any:
+        return _split_list(v)
+
+    @field_validator("backends")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        out = []
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backend {url!r} must start with http:// or https://")
+            out.append(url.rstrip("/").removesuffix("/v1"))
+        if len(set(out)) != len(out):
+            raise ValueError(f"backends repeat a URL: {out}")
+        return out
+
+    @field_validator("tokenizers", mode="before")
+    @classmethod
+    def _map(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            s = v.strip()
+            if s.startswith("{"):
+                return json.loads(s)
+            pairs = [p.split("=", 1) for p in s.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError("tokenizers must be JSON or model=source,model=source")
+            return {k.strip(): val.strip() for k, val in pairs}
+        return v
+
+    @model_validator(mode="after")
+    def _keys_when_auth(self) -> GatewaySettings:
+        if self.api_keys_file is not None and not self.api_keys_file.is_file():
+            raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
+        if self.auth_enabled and not self.api_keys and self.api_keys_file is None:
+            raise ValueError("auth_enabled needs api_keys or api_keys_file")
+        return self

@@ -1,0 +1,169 @@
+"""Exact prompt token counts, computed the way vLLM 0.32 computes them.
+
+Chat (vLLM `renderers/hf.py`): messages are normalised (text parts joined with "\\n" when
+the template reads `content` as a string; `developer` becomes `system` when the template
+does not know that role), the model's chat template is rendered with
+`add_generation_prompt` (default true), `continue_final_message`, `tools` and
+`chat_template_kwargs`, and the text is encoded WITHOUT extra special tokens
+(`add_special_tokens` defaults to false for chat: the template already wrote them).
+Completions: each prompt string is encoded WITH special tokens (vLLM's default true);
+token-id prompts count as they are.
+
+Owns: loading tokenizers (a local HF folder or a store artifact) and counting.
+Does not own: which model uses which tokenizer source (`backends.py` decides).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import BadRequest, TokenizerUnavailable
+from gateway.validation import ChatRequest, CompletionRequest
+from lorastack.settings import CommonSettings
+
+# a template that loops over a message's content expects OpenAI-style parts (vLLM "openai")
+_LOOPS_OVER_CONTENT = re.compile(
+    r"for\s+\w+\s+in\s+(?:message|msg|m)(?:\[\s*['\"]content['\"]\s*\]|\.content)"
+)
+
+
+class CountingTokenizer:
+    """One loaded tokenizer and its chat template; thread-safe for counting."""
+
+    def __init__(self, hf_tokenizer: Any, source: str) -> None:
+        self.hf = hf_tokenizer
+        self.source = source
+        self.fast = hf_tokenizer.backend_tokenizer  # the Rust tokenizer: encode without overhead
+        template = hf_tokenizer.chat_template or ""
+        self.openai_content = bool(_LOOPS_OVER_CONTENT.search(template))
+        self.knows_developer = "developer" in template
+        self.has_template = bool(template)
+
+    def _conversation(self, req: ChatRequest) -> list[dict[str, Any]]:
+        out = []
+        for i, m in enumerate(req.messages):
+            msg: dict[str, Any] = {
+                k: v for k, v in (m.model_extra or {}).items() if k in _KEPT_FIELDS
+            }
+            role = m.role
+            if role == "developer" and not self.knows_developer:
+                role = "system"
+            msg["role"] = role
+            texts = _texts(m.content, i)
+            msg["content"] = (
+                [{"type": "text", "text": t} for t in texts]
+                if self.openai_content
+                else "\n".join(texts)
+            )
+            out.append(msg)
+        return out
+
+    def count_chat(self, req: ChatRequest) -> int:
+        """Prompt tokens vLLM will see for this chat request."""
+        if not self.has_template:
+            raise TokenizerUnavailable(
+                f"the tokenizer from {self.source} has no chat template",
+                "serve a model whose tokenizer has one",
+            )
+        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs.update(
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )
+        try:
+            text = self.hf.apply_chat_template(
+                self._conversation(req), tools=req.tools, tokenize=False, **kwargs
+            )
+        except Exception as e:  # the template itself rejects the input (jinja raise_exception)
+            raise BadRequest(f"the chat template rejected the messages: {e}") from None
+        return len(self.fast.encode(text, add_special_tokens=req.add_special_tokens).ids)
+
+    def count_completion(self, req: CompletionRequest) -> list[int]:
+        """Prompt tokens of each prompt in a completions request."""
+        p = req.prompt
+        if isinstance(p, str):
+            prompts: list[Any] = [p]
+        elif p and isinstance(p[0], int):
+            return [len(p)]
+        else:
+            prompts = list(p)
+        counts = []
+        for item in prompts:
+            if isinstance(item, str):
+                enc = self.fast.encode(item, add_special_tokens=req.add_special_tokens)
+                counts.append(len(enc.ids))
+            else:
+                counts.append(len(item))
+        return counts
+
+
+_KEPT_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content")
+
+
+def _texts(content: str | list[dict[str, Any]] | None, index: int) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for part in content:
+        if part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise BadRequest(
+                f"messages[{index}] has a content part of type {part.get('type')!r}; this"
+                " gateway serves text models and counts only text parts.",
+                'send text as {"type": "text", "text": "..."} or as a plain string.',
+                param=f"messages.{index}.content",
+            )
+    return texts
+
+
+class TokenizerCache:
+    """Loads each tokenizer source once (a local folder, else a store ref) and keeps it."""
+
+    def __init__(self, settings: CommonSettings) -> None:
+        self._settings = settings
+        self._loaded: dict[str, CountingTokenizer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, source: str) -> CountingTokenizer | None:
+        return self._loaded.get(source)
+
+    def load(self, source: str) -> CountingTokenizer:
+        """Blocking (seconds on first use): call it from a worker thread."""
+        with self._lock:
+            if source in self._loaded:
+                return self._loaded[source]
+            from transformers import AutoTokenizer
+
+            folder = self._folder(source)
+            try:
+                tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            except Exception as e:
+                raise TokenizerUnavailable(
+                    f"could not load a tokenizer from {folder}: {e}",
+                    "point LORASTACK_TOKENIZERS at an HF folder or a store ref with tokenizer files",
+                ) from None
+            self._loaded[source] = CountingTokenizer(tok, source)
+            return self._loaded[source]
+
+    def _folder(self, source: str) -> Path:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            return path
+        from lorastack.errors import LorastackError
+        from lorastack.store import open_store
+
+        try:
+            store = open_store(self._settings)
+            return store.fetch(store.resolve(source))
+        except LorastackError as e:
+            raise TokenizerUnavailable(
+                f"tokenizer source {source!r} is neither a local folder nor a store artifact"
+                f" ({e.message})",
+                'set LORASTACK_TOKENIZERS=\'{"MODEL": "/path/to/hf-folder or store-name"}\'',
+            ) from None
