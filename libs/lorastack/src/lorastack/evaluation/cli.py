@@ -1,0 +1,106 @@
+"""`lorastack eval`, `lorastack loadtest` and `lorastack cost`: flags to configs, results
+to the terminal. Heavy imports (numpy, httpx, matplotlib, transformers) stay inside the
+handlers so `lorastack --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from lorastack.settings import CommonSettings
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lorastack.evaluation.eval_config import load_eval_config
+    from lorastack.evaluation.eval_run import default_report_name, run_eval
+    from lorastack.store import open_store
+
+    overrides: dict[str, Any] = {
+        "base_url": args.base_url,
+        "api_key": args.api_key,
+        "test": args.test,
+        "base_model": args.base_model,
+        "lora_model": args.lora_model,
+        "system_prompt": args.system_prompt,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "confidence": args.confidence,
+        "resamples": args.resamples,
+        "seed": args.seed,
+        "limit": args.limit,
+        "adapter": args.adapter,
+    }
+    if args.scorer:
+        overrides["scorers"] = args.scorer
+    if args.few_shot:
+        overrides["few_shot"] = [_parse_shot(s) for s in args.few_shot]
+    config = load_eval_config(Path(args.config) if args.config else None, overrides)
+    store = open_store(CommonSettings())
+    publish = None if args.no_publish else (args.publish or default_report_name(config.test))
+    out = Path(args.out)
+    report = run_eval(config, out_dir=out, store=store, publish_as=publish)
+    print(f"n = {report.n} paired items from {report.test.ref} ({report.test.digest[:19]}…)")
+    print(f"{'METRIC':14} {'BASELINE':>8} {'LORA':>8} {'DIFF':>8}  {'CI':19} VERDICT")
+    for name, m in report.metrics.items():
+        ci = f"[{m.ci_low:+.3f}, {m.ci_high:+.3f}]"
+        print(
+            f"{name:14} {m.baseline_mean:8.3f} {m.candidate_mean:8.3f} "
+            f"{m.mean_difference:+8.3f}  {ci:19} {m.verdict}"
+        )
+    print(f"report: {out / 'report.md'}")
+    if report.published:
+        print(f"published: {report.published}")
+    return 0
+
+
+def _parse_shot(text: str) -> dict[str, str]:
+    from lorastack.errors import ConfigError
+
+    user, sep, assistant = text.partition("=>")
+    if not sep or not user.strip() or not assistant.strip():
+        raise ConfigError(
+            f"few-shot example {text!r} has no '=>'", "write --few-shot 'USER TEXT => ANSWER'"
+        )
+    return {"user": user.strip(), "assistant": assistant.strip()}
+
+
+def _register_eval(sub: Any) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="base model + prompt vs LoRA on the frozen test split, with bootstrap verdicts",
+        description="Ask both models every test prompt through an OpenAI-compatible endpoint "
+        "(greedy), score the answers and decide per metric from a paired bootstrap CI.",
+    )
+    p.add_argument("--config", help="YAML file with the fields below (flags override it)")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8080")
+    p.add_argument("--api-key", help="bearer token, if the endpoint needs one")
+    p.add_argument("--test", help="frozen test split: store ref <run>/test[:V] or a test.jsonl")
+    p.add_argument("--base-model", help="served name of the base model (baseline)")
+    p.add_argument("--lora-model", help="served name of the adapter or merged model")
+    p.add_argument("--system-prompt", help="baseline system prompt")
+    p.add_argument(
+        "--few-shot", action="append", metavar="'USER => ANSWER'", help="baseline example"
+    )
+    p.add_argument(
+        "--scorer",
+        action="append",
+        metavar="NAME[:PATTERN]",
+        help="exact, normalised, contains, regex:PATTERN, json_valid (repeat; "
+        "default exact, normalised, contains)",
+    )
+    p.add_argument("--max-tokens", type=int, help="tokens per answer (default 128)")
+    p.add_argument("--concurrency", type=int, help="requests in flight (default 4)")
+    p.add_argument("--confidence", type=float, help="CI level (default 0.95)")
+    p.add_argument("--resamples", type=int, help="bootstrap resamples (default 2000)")
+    p.add_argument("--seed", type=int, help="bootstrap and sampling seed (default 0)")
+    p.add_argument("--limit", type=int, help="evaluate the first N items only")
+    p.add_argument("--adapter", help="adapter ref or folder: training/validation numbers")
+    p.add_argument("--out", default="eval-report", help="folder for report.md/json, samples.jsonl")
+    p.add_argument("--publish", metavar="NAME", help="report artifact name (default <run>/eval)")
+    p.add_argument("--no-publish", action="store_true", help="write --out only")
+    p.set_defaults(handler=cmd_eval)
+
+
+def register(sub: Any) -> None:
+    _register_eval(sub)

@@ -1,0 +1,145 @@
+"""Scorers: how one model output is compared with the reference answer.
+
+A scorer is any callable `(output, reference) -> float` in [0, 1]. The built-in ones
+are registered by name in `SCORERS`; `register_scorer` adds more (a plugin calls it at
+import). `build_scorer(spec)` turns a config entry (`exact`, `regex:^\\d+$`, or
+`{"name": "regex", "pattern": ...}`) into a `NamedScorer`. No I/O here.
+
+    exact       output.strip() == reference.strip()
+    normalised  equal after NFKC, lower case, collapsed white space, trimmed quotes/punctuation
+    contains    the normalised reference occurs inside the normalised output
+    regex       the pattern (re.search) matches the output; the pattern comes from the config
+    json_valid  the whole output (trimmed; one ```json fence allowed) parses as JSON
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lorastack.errors import ConfigError
+
+
+class Scorer(Protocol):
+    def __call__(self, output: str, reference: str) -> float: ...
+
+
+ScorerFactory = Callable[..., Scorer]  # keyword options from the config -> scorer
+
+SCORERS: dict[str, ScorerFactory] = {}
+
+
+def register_scorer(name: str) -> Callable[[ScorerFactory], ScorerFactory]:
+    """Decorator: make a scorer factory available under `name` in configs and flags."""
+
+    def add(factory: ScorerFactory) -> ScorerFactory:
+        SCORERS[name] = factory
+        return factory
+
+    return add
+
+
+_EDGE = " \t\r\n\"'`.,;:!?()[]{}"
+
+
+def normalise(text: str) -> str:
+    """NFKC, lower case, runs of white space to one space, quotes/punctuation trimmed."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    return " ".join(text.split()).strip(_EDGE)
+
+
+@register_scorer("exact")
+def exact() -> Scorer:
+    return lambda output, reference: float(output.strip() == reference.strip())
+
+
+@register_scorer("normalised")
+def normalised() -> Scorer:
+    return lambda output, reference: float(normalise(output) == normalise(reference))
+
+
+@register_scorer("contains")
+def contains() -> Scorer:
+    def score(output: str, reference: str) -> float:
+        ref = normalise(reference)
+        return float(bool(ref) and ref in normalise(output))
+
+    return score
+
+
+@register_scorer("regex")
+def regex(pattern: str | None = None) -> Scorer:
+    if not pattern:
+        raise ConfigError(
+            "the regex scorer needs a pattern",
+            "write it as regex:PATTERN on the command line or {name: regex, pattern: ...} in YAML",
+        )
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(
+            f"invalid regex {pattern!r}: {e}", "fix the pattern (Python re syntax)"
+        ) from e
+    return lambda output, reference: float(compiled.search(output) is not None)
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```$", re.DOTALL)
+
+
+@register_scorer("json_valid")
+def json_valid() -> Scorer:
+    def score(output: str, reference: str) -> float:
+        text = output.strip()
+        if m := _FENCE.match(text):
+            text = m.group(1)
+        try:
+            json.loads(text)
+        except ValueError:
+            return 0.0
+        return 1.0
+
+    return score
+
+
+@dataclass(frozen=True)
+class NamedScorer:
+    name: str  # the metric's name in reports, e.g. "exact" or "regex"
+    score: Scorer
+    options: dict[str, Any]
+
+    def __call__(self, output: str, reference: str) -> float:
+        value = float(self.score(output, reference))
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(
+                f"scorer {self.name} returned {value}", "a scorer returns a number in [0, 1]"
+            )
+        return value
+
+
+def parse_scorer_flag(flag: str) -> dict[str, Any]:
+    """`regex:^\\d+$` -> {"name": "regex", "pattern": "^\\d+$"}; `exact` -> {"name": "exact"}."""
+    name, sep, pattern = flag.partition(":")
+    return {"name": name, "pattern": pattern} if sep else {"name": name}
+
+
+def build_scorer(spec: str | dict[str, Any]) -> NamedScorer:
+    spec = parse_scorer_flag(spec) if isinstance(spec, str) else dict(spec)
+    name = str(spec.pop("name", ""))
+    label = str(spec.pop("label", "") or name)
+    if name not in SCORERS:
+        raise ConfigError(
+            f"unknown scorer {name!r}", f"use one of {', '.join(sorted(SCORERS))} (or register one)"
+        )
+    options = {k: v for k, v in spec.items() if v is not None}
+    try:
+        fn = SCORERS[name](**options)
+    except TypeError as e:
+        raise ConfigError(
+            f"scorer {name!r} got options it does not take: {sorted(options)}",
+            "check the scorer's options (regex takes 'pattern'; the others take none)",
+        ) from e
+    return NamedScorer(name=label, score=fn, options=options)
