@@ -1,0 +1,196 @@
+"""`lorastack data ...` and `lorastack train ...`: argument parsing and printing only.
+
+    lorastack data make-demo OUT.jsonl [--n 200] [--seed 0]
+    lorastack data inspect CONFIG [--index N] [--split train] [key=value ...]
+    lorastack data check CONFIG [key=value ...]
+    lorastack train CONFIG [--smoke] [--resume] [--overfit N] [--auto-batch] [key=value ...]
+    lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]
+
+Settings are built once here and passed down; heavy imports stay inside handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from lorastack.errors import ConfigError
+from trainer.config import RunConfig, load_config, with_overrides
+from trainer.settings import TrainerSettings
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    return load_config(Path(args.config), list(args.overrides))
+
+
+def cmd_make_demo(args: argparse.Namespace) -> int:
+    from lorastack.chat_data import write_jsonl
+    from trainer.demo_data import make_demo
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convs = make_demo(args.n, args.seed)
+    write_jsonl(out, convs)
+    first = convs[0].messages
+    print(f"wrote {len(convs)} conversations to {out}")
+    print(f"  e.g. user: {first[1].content!r} -> assistant: {first[2].content!r}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from trainer.prepare import check
+
+    report = check(_config(args), TrainerSettings())
+    print(report.render())
+    return 0 if report.ok else 3
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import shutil
+
+    from trainer.masking import IGNORE
+    from trainer.prepare import prepare
+    from trainer.samples import encode
+
+    config, settings = _config(args), TrainerSettings()
+    staging = settings.resolved_runs_dir / config.output / "inspect"
+    try:
+        prep = prepare(config, settings, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    items = getattr(prep.splits, args.split)
+    if not 0 <= args.index < len(items):
+        raise ConfigError(
+            f"--index {args.index} is out of range: the {args.split} split has {len(items)} samples",
+            f"use 0..{len(items) - 1}",
+        )
+    item = items[args.index]
+    s = encode(item.conv, prep.tokenizer, config.loss_on)
+    p = s.parts
+    print(
+        f"{args.split} sample {args.index} (conversation {item.number} of {prep.splits.source}): "
+        f"{s.length} tokens = system {p['system']} + history {p['history']} + target {p['target']}; "
+        f"supervised {s.supervised} (loss_on={config.loss_on}, max_seq_len={config.max_seq_len})"
+    )
+    print("--- rendered context; supervised text between ⟦ and ⟧ ---")
+    text, prev = [], False
+    for (a, b), lab in zip(s.offsets, s.labels, strict=True):
+        sup = lab != IGNORE
+        if sup and not prev:
+            text.append("⟦")
+        if prev and not sup:
+            text.append("⟧")
+        text.append(s.rendered[a:b])
+        prev = sup
+    print("".join(text) + ("⟧" if prev else ""))
+    print("--- tokens (+ = supervised, . = masked) ---")
+    for i, (tid, lab) in enumerate(zip(s.input_ids, s.labels, strict=True)):
+        piece = prep.tokenizer.convert_ids_to_tokens(tid)
+        print(f"{i:5} {'+' if lab != IGNORE else '.'} {tid:6}  {piece!r}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.config == "sweep":
+        return _sweep(args)
+    from trainer.recipe import run_training
+
+    if args.ranks:
+        raise ConfigError("--ranks belongs to 'lorastack train sweep CONFIG --ranks 4,8,16'", "")
+    result = run_training(
+        _config(args),
+        TrainerSettings(),
+        smoke=args.smoke,
+        resume=args.resume,
+        overfit=args.overfit,
+        auto_batch=args.auto_batch,
+    )
+    c = result.completion
+    print(
+        f"done: {c['steps']} steps in {c['wall_s']:.1f} s, final train loss "
+        f"{c['final_train_loss']}, final val loss {c['final_val_loss']}, cost {c['cost']}"
+    )
+    if result.adapter is not None:
+        print(f"adapter: {result.adapter.ref} {result.adapter.digest[:19]}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from trainer.memory import human
+    from trainer.recipe import run_training
+
+    if not args.overrides:
+        raise ConfigError(
+            "train sweep needs a config file", "lorastack train sweep CONFIG --ranks 4,8,16"
+        )
+    if not args.ranks:
+        raise ConfigError("train sweep needs --ranks", "e.g. --ranks 4,8,16")
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--ranks {args.ranks!r} is not a list of integers", "e.g. --ranks 4,8,16"
+        ) from None
+    base = load_config(Path(args.overrides[0]), list(args.overrides[1:]))
+    settings = TrainerSettings()
+    rows = []
+    for r in ranks:
+        cfg = with_overrides(
+            base, [f"lora.r={r}", f"lora.alpha={2 * r}", f"output={base.output}-r{r}"]
+        )
+        t0 = time.monotonic()
+        res = run_training(cfg, settings, resume=args.resume)
+        rows.append(
+            (
+                r,
+                res.completion["trainable_params"],
+                time.monotonic() - t0,
+                res.completion["final_val_loss"],
+                res.completion["peak_memory"],
+            )
+        )
+    print(f"\n{'rank':>5} {'trainable params':>17} {'time':>9} {'val loss':>9} {'peak memory':>12}")
+    for r, params, secs, val, peak in rows:
+        val_s = f"{val:.4f}" if val is not None else "-"
+        print(f"{r:>5} {params:>17,} {secs:>8.1f}s {val_s:>9} {human(peak):>12}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    data = sub.add_parser("data", help="make, inspect and check chat datasets")
+    d = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = d.add_parser("make-demo", help="write the demo task (written date -> ISO date)")
+    p.add_argument("out", help="output JSONL path")
+    p.add_argument("--n", type=int, default=200, help="conversations (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=cmd_make_demo)
+    for name, fn, text in (
+        ("inspect", cmd_inspect, "show one sample as the model sees it, supervised tokens marked"),
+        ("check", cmd_check, "check the dataset against the run config (also run before training)"),
+    ):
+        p = d.add_parser(name, help=text)
+        p.add_argument("config", help="run config YAML")
+        p.add_argument("overrides", nargs="*", metavar="key=value")
+        if name == "inspect":
+            p.add_argument("--index", type=int, default=0, help="sample index in the split")
+            p.add_argument("--split", choices=("train", "validation", "test"), default="train")
+        p.set_defaults(handler=fn)
+
+    p = sub.add_parser(
+        "train",
+        help="train a LoRA adapter (or: train sweep CONFIG --ranks 4,8,16)",
+        description="lorastack train CONFIG [options] [key=value ...]  |  "
+        "lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]",
+    )
+    p.add_argument("config", help="run config YAML (or 'sweep')")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. lora.r=16 lr=1e-4")
+    p.add_argument("--smoke", action="store_true", help="short run with a pass/fail verdict")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--overfit", type=int, metavar="N", help="train on N samples until the loss is tiny"
+    )
+    p.add_argument("--auto-batch", action="store_true", help="largest micro-batch that fits (CUDA)")
+    p.add_argument("--ranks", help="sweep only: comma-separated LoRA ranks")
+    p.set_defaults(handler=cmd_train)

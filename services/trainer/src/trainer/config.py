@@ -1,0 +1,207 @@
+"""The run config: a YAML file parsed into `RunConfig`, plus `key=value` overrides.
+
+Owns the schema (limits live in the fields), dotted-path overrides (`lora.r=16`),
+turning validation errors into one ConfigError that names each field and what to
+change, and the config hash the resume check compares. Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lorastack.errors import ConfigError
+from lorastack.manifest import parse_ref, validate_name
+
+# Fields that may differ between a checkpoint and the run that resumes it: they change
+# when the run stops or how often it reports, never the numbers of the steps it takes.
+SAFE_TO_CHANGE = frozenset(
+    {
+        "max_steps",
+        "epochs",
+        "checkpoint_every",
+        "eval_every",
+        "log_every",
+        "keep_checkpoints",
+        "price_per_gpu_hour",
+    }
+)
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetConfig(_Strict):
+    path: Path | None = Field(None, description="local chat JSONL file (relative to the CWD)")
+    ref: str | None = Field(None, description="or a dataset artifact NAME[:VERSION] in the store")
+    file: str | None = Field(None, description="which .jsonl inside `ref` (default: the only one)")
+    drop_overlong: bool = Field(
+        False, description="drop (and count) samples longer than max_seq_len instead of refusing"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetConfig:
+        if (self.path is None) == (self.ref is None):
+            raise ValueError("give exactly one of dataset.path (a JSONL file) or dataset.ref")
+        if self.ref is not None:
+            parse_ref(self.ref)
+        return self
+
+
+class SplitConfig(_Strict):
+    validation: float = Field(0.1, ge=0.0, lt=1.0, description="fraction for validation")
+    test: float = Field(0.1, ge=0.0, lt=1.0, description="fraction for the frozen test split")
+    seed: int = Field(0, ge=0, description="the split's shuffle seed")
+
+    @model_validator(mode="after")
+    def _leaves_train(self) -> SplitConfig:
+        if self.validation + self.test >= 0.9:
+            raise ValueError("split.validation + split.test must leave at least 10% for training")
+        return self
+
+
+class LoraConfig(_Strict):
+    r: int = Field(8, ge=1, le=512, description="adapter rank")
+    alpha: int = Field(16, ge=1, description="scale = alpha / r; usually 2*r")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(ALL_LINEAR), min_length=1, description="module names"
+    )
+
+
+class RunConfig(_Strict):
+    base_model: str = Field("smollm2-135m-instruct", description="base-model artifact ref")
+    output: str = Field("run", description="artifact prefix: <output>/adapter, /data, ...")
+    dataset: DatasetConfig
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    quantization: Literal["none", "nf4"] = Field("none", description="nf4 = QLoRA")
+    max_seq_len: int = Field(512, ge=16, le=131072, description="tokens per sample, in all")
+    micro_batch: int = Field(4, ge=1, le=4096, description="samples per forward pass")
+    grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per optimizer step")
+    lr: float = Field(2e-4, gt=0.0, le=1.0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping (L2 norm)")
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
+    epochs: int = Field(1, ge=1, le=10000)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    seed: int = Field(0, ge=0, description="LoRA init, dropout and batch order")
+    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    eval_every: int = Field(50, ge=1, description="optimizer steps between validation passes")
+    log_every: int = Field(1, ge=1, description="optimizer steps between metrics files")
+    keep_checkpoints: int = Field(2, ge=1, le=1000, description="checkpoint versions kept")
+    price_per_gpu_hour: float = Field(0.0, ge=0.0, description="currency units per GPU-hour")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _names(self) -> RunConfig:
+        try:
+            parse_ref(self.base_model)
+            validate_name(self.output, "output name")
+        except ConfigError as e:
+            raise ValueError(f"{e.message}; {e.hint}") from None
+        unknown = [m for m in self.lora.target_modules if not m.replace("_", "").isalnum()]
+        if unknown:
+            raise ValueError(f"lora.target_modules holds invalid module names {unknown}")
+        return self
+
+    def config_hash(self) -> str:
+        """sha256 of the config without the fields that are safe to change on resume."""
+        data = self.model_dump(mode="json")
+        for key in SAFE_TO_CHANGE:
+            data.pop(key, None)
+        return "sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["lora.r=16", "lr=1e-4"]` -> nested dict; values are parsed as YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not seg for seg in key.split(".")):
+            raise ConfigError(
+                f"override {item!r} is not key=value", "write e.g. lora.r=16 or lr=1e-4"
+            )
+        value = yaml.safe_load(raw) if raw else ""
+        node = out
+        *parents, last = key.split(".")
+        for seg in parents:
+            node = node.setdefault(seg, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override", "")
+        node[last] = value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _field_hint(loc: tuple[int | str, ...]) -> str:
+    model: Any = RunConfig
+    field = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return ""
+        field = fields[part]
+        model = field.annotation
+    return (field.description or "") if field is not None else ""
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a dict; every problem is named by its dotted field path."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field"
+            elif "input" in err and not isinstance(err["input"], dict):
+                msg += f" (got {err['input']!r})"
+            hint = _field_hint(tuple(err["loc"]))
+            lines.append(f"  {where}: {msg}" + (f"  [{hint}]" if hint else ""))
+        fields = ", ".join(sorted(RunConfig.model_fields))
+        raise ConfigError(
+            f"{source} is invalid:\n" + "\n".join(lines),
+            f"fix the field(s) above in the YAML file or with key=value; top-level fields: {fields}",
+        ) from None
+
+
+def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run config, apply `key=value` overrides, validate."""
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {path} does not exist", "give the path of a YAML run config"
+        )
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of fields", "see configs/demo.yaml")
+    return build_config(_merge(data, parse_overrides(overrides or [])), str(path))
+
+
+def with_overrides(config: RunConfig, items: list[str]) -> RunConfig:
+    return build_config(_merge(config.model_dump(mode="json"), parse_overrides(items)))

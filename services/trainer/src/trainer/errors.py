@@ -1,0 +1,44 @@
+"""Trainer errors: additions to the shared tree (see lorastack.errors).
+
+    LorastackError
+    ├── ConfigError
+    └── Refused
+        ├── PreflightRefused   the dataset check found samples that cannot be trained on
+        ├── ResumeRefused      the run manifest of the checkpoint differs from this run
+        ├── SmokeFailed        --smoke / --overfit verdict was "fail"
+        └── TrainingOOM        the device ran out of memory (hint: which knob to turn)
+    └── TrainingCrashed    an unexpected error; support-bundle.json was written
+
+`TrainingInterrupted` is not an error the user caused: SIGTERM/SIGINT was received, a
+checkpoint was written, and the process exits with 130 so a scheduler can restart it.
+"""
+
+from __future__ import annotations
+
+from lorastack.errors import LorastackError, Refused
+
+
+class PreflightRefused(Refused):
+    """The dataset check refused the data; the message holds the report."""
+
+
+class ResumeRefused(Refused):
+    """--resume found a different run manifest; the message lists what changed."""
+
+
+class SmokeFailed(Refused):
+    """A smoke or overfit run finished with a failing verdict."""
+
+
+class TrainingOOM(Refused):
+    """Out of device memory."""
+
+
+class TrainingInterrupted(LorastackError):
+    """Stopped by a signal after writing a checkpoint."""
+
+    exit_code = 130
+
+
+class TrainingCrashed(LorastackError):
+    """An unexpected exception during a run; the message gives the support bundle path."""

@@ -1,0 +1,97 @@
+"""Memory and disk estimates before a run: pure arithmetic over the model's config.json.
+
+The breakdown (bytes): weights by dtype/quantisation, LoRA parameters, their gradients,
+AdamW state, activations and logits. Activations are a rule of thumb (per token per
+layer ~ (10*hidden + 4*intermediate) values kept for backward; one layer's worth with
+gradient checkpointing); the measured peak at the end says how close it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4 bits + double-quantised absmax (~0.127 bits)
+
+
+def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear module of one Llama-style layer."""
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    hd = int(cfg.get("head_dim") or h // heads)
+    inter = int(cfg["intermediate_size"])
+    return {
+        "q_proj": (h, heads * hd),
+        "k_proj": (h, kv * hd),
+        "v_proj": (h, kv * hd),
+        "o_proj": (heads * hd, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+
+
+def lora_params(cfg: dict[str, Any], r: int, targets: list[str]) -> int:
+    shapes = linear_shapes(cfg)
+    per_layer = sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
+    return per_layer * int(cfg["num_hidden_layers"])
+
+
+def base_params(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(params in the layers' linear modules, all other params) of the base model."""
+    layers = int(cfg["num_hidden_layers"])
+    h = int(cfg["hidden_size"])
+    linear = layers * sum(i * o for i, o in linear_shapes(cfg).values())
+    embed = int(cfg["vocab_size"]) * h
+    other = embed * (1 if cfg.get("tie_word_embeddings", False) else 2) + layers * 2 * h + h
+    return linear, other
+
+
+def estimate(
+    cfg: dict[str, Any],
+    *,
+    r: int,
+    targets: list[str],
+    quantization: str,
+    compute_bytes: int,  # 4 for fp32 compute (CPU), 2 for bf16 (CUDA)
+    micro_batch: int,
+    seq_len: int,
+    gradient_checkpointing: bool,
+) -> dict[str, int]:
+    """Bytes per part and the total, for one device."""
+    linear, other = base_params(cfg)
+    if quantization == "nf4":
+        weights = int(linear * NF4_BYTES_PER_PARAM) + other * compute_bytes
+    else:
+        weights = (linear + other) * compute_bytes
+    lp = lora_params(cfg, r, targets)
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    layers = int(cfg["num_hidden_layers"])
+    tokens = micro_batch * seq_len
+    per_layer = tokens * (10 * h + 4 * inter) * compute_bytes
+    kept_layers = 1 if gradient_checkpointing else layers
+    activations = per_layer * kept_layers + (layers * tokens * h * compute_bytes)
+    logits = tokens * int(cfg["vocab_size"]) * 4 * 3  # fp32 logits, softmax, gradient
+    parts = {
+        "weights": weights,
+        "lora_params": lp * 4,  # adapters stay fp32
+        "lora_grads": lp * 4,
+        "optimizer": lp * 4 * 2,  # AdamW exp_avg + exp_avg_sq
+        "activations": activations,
+        "logits": logits,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def checkpoint_bytes(lora_param_count: int) -> int:
+    """Adapter + AdamW state, fp32, plus ~1 MB of RNG states and json."""
+    return lora_param_count * 4 * 3 + (1 << 20)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

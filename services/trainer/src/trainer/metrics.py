@@ -1,0 +1,155 @@
+"""Run records: metrics files, memory readings, the loss plot, the support bundle.
+
+Owns `metrics/metrics-step-N.json` (one per log interval), `metrics/eval-step-N.json`,
+`loss.png`, and `support-bundle.json` written on a crash. It reads devices (torch,
+NVML, RSS) but never trains.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import platform
+import resource
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors")
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def memory_now(device: torch.device) -> dict[str, int]:
+    """Bytes: peak allocated/reserved from torch and NVML used on GPU; RSS on CPU."""
+    if device.type == "cuda":
+        out = {
+            "peak_allocated": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved": int(torch.cuda.max_memory_reserved(device)),
+        }
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            out["nvml_used"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        except Exception:  # NVML missing in some containers: the torch numbers remain
+            pass
+        return out
+    import psutil
+
+    return {
+        "rss": int(psutil.Process().memory_info().rss),
+        "peak_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+    }
+
+
+def peak_bytes(device: torch.device) -> int:
+    m = memory_now(device)
+    return m.get("peak_allocated", m.get("peak_rss", 0))
+
+
+def device_facts(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": props.name, "memory": int(props.total_memory)}
+    import psutil
+
+    return {
+        "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "memory": int(psutil.virtual_memory().total),
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def read_series(metrics_dir: Path, prefix: str, key: str) -> dict[int, float]:
+    """{step: value} from metrics_dir/<prefix>-step-N.json files."""
+    out = {}
+    for p in metrics_dir.glob(f"{prefix}-step-*.json"):
+        data = json.loads(p.read_text())
+        out[int(data["step"])] = float(data[key])
+    return dict(sorted(out.items()))
+
+
+def plot_losses(train: dict[int, float], val: dict[int, float], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(list(train), list(train.values()), label="train loss", linewidth=1)
+    if val:
+        ax.plot(list(val), list(val.values()), "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats / supervised token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+class LogTail(logging.Handler):
+    """Keeps the last N formatted log lines for the support bundle."""
+
+    def __init__(self, size: int = 20) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=size)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def is_oom(exc: BaseException) -> bool:
+    return (
+        isinstance(exc, torch.OutOfMemoryError | MemoryError) or "out of memory" in str(exc).lower()
+    )
+
+
+OOM_HINT = (
+    "out of memory: halve micro_batch and double grad_accum (same effective batch, same seed), "
+    "or lower max_seq_len, or set gradient_checkpointing=true or quantization=nf4"
+)
+
+
+def write_support_bundle(
+    path: Path, exc: BaseException, facts: dict[str, Any], log_tail: list[str]
+) -> Path:
+    bundle = {
+        **facts,
+        "libraries": library_versions(),
+        "python": platform.python_version(),
+        "last_log_lines": log_tail,
+        "exception": {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": traceback.format_exception(exc),
+        },
+        "oom": is_oom(exc),
+        "hint": OOM_HINT if is_oom(exc) else "attach this file to a bug report",
+    }
+    write_json(path, bundle)
+    return path

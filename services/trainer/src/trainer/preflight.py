@@ -1,0 +1,232 @@
+"""The dataset check run by `lorastack data check` and before every training run.
+
+Owns the report: token lengths per part (system/context, history, target), samples
+over the maximum (refused unless `dataset.drop_overlong`, then dropped and counted),
+targets that the template does not render verbatim or that do not end with the
+end-of-turn token, special tokens inside contents, exact and near duplicates, leaks
+between the frozen test split and the training data, and the disk budget. Schema errors
+(with line numbers) are raised earlier by `lorastack.chat_data.load_jsonl`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from trainer.config import RunConfig
+from trainer.errors import PreflightRefused
+from trainer.masking import MaskingError, targets_end_with
+from trainer.memory import checkpoint_bytes, human, lora_params
+from trainer.samples import Sample, encode, end_of_turn_id
+from trainer.splits import Splits, normalise, prompt_key
+
+LOG_BUDGET = 64 << 20  # bytes kept for metrics, logs and plots
+
+
+class Lengths(BaseModel):
+    split: str
+    number: int  # conversation number in the source file (1-based)
+    system: int  # tokens
+    history: int
+    target: int
+    total: int
+
+
+class PreflightReport(BaseModel):
+    source: str
+    max_seq_len: int
+    counts: dict[str, int]
+    longest: dict[str, int] = {}  # tokens, per part, over train + validation
+    supervised_tokens: int = 0  # in train
+    overlong: list[Lengths] = []
+    dropped: int = 0
+    invalid: list[str] = []
+    exact_duplicates: int = 0
+    near_duplicates: int = 0
+    leaks: list[int] = []  # test conversation numbers also present in train/validation
+    disk: dict[str, int | str] = {}
+    problems: list[str] = []
+    warnings: list[str] = []
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        out = [f"dataset check: {self.source}"]
+        out.append("  samples: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
+        if self.longest:
+            out.append(
+                "  longest (tokens): "
+                + ", ".join(f"{k} {v}" for k, v in self.longest.items())
+                + f"  (max_seq_len {self.max_seq_len})"
+            )
+        out.append(f"  supervised tokens in train: {self.supervised_tokens}")
+        out.append(
+            f"  duplicates: {self.exact_duplicates} exact, {self.near_duplicates} near "
+            f"(equal up to case/punctuation); test samples leaking into training: {len(self.leaks)}"
+        )
+        if self.disk:
+            out.append(
+                f"  disk: needs ~{human(int(self.disk['needed']))} "
+                f"(base {human(int(self.disk['base']))}, {self.disk['keep']} checkpoints of "
+                f"{human(int(self.disk['checkpoint']))}, adapter, logs), "
+                f"free {human(int(self.disk['free']))} at {self.disk['path']}"
+            )
+        if self.overlong:
+            verb = "dropped" if self.dropped else "refused"
+            out.append(f"  {len(self.overlong)} sample(s) longer than {self.max_seq_len} ({verb}):")
+            out.append(
+                f"    {'split':10} {'#':>6} {'system':>7} {'history':>8} {'target':>7} {'total':>6}"
+            )
+            for x in self.overlong[:50]:
+                out.append(
+                    f"    {x.split:10} {x.number:>6} {x.system:>7} {x.history:>8} "
+                    f"{x.target:>7} {x.total:>6}"
+                )
+            if len(self.overlong) > 50:
+                out.append(f"    ... and {len(self.overlong) - 50} more")
+        for line in self.invalid[:20]:
+            out.append(f"  invalid: {line}")
+        out += [f"  warning: {w}" for w in self.warnings]
+        out += [f"  PROBLEM: {p}" for p in self.problems]
+        out.append("  verdict: " + ("ok" if self.ok else "REFUSED"))
+        return "\n".join(out)
+
+
+def _free_bytes(path: Path) -> tuple[int, Path]:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free, p
+
+
+def check_dataset(
+    splits: Splits,
+    tokenizer: Any,
+    config: RunConfig,
+    *,
+    model_config: dict[str, Any] | None = None,
+    base_bytes: int = 0,
+    disk_path: Path | None = None,
+) -> tuple[PreflightReport, dict[str, list[Sample]]]:
+    """Encode every split and check it. Returns the report and the encoded train and
+    validation samples (over-long ones removed only when dropping was asked for)."""
+    report = PreflightReport(
+        source=splits.source, max_seq_len=config.max_seq_len, counts=splits.counts()
+    )
+    eot = end_of_turn_id(tokenizer)
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    encoded: dict[str, list[Sample]] = {}
+    for name, items in (
+        ("train", splits.train),
+        ("validation", splits.validation),
+        ("test", splits.test),
+    ):
+        kept: list[Sample] = []
+        for it in items:
+            bad = [t for m in it.conv.messages for t in specials if t in m.content]
+            if bad:
+                report.invalid.append(
+                    f"{name} #{it.number}: content holds special token {bad[0]!r}"
+                )
+                continue
+            try:
+                s = encode(it.conv, tokenizer, config.loss_on)
+            except MaskingError as e:
+                report.invalid.append(f"{name} #{it.number}: {e}")
+                continue
+            if not targets_end_with(s.labels, eot):
+                report.invalid.append(
+                    f"{name} #{it.number}: a target does not end with end-of-turn"
+                )
+                continue
+            if s.length > config.max_seq_len:
+                if name == "test":
+                    report.warnings.append(
+                        f"test #{it.number} has {s.length} tokens > max_seq_len (not trained on)"
+                    )
+                else:
+                    report.overlong.append(
+                        Lengths(split=name, number=it.number, total=s.length, **s.parts)
+                    )
+                    if config.dataset.drop_overlong:
+                        report.dropped += 1
+                        continue
+            kept.append(s)
+            if name != "test":
+                for k, v in s.parts.items():
+                    report.longest[k] = max(report.longest.get(k, 0), v)
+                report.longest["total"] = max(report.longest.get("total", 0), s.length)
+        encoded[name] = kept
+    report.supervised_tokens = sum(s.supervised for s in encoded["train"])
+    if report.invalid:
+        report.problems.append(
+            f"{len(report.invalid)} sample(s) cannot be trained on (see 'invalid' lines): fix or "
+            "remove them"
+        )
+    if report.overlong and not config.dataset.drop_overlong:
+        report.problems.append(
+            f"{len(report.overlong)} sample(s) exceed max_seq_len={config.max_seq_len} tokens; "
+            "nothing is truncated: raise max_seq_len, shorten those samples, or drop them "
+            "explicitly with dataset.drop_overlong=true"
+        )
+    if report.dropped:
+        report.warnings.append(f"dropped {report.dropped} over-long sample(s) as asked")
+    if not encoded["train"]:
+        report.problems.append("no trainable sample is left in the training split")
+
+    exact: set[str] = set()
+    near: set[str] = set()
+    for it in splits.train + splits.validation:
+        raw, norm = it.conv.to_json(), normalise(it.conv.to_json())
+        if raw in exact:
+            report.exact_duplicates += 1
+        elif norm in near:
+            report.near_duplicates += 1
+        exact.add(raw)
+        near.add(norm)
+    seen_prompts = {prompt_key(it.conv) for it in splits.train + splits.validation}
+    report.leaks = [
+        it.number
+        for it in splits.test
+        if prompt_key(it.conv) in seen_prompts or normalise(it.conv.to_json()) in near
+    ]
+    if report.leaks:
+        report.problems.append(
+            f"{len(report.leaks)} test sample(s) also appear in train/validation "
+            f"(numbers {report.leaks[:10]}): the frozen test would not measure generalisation; "
+            "deduplicate the source"
+        )
+    if report.exact_duplicates:
+        report.warnings.append(f"{report.exact_duplicates} exact duplicate(s) in the training data")
+
+    if model_config is not None and disk_path is not None:
+        lp = lora_params(model_config, config.lora.r, config.lora.target_modules)
+        ckpt = checkpoint_bytes(lp)
+        needed = base_bytes + config.keep_checkpoints * ckpt + lp * 4 + LOG_BUDGET
+        free, where = _free_bytes(disk_path)
+        report.disk = {
+            "needed": needed,
+            "free": free,
+            "base": base_bytes,
+            "checkpoint": ckpt,
+            "keep": config.keep_checkpoints,
+            "path": str(where),
+        }
+        if needed > free:
+            report.problems.append(
+                f"not enough disk: needs ~{human(needed)}, {human(free)} free at {where}; "
+                "free space or lower keep_checkpoints"
+            )
+    return report, encoded
+
+
+def refuse_unless_ok(report: PreflightReport) -> None:
+    if not report.ok:
+        raise PreflightRefused(
+            report.render(), "fix the problems listed above, then run 'lorastack data check' again"
+        )

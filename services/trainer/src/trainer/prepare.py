@@ -1,0 +1,93 @@
+"""The common first half of `data check`, `data inspect` and a training run.
+
+Resolves and fetches the base model, checks the LoRA target modules against its
+weights, splits the data (in a staging folder; nothing is published here), loads the
+tokenizer and runs the preflight. No model weights are loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorastack.errors import NotFound
+from lorastack.manifest import Manifest
+from lorastack.store import ArtifactStore, open_store
+from trainer.config import RunConfig
+from trainer.modeling import check_target_modules, read_model_config
+from trainer.preflight import PreflightReport, check_dataset
+from trainer.samples import Sample
+from trainer.settings import TrainerSettings
+from trainer.splits import Splits, folder_digest, make_splits, write_folders
+
+
+@dataclass
+class Prepared:
+    store: ArtifactStore
+    base: Manifest
+    base_dir: Path
+    model_config: dict[str, Any]
+    splits: Splits
+    data_dir: Path  # staging folder of <output>/data
+    test_dir: Path  # staging folder of <output>/test
+    data_digest: str
+    test_digest: str
+    tokenizer: Any
+    report: PreflightReport
+    encoded: dict[str, list[Sample]]
+
+
+def prepare(config: RunConfig, settings: TrainerSettings, staging: Path) -> Prepared:
+    """Everything up to (not including) loading the model; `staging` receives the splits."""
+    store = open_store(settings)
+    try:
+        base = store.resolve(config.base_model)
+    except NotFound as e:
+        raise NotFound(
+            f"base_model {config.base_model!r} is not in the store {store.url}",
+            "import it first ('lorastack model import-default' for the embedded SmolLM2) or set "
+            "base_model to an artifact listed by 'lorastack store ls'",
+        ) from e
+    base_dir = store.fetch(base)
+    check_target_modules(base_dir, config.lora.target_modules)
+    model_config = read_model_config(base_dir)
+    splits = make_splits(config, store)
+    shutil.rmtree(staging, ignore_errors=True)
+    data_dir, test_dir = write_folders(splits, config, staging)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    report, encoded = check_dataset(
+        splits,
+        tokenizer,
+        config,
+        model_config=model_config,
+        base_bytes=base.size,
+        disk_path=staging,
+    )
+    return Prepared(
+        store,
+        base,
+        base_dir,
+        model_config,
+        splits,
+        data_dir,
+        test_dir,
+        folder_digest(data_dir),
+        folder_digest(test_dir),
+        tokenizer,
+        report,
+        encoded,
+    )
+
+
+def check(config: RunConfig, settings: TrainerSettings) -> PreflightReport:
+    """The dataset check alone (what `lorastack data check` prints)."""
+    staging = settings.resolved_runs_dir / config.output / "check"
+    try:
+        return prepare(config, settings, staging).report
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

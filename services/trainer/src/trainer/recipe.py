@@ -1,0 +1,799 @@
+"""The training recipe: setup / train / save_checkpoint / finish / cleanup, top to bottom.
+
+`run_training(config, settings, ...)` is the Python API (the CLI and the pipeline call
+it). Modes: "train" (publishes `<output>/data`, `<output>/test`, checkpoints and the
+adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothing) and
+"overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing).
+
+Exact resume: the data position is the step (batch order derives from (seed, epoch));
+a checkpoint restores adapter, AdamW, scheduler and RNG states; `--resume` first
+compares the checkpoint's run manifest with this run's and refuses on a difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lorastack.errors import Conflict, LorastackError, NotFound
+from lorastack.manifest import Manifest, git_commit, sha256_file
+from lorastack.store import ArtifactStore
+from trainer import __version__, checkpoint
+from trainer.batching import (
+    collate,
+    lr_factor,
+    step_micro_batches,
+    steps_per_epoch,
+    supervised_count,
+)
+from trainer.config import RunConfig, with_overrides
+from trainer.errors import (
+    ResumeRefused,
+    SmokeFailed,
+    TrainingCrashed,
+    TrainingInterrupted,
+    TrainingOOM,
+)
+from trainer.memory import estimate, human
+from trainer.metrics import (
+    OOM_HINT,
+    LogTail,
+    device_facts,
+    is_oom,
+    library_versions,
+    memory_now,
+    peak_bytes,
+    plot_losses,
+    read_series,
+    write_json,
+    write_support_bundle,
+)
+from trainer.modeling import compute_dtype, load_model, loss_sum, resolve_device
+from trainer.preflight import PreflightReport, refuse_unless_ok
+from trainer.prepare import prepare
+from trainer.samples import Sample, end_of_turn_id, prompt_ids, template_hash
+from trainer.settings import TrainerSettings
+from trainer.splits import Splits, publish_once
+
+log = logging.getLogger("trainer")
+
+SMOKE_STEPS = 8  # optimizer steps of a smoke run
+SMOKE_SEQ = 128  # tokens: smoke runs use samples at most this long
+SMOKE_NEW_TOKENS = 48  # tokens generated for the smoke sample
+OVERFIT_LOSS = 0.05  # nats/token: --overfit passes below this
+OVERFIT_MAX_STEPS = 300
+
+
+@dataclass
+class TrainResult:
+    mode: str
+    run_dir: Path
+    steps: int
+    losses: dict[int, float]
+    val_losses: dict[int, float]
+    adapter: Manifest | None = None
+    data: Manifest | None = None
+    test: Manifest | None = None
+    completion: dict[str, Any] = field(default_factory=dict)
+    verdict: dict[str, Any] | None = None
+    preflight: PreflightReport | None = None
+
+
+class Recipe:
+    def __init__(
+        self,
+        config: RunConfig,
+        settings: TrainerSettings,
+        mode: str,
+        overfit: int | None,
+        tail: LogTail,
+    ) -> None:
+        self.tail = tail
+        self.config = config
+        self.settings = settings
+        self.mode = mode
+        self.overfit = overfit
+        base_dir = settings.resolved_runs_dir / config.output
+        self.run_dir = base_dir if mode == "train" else base_dir / mode
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.metrics_dir = self.run_dir / "metrics"
+        self.step = 0
+        self.stop_signal: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self.device = torch.device("cpu")
+        self.losses: dict[int, float] = {}
+        self.val_losses: dict[int, float] = {}
+        self.tokens_seen = 0  # input tokens (not padding) in finished steps
+        self.wall_before = 0.0  # seconds spent in earlier sessions of a resumed run
+        self.start_time = time.monotonic()
+        self.last_checkpoint: Path | None = None
+        self.data_manifest: Manifest | None = None
+        self.test_manifest: Manifest | None = None
+        self.report: PreflightReport | None = None
+        self.memory_estimate: dict[str, int] = {}
+        self.model: Any = None
+
+    def say(self, line: str) -> None:
+        """Print a progress line and keep it for the support bundle."""
+        print(line, flush=True)
+        self.tail.lines.append(time.strftime("%H:%M:%S ") + line)
+
+    # ---- setup ------------------------------------------------------------------
+
+    def setup(self, *, resume: bool, auto_batch: bool) -> None:
+        cfg, settings = self.config, self.settings
+        torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
+        if self.mode != "train":
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        prep = prepare(cfg, settings, self.run_dir / "splits")
+        self.store: ArtifactStore = prep.store
+        self.base, self.base_dir, self.model_config = prep.base, prep.base_dir, prep.model_config
+        self.data_dir, self.test_dir = prep.data_dir, prep.test_dir
+        self.data_digest, self.test_digest = prep.data_digest, prep.test_digest
+        self.tokenizer, self.report, encoded = prep.tokenizer, prep.report, prep.encoded
+        splits = prep.splits
+        self.eot = end_of_turn_id(self.tokenizer)
+        self.pad = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot
+        )
+        self.say(self.report.render())
+        refuse_unless_ok(self.report)
+        self.splits: Splits = splits
+        self.train_samples, self.val_samples = self._select(encoded["train"], encoded["validation"])
+        cfg = self.config  # smoke and overfit runs adjust steps and schedule
+
+        self.device = resolve_device(cfg.device, settings.local_rank)
+        if auto_batch:
+            self.config = cfg = self._auto_batch()
+        self.run_manifest = {
+            "dataset_digest": self.data_digest,
+            "test_digest": self.test_digest,
+            "base": {"ref": self.base.ref, "digest": self.base.digest},
+            "config_hash": cfg.config_hash(),
+            "config": cfg.model_dump(mode="json"),
+            "code_version": f"trainer {__version__} ({git_commit() or 'no git'})",
+            "libraries": library_versions(),
+            "template_hash": template_hash(self.tokenizer),
+            "device_type": self.device.type,
+            "world_size": settings.world_size,
+        }
+        resume_from = self._find_resume_point(resume)
+        if self.mode == "train" and settings.is_main:
+            self.data_manifest = publish_once(
+                self.store,
+                self.data_dir,
+                f"{cfg.output}/data",
+                {"split": splits.counts(), "source": splits.source},
+            )
+            self.test_manifest = publish_once(
+                self.store,
+                self.test_dir,
+                f"{cfg.output}/test",
+                {"frozen_test_of": f"{cfg.output}/data"},
+            )
+        write_json(self.run_dir / "run-manifest.json", self.run_manifest)
+
+        self.memory_estimate = estimate(
+            self.model_config,
+            r=cfg.lora.r,
+            targets=cfg.lora.target_modules,
+            quantization=cfg.quantization,
+            compute_bytes=2 if compute_dtype(self.device) == torch.bfloat16 else 4,
+            micro_batch=cfg.micro_batch,
+            seq_len=max(s.length for s in self.train_samples),
+            gradient_checkpointing=cfg.gradient_checkpointing,
+        )
+        write_json(self.run_dir / "memory-estimate.json", self.memory_estimate)
+        self.say(
+            "memory estimate: "
+            + ", ".join(f"{k} {human(v)}" for k, v in self.memory_estimate.items()),
+        )
+
+        self._seed_everything(cfg.seed)
+        self.model = load_model(self.base_dir, cfg, self.device)
+        self.peft = self.model
+        if settings.world_size > 1:
+            self.model = self._wrap_ddp(self.model)
+        self.model.train()
+        params = [p for p in self.peft.parameters() if p.requires_grad]
+        self.trainable = sum(p.numel() for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.total_steps = self._total_steps()
+        total, warmup, schedule = self.total_steps, cfg.warmup_steps, cfg.schedule
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, total, warmup, schedule)
+        )
+        if resume_from is not None:
+            state = checkpoint.load_into(resume_from, self.peft, self.optimizer, self.scheduler)
+            self.step = int(state["step"])
+            self.tokens_seen = int(state.get("tokens_seen", 0))
+            self.wall_before = float(state.get("wall_s", 0.0))
+            self.val_losses = {int(k): float(v) for k, v in state.get("val_losses", {}).items()}
+            checkpoint.set_rng_states(checkpoint.load_rng(resume_from))
+            self.say(f"resumed from {resume_from} at step {self.step}")
+        self._install_signal_handlers()
+        self.say(
+            f"training {self.trainable:,} LoRA parameters on {self.device} "
+            f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
+            f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size})",
+        )
+
+    def _select(self, train: list[Sample], val: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+        cfg = self.config
+        if self.mode == "smoke":
+            short = [s for s in train if s.length <= SMOKE_SEQ]
+            want = cfg.micro_batch * cfg.grad_accum
+            if not short:
+                raise SmokeFailed(
+                    f"no training sample is at most {SMOKE_SEQ} tokens long",
+                    "smoke needs short samples",
+                )
+            self.config = with_overrides(
+                cfg,
+                [
+                    f"max_steps={SMOKE_STEPS}",
+                    "schedule=constant",
+                    "warmup_steps=0",
+                    f"checkpoint_every={SMOKE_STEPS}",
+                    f"eval_every={SMOKE_STEPS}",
+                    "keep_checkpoints=1",
+                    "epochs=10000",
+                ],
+            )
+            return short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
+        if self.mode == "overfit":
+            n = self.overfit or 1
+            self.config = with_overrides(
+                cfg,
+                [
+                    f"max_steps={cfg.max_steps or OVERFIT_MAX_STEPS}",
+                    "schedule=constant",
+                    "epochs=10000",
+                    "checkpoint_every=1000000",
+                    "eval_every=1000000",
+                ],
+            )
+            return train[:n], train[:n]
+        return train, val
+
+    def _total_steps(self) -> int:
+        cfg = self.config
+        by_epochs = cfg.epochs * steps_per_epoch(
+            len(self.train_samples), cfg.micro_batch, cfg.grad_accum
+        )
+        return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _find_resume_point(self, resume: bool) -> Path | None:
+        """The checkpoint to continue from (None for a fresh run); refuses a mismatch."""
+        if self.mode != "train":
+            return None
+        name = f"{self.config.output}/checkpoints"
+        local = checkpoint.local_steps(self.ckpt_root)
+        remote = [int(v) for v in self.store.versions(name) if v.isdigit()]
+        latest = max(local + remote, default=None)
+        if not resume:
+            if latest is not None:
+                raise ResumeRefused(
+                    f"run {self.config.output!r} already has checkpoints (latest step {latest})",
+                    "continue it with --resume, or start a new run with another output name "
+                    "(output=NAME)",
+                )
+            return None
+        if latest is None:
+            raise NotFound(
+                f"--resume: run {self.config.output!r} has no checkpoint", "start without --resume"
+            )
+        folder = checkpoint.step_dir(self.ckpt_root, latest)
+        if latest not in local:
+            self.store.get(self.store.manifest(name, str(latest)), folder)
+        old = checkpoint.read_manifest(folder)
+        changed = checkpoint.manifest_diff(old, self.run_manifest)
+        if changed:
+            raise ResumeRefused(
+                f"--resume refused: this run differs from checkpoint step {latest}:\n"
+                + "\n".join(f"  {c}" for c in changed),
+                "restore what changed, or start a new run under another output name; only "
+                "max_steps, epochs, checkpoint_every, eval_every, log_every, keep_checkpoints "
+                "and price_per_gpu_hour may change on resume",
+            )
+        return folder
+
+    def _auto_batch(self) -> RunConfig:
+        cfg = self.config
+        effective = cfg.micro_batch * cfg.grad_accum
+        if self.device.type != "cuda":
+            self.say(
+                f"auto-batch: probing needs a CUDA device; keeping micro_batch={cfg.micro_batch}, "
+                f"grad_accum={cfg.grad_accum}",
+            )
+            return cfg
+        model = load_model(self.base_dir, cfg, self.device)
+        seq = max(s.length for s in self.train_samples)
+        best, mb = 0, 1
+        while mb <= effective:
+            if effective % mb == 0:
+                try:
+                    ids = torch.full((mb, seq), self.eot, dtype=torch.long, device=self.device)
+                    loss_sum(model, ids, torch.ones_like(ids), ids).backward()
+                    best = mb
+                except torch.OutOfMemoryError:
+                    break
+                finally:
+                    model.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+            mb *= 2
+        del model
+        torch.cuda.empty_cache()
+        if best == 0:
+            raise TrainingOOM(
+                f"auto-batch: even micro_batch=1 at {seq} tokens does not fit", OOM_HINT
+            )
+        self.say(
+            f"auto-batch: micro_batch={best}, grad_accum={effective // best} (effective {effective})"
+        )
+        return with_overrides(cfg, [f"micro_batch={best}", f"grad_accum={effective // best}"])
+
+    def _wrap_ddp(self, model: Any) -> Any:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def _install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self.stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. called from a worker): no handlers
+                pass
+
+    # ---- train ------------------------------------------------------------------
+
+    def train(self) -> None:
+        cfg, n = self.config, len(self.train_samples)
+        session_start, session_tokens = time.monotonic(), 0
+        world, rank = self.settings.world_size, self.settings.rank
+        while self.step < self.total_steps:
+            t0 = time.monotonic()
+            groups = step_micro_batches(cfg.seed, self.step, n, cfg.micro_batch, cfg.grad_accum)
+            batches = [[self.train_samples[i] for i in g] for g in groups]
+            n_sup = sum(supervised_count(b) for b in batches)  # the whole step, all ranks
+            if n_sup == 0:
+                raise SmokeFailed(
+                    f"step {self.step + 1} has no supervised token: every label is masked",
+                    "check the masking (lorastack data inspect) and loss_on",
+                )
+            mine = batches[rank::world]
+            step_loss, step_tokens = 0.0, 0
+            for j, b in enumerate(mine):
+                batch = {k: v.to(self.device) for k, v in collate(b, self.pad).items()}
+                sync_ctx = (
+                    self.model.no_sync() if world > 1 and j < len(mine) - 1 else _nullcontext()
+                )
+                with sync_ctx:
+                    loss = loss_sum(self.model, **batch) / n_sup * world
+                    loss.backward()
+                step_loss += loss.item() / world
+                step_tokens += int(batch["attention_mask"].sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
+            )
+            lr = float(self.scheduler.get_last_lr()[0])
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.tokens_seen += step_tokens
+            session_tokens += step_tokens
+            self.losses[self.step] = step_loss
+            dt = time.monotonic() - t0
+            if not math.isfinite(step_loss):
+                raise SmokeFailed(f"the loss is {step_loss} at step {self.step}", "lower lr")
+            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                self._log_step(
+                    step_loss, lr, float(grad_norm), step_tokens, dt, session_start, session_tokens
+                )
+            if self.val_samples and (
+                self.step % cfg.eval_every == 0 or self.step == self.total_steps
+            ):
+                self._evaluate()
+            if self.mode == "overfit" and step_loss < OVERFIT_LOSS:
+                break
+            if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+                self.save_checkpoint()
+            if self.stop_signal is not None:
+                if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
+                    f"{self.step:08d}"
+                ):
+                    self.save_checkpoint()
+                name = signal.Signals(self.stop_signal).name
+                raise TrainingInterrupted(
+                    f"{name} received: stopped after step {self.step}; checkpoint {self.last_checkpoint}",
+                    "continue with the same command plus --resume",
+                )
+
+    def _log_step(
+        self,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        tokens: int,
+        dt: float,
+        session_start: float,
+        session_tokens: int,
+    ) -> None:
+        elapsed = time.monotonic() - session_start
+        tps = session_tokens / elapsed if elapsed > 0 else 0.0
+        steps_done = max(1, len(self.losses))
+        eta = (self.total_steps - self.step) * elapsed / steps_done
+        mem = memory_now(self.device)
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "tokens_total": self.tokens_seen,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            **mem,
+        }
+        if self.settings.is_main:
+            write_json(self.metrics_dir / f"metrics-step-{self.step}.json", record)
+        shown = mem.get("peak_allocated", mem.get("rss", 0))
+        line = (
+            f"step {self.step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
+            f"tok/s {tps:.0f} step {dt:.2f}s eta {_duration(eta)} mem {human(shown)}"
+        )
+        self.say(line)
+
+    def _evaluate(self) -> float:
+        self.model.eval()
+        total, count = 0.0, 0
+        mb = self.config.micro_batch
+        with torch.no_grad():
+            for i in range(0, len(self.val_samples), mb):
+                chunk = self.val_samples[i : i + mb]
+                batch = {k: v.to(self.device) for k, v in collate(chunk, self.pad).items()}
+                total += loss_sum(self.model, **batch).item()
+                count += supervised_count(chunk)
+        self.model.train()
+        val = total / max(1, count)
+        self.val_losses[self.step] = val
+        if self.settings.is_main:
+            write_json(
+                self.metrics_dir / f"eval-step-{self.step}.json",
+                {"step": self.step, "val_loss": val},
+            )
+        line = f"eval step {self.step}: validation loss {val:.4f} ({count} supervised tokens)"
+        self.say(line)
+        return val
+
+    # ---- checkpoints --------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.settings.is_main:
+            return None
+        state = {
+            "epoch": (self.step - 1)
+            // max(
+                1,
+                steps_per_epoch(
+                    len(self.train_samples), self.config.micro_batch, self.config.grad_accum
+                ),
+            ),
+            "tokens_seen": self.tokens_seen,
+            "wall_s": self.wall_before + time.monotonic() - self.start_time,
+            "val_losses": {str(k): v for k, v in self.val_losses.items()},
+        }
+        folder = checkpoint.save(
+            self.ckpt_root,
+            self.step,
+            self.peft,
+            self.optimizer,
+            self.scheduler,
+            state,
+            self.run_manifest,
+        )
+        self.last_checkpoint = folder
+        self.say(f"checkpoint step {self.step}: {folder}")
+        if self.mode == "train":
+            self._publish_checkpoint(folder)
+        for old in checkpoint.local_steps(self.ckpt_root)[: -self.config.keep_checkpoints]:
+            shutil.rmtree(checkpoint.step_dir(self.ckpt_root, old), ignore_errors=True)
+        return folder
+
+    def _publish_checkpoint(self, folder: Path) -> None:
+        name = f"{self.config.output}/checkpoints"
+        parents = [self.base.as_parent("base")]
+        if self.data_manifest is not None:
+            parents.append(self.data_manifest.as_parent("dataset"))
+        try:
+            self.store.publish(
+                folder,
+                kind="checkpoint",
+                name=name,
+                service="trainer",
+                version=str(self.step),
+                parents=parents,
+                config=self.config.model_dump(mode="json"),
+                metadata={"step": self.step, "total_steps": self.total_steps},
+            )
+        except Conflict:
+            log.warning("%s:%d was already published; keeping that version", name, self.step)
+        versions = sorted(int(v) for v in self.store.versions(name) if v.isdigit())
+        for v in versions[: -self.config.keep_checkpoints]:
+            self.store.delete(name, str(v))
+
+    # ---- finish -------------------------------------------------------------------
+
+    def finish(self) -> TrainResult:
+        cfg = self.config
+        if self.val_samples and self.step not in self.val_losses and self.step > 0:
+            self._evaluate()
+        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
+            f"{self.step:08d}"
+        ):
+            self.save_checkpoint()
+        train_series = read_series(self.metrics_dir, "metrics", "loss")
+        plot = plot_losses(
+            train_series, self.val_losses, self.run_dir / "loss.png", f"{cfg.output} ({self.mode})"
+        )
+        wall = self.wall_before + time.monotonic() - self.start_time
+        billed_h = wall / 3600 * self.settings.world_size
+        peak = peak_bytes(self.device)
+        completion = {
+            "mode": self.mode,
+            "wall_s": round(wall, 3),
+            "steps": self.step,
+            "tokens": self.tokens_seen,
+            "peak_memory": peak,
+            "memory_estimate": self.memory_estimate.get("total", 0),
+            "final_val_loss": self.val_losses.get(self.step),
+            "best_val_loss": min(self.val_losses.values()) if self.val_losses else None,
+            "final_train_loss": self.losses.get(self.step),
+            "trainable_params": self.trainable,
+            "billed_hours": billed_h,
+            "price_per_gpu_hour": cfg.price_per_gpu_hour,
+            "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
+            "device": device_facts(self.device),
+        }
+        self.say(
+            f"memory: estimated {human(self.memory_estimate.get('total', 0))}, measured peak "
+            f"{human(peak)} ({'torch allocated' if self.device.type == 'cuda' else 'process RSS'})",
+        )
+        result = TrainResult(
+            self.mode,
+            self.run_dir,
+            self.step,
+            dict(self.losses),
+            dict(self.val_losses),
+            data=self.data_manifest,
+            test=self.test_manifest,
+            completion=completion,
+            preflight=self.report,
+        )
+        if self.mode == "smoke":
+            result.verdict = self._smoke_verdict(train_series)
+        elif self.mode == "overfit":
+            last = self.losses.get(self.step, float("inf"))
+            result.verdict = {
+                "passed": last < OVERFIT_LOSS,
+                "checks": [
+                    f"loss {last:.4f} after {self.step} steps on {len(self.train_samples)} samples (pass below {OVERFIT_LOSS})"
+                ],
+            }
+        if self.mode == "train" and self.settings.is_main:
+            result.adapter = self._publish_adapter(completion, plot)
+            completion["adapter_digest"] = result.adapter.digest
+        write_json(self.run_dir / "training-complete.json", completion)
+        if result.verdict is not None:
+            self.say(("PASS" if result.verdict["passed"] else "FAIL") + f" ({self.mode})")
+            for c in result.verdict["checks"]:
+                self.say(f"  {c}")
+        return result
+
+    def _smoke_verdict(self, series: dict[int, float]) -> dict[str, Any]:
+        checks, ok = [], True
+        first, last = self.losses.get(1, float("nan")), self.losses.get(self.step, float("nan"))
+        down = last < first
+        ok &= down
+        checks.append(f"{'ok ' if down else 'BAD'} loss went down: {first:.4f} -> {last:.4f}")
+        reload_ok = False
+        if self.last_checkpoint is not None:
+            from safetensors.torch import load_file
+
+            saved = load_file(str(self.last_checkpoint / "adapter" / "adapter_model.safetensors"))
+            from peft import get_peft_model_state_dict
+
+            live = get_peft_model_state_dict(self.peft)
+            reload_ok = (
+                bool(saved)
+                and set(saved) == set(live)
+                and all(torch.equal(saved[k], live[k].detach().cpu()) for k in saved)
+            )
+        ok &= reload_ok
+        checks.append(
+            f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {self.last_checkpoint}"
+        )
+        conv = (self.splits.validation or self.splits.train)[0].conv
+        ids = torch.tensor([prompt_ids(conv, self.tokenizer)], device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            out = self.peft.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=SMOKE_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=self.eot,
+                pad_token_id=self.pad,
+                use_cache=True,
+            )
+        new = out[0, ids.shape[1] :].tolist()
+        stopped = bool(new) and new[-1] == self.eot
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        gen_ok = bool(text.strip()) and stopped
+        ok &= gen_ok
+        checks.append(
+            f"{'ok ' if gen_ok else 'BAD'} sample in the serving format "
+            f"({'stopped at end-of-turn' if stopped else f'no end-of-turn in {SMOKE_NEW_TOKENS} tokens'}): "
+            f"{text.strip()[:80]!r} (expected {conv.messages[-1].content[:40]!r})"
+        )
+        return {"passed": bool(ok), "checks": checks, "losses": series}
+
+    def _publish_adapter(self, completion: dict[str, Any], plot: Path) -> Manifest:
+        cfg = self.config
+        folder = self.run_dir / "adapter"
+        shutil.rmtree(folder, ignore_errors=True)
+        self.peft.save_pretrained(folder)
+        adapter_cfg = folder / "adapter_config.json"
+        import json
+
+        data = json.loads(adapter_cfg.read_text())
+        data["base_model_name_or_path"] = (
+            self.base.ref
+        )  # a store ref, never a hub id or a local path
+        adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        self.tokenizer.save_pretrained(folder)
+        shutil.copytree(self.metrics_dir, folder / "metrics")
+        shutil.copy(plot, folder / "loss.png")
+        shutil.copy(self.run_dir / "run-manifest.json", folder / "run-manifest.json")
+        shutil.copy(self.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
+        completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
+        write_json(folder / "training-complete.json", completion)
+        assert self.data_manifest is not None and self.test_manifest is not None
+        m = self.store.publish(
+            folder,
+            kind="adapter",
+            name=f"{cfg.output}/adapter",
+            service="trainer",
+            parents=[self.base.as_parent("base"), self.data_manifest.as_parent("dataset")],
+            config=cfg.model_dump(mode="json"),
+            metadata={
+                "test_split": {"ref": self.test_manifest.ref, "digest": self.test_manifest.digest},
+                "steps": self.step,
+                "final_val_loss": completion["final_val_loss"],
+                "best_val_loss": completion["best_val_loss"],
+                "lora_r": cfg.lora.r,
+                "quantization": cfg.quantization,
+            },
+        )
+        self.say(f"published {m.ref} ({m.digest[:19]})")
+        return m
+
+    def facts(self) -> dict[str, Any]:
+        cfg = self.config
+        facts: dict[str, Any] = {
+            "step": self.step,
+            "max_seq_len": cfg.max_seq_len,
+            "micro_batch": cfg.micro_batch,
+            "grad_accum": cfg.grad_accum,
+            "quantization": cfg.quantization,
+            "config": cfg.model_dump(mode="json"),
+        }
+        try:
+            facts |= device_facts(self.device)
+        except Exception:
+            facts["device"] = str(self.device)
+        tok = getattr(self, "tokenizer", None)
+        if tok is not None:
+            facts["template"] = {"name": type(tok).__name__, "hash": template_hash(tok)}
+        return facts
+
+    def cleanup(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+        if self.settings.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def run_training(
+    config: RunConfig,
+    settings: TrainerSettings,
+    *,
+    smoke: bool = False,
+    resume: bool = False,
+    overfit: int | None = None,
+    auto_batch: bool = False,
+) -> TrainResult:
+    """Run one training (or smoke / overfit run) end to end; see the module docstring.
+
+    Raises PreflightRefused, ResumeRefused, SmokeFailed (failing verdict),
+    TrainingInterrupted (SIGTERM/SIGINT, after a checkpoint), TrainingOOM and
+    TrainingCrashed (both after writing support-bundle.json).
+    """
+    mode = "smoke" if smoke else "overfit" if overfit is not None else "train"
+    tail = LogTail()
+    recipe = Recipe(config, settings, mode, overfit, tail)
+    logging.getLogger().addHandler(tail)
+    try:
+        recipe.setup(resume=resume and mode == "train", auto_batch=auto_batch)
+        recipe.train()
+        result = recipe.finish()
+    except LorastackError:
+        raise
+    except Exception as e:
+        recipe.run_dir.mkdir(parents=True, exist_ok=True)
+        bundle = write_support_bundle(
+            recipe.run_dir / "support-bundle.json", e, recipe.facts(), list(tail.lines)
+        )
+        print(f"support bundle: {bundle}", flush=True)
+        if is_oom(e):
+            raise TrainingOOM(
+                f"out of memory at step {recipe.step + 1} (micro_batch={recipe.config.micro_batch}, "
+                f"max_seq_len={recipe.config.max_seq_len}); support bundle: {bundle}",
+                OOM_HINT,
+            ) from e
+        raise TrainingCrashed(
+            f"training crashed at step {recipe.step + 1}: {type(e).__name__}: {e}\n"
+            f"  support bundle: {bundle}",
+            "the bundle holds the traceback, versions and last log lines; attach it to a bug report",
+        ) from e
+    finally:
+        recipe.cleanup()
+        logging.getLogger().removeHandler(tail)
+    if result.verdict is not None and not result.verdict["passed"]:
+        raise SmokeFailed(
+            f"{mode} run failed:\n" + "\n".join(f"  {c}" for c in result.verdict["checks"]),
+            "see the failing checks above; 'lorastack data inspect' shows what is supervised",
+        )
+    return result

@@ -1,0 +1,96 @@
+"""Conversations to token ids and labels, through the model's own chat template.
+
+Owns rendering (the exact text the model sees), tokenising with char offsets, and
+handing both to the pure masking functions. It never truncates: a sample longer than
+the maximum is reported by the preflight and refused or dropped there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lorastack.chat_data import Conversation
+from trainer.masking import (
+    MaskingError,
+    Span,
+    labels_from_mask,
+    locate_target,
+    part_lengths,
+    supervised_mask,
+)
+
+LossOn = Literal["all_assistant", "last_assistant"]
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]  # aligned with input_ids; IGNORE where not supervised
+    parts: dict[str, int]  # tokens: system, history, target (the last target + end-of-turn)
+    rendered: str
+    offsets: list[tuple[int, int]] = field(repr=False)
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def supervised(self) -> int:
+        return sum(1 for x in self.labels if x != -100)
+
+
+def end_of_turn_id(tokenizer: Any) -> int:
+    """The token that ends an assistant turn: the tokenizer's eos (`<|im_end|>`)."""
+    eid = tokenizer.eos_token_id
+    if eid is None:
+        raise MaskingError("the tokenizer has no eos token; set eos_token to the end-of-turn token")
+    return int(eid)
+
+
+def template_hash(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "sha256:" + hashlib.sha256(str(template).encode()).hexdigest()
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], prompt: bool = False) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    return str(text)
+
+
+def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
+    """Render `conv` and label its assistant targets; raises MaskingError when the
+    template does not put each target verbatim between its header and end-of-turn."""
+    msgs = [m.model_dump() for m in conv.messages]
+    rendered = render(tokenizer, msgs)
+    assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if loss_on == "last_assistant":
+        assistant_at = assistant_at[-1:]
+    spans: list[Span] = []
+    for i in assistant_at:
+        prompt = render(tokenizer, msgs[:i], prompt=True)
+        if not rendered.startswith(prompt):
+            raise MaskingError("the chat template renders a conversation's prefix differently")
+        spans.append(locate_target(rendered, len(prompt), msgs[i]["content"]))
+    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    ids = [int(t) for t in enc["input_ids"]]
+    offsets = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+    eot = end_of_turn_id(tokenizer)
+    mask = supervised_mask(offsets, ids, spans, eot)
+    last = spans[-1]
+    eot_end = next(e for (s, e), t in zip(offsets, ids, strict=True) if s >= last.end and t == eot)
+    first_user = next(m["content"] for m in msgs if m["role"] == "user")
+    user_at = rendered.find(first_user)
+    header = rendered.rfind(str(tokenizer.bos_token or ""), 0, user_at) if user_at > 0 else 0
+    system_end = header if header > 0 else max(user_at, 0)
+    parts = part_lengths(offsets, system_end, Span(last.start, eot_end))
+    return Sample(ids, labels_from_mask(ids, mask), parts, rendered, offsets)
+
+
+def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
+    """Token ids of everything before the last assistant answer, in the serving format
+    (chat template with the generation prompt)."""
+    msgs = [m.model_dump() for m in conv.messages[:-1]]
+    text = render(tokenizer, msgs, prompt=True)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]

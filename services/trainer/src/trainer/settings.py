@@ -1,0 +1,32 @@
+"""The trainer's one settings class, built once at start and passed down.
+
+Adds to the common settings where runs keep their local files and the process-group
+facts `torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK; read here and nowhere else).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+
+from lorastack.settings import CommonSettings
+
+
+class TrainerSettings(CommonSettings):
+    runs_dir: Path | None = Field(None, description="local run folders; default HOME/runs")
+    world_size: int = Field(
+        1, ge=1, validation_alias=AliasChoices("WORLD_SIZE", "LORASTACK_WORLD_SIZE")
+    )
+    rank: int = Field(0, ge=0, validation_alias=AliasChoices("RANK", "LORASTACK_RANK"))
+    local_rank: int = Field(
+        0, ge=0, validation_alias=AliasChoices("LOCAL_RANK", "LORASTACK_LOCAL_RANK")
+    )
+
+    @property
+    def resolved_runs_dir(self) -> Path:
+        return (self.runs_dir or self.home / "runs").expanduser().resolve()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
