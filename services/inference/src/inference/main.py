@@ -1,0 +1,173 @@
+"""Wiring: fetch what to serve, build the supervisor, expose it over HTTP, run uvicorn.
+
+Routes (the supervisor's own port; vLLM's OpenAI API is on `settings.port`):
+
+    GET    /health                       200 while the supervisor runs (body: vLLM alive?)
+    GET    /ready                        200 once loaded and warmed up, else 503
+    GET    /status                       model, adapters, KV estimate vs vLLM, restarts, log
+    GET    /metrics                      Prometheus text
+    POST   /admin/adapters               {"ref": "NAME[:VERSION]"} -> load from the store
+    DELETE /admin/adapters/{served_name}  unload
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from inference.artifacts import fetch_adapter, fetch_model
+from inference.engine import detect_platform
+from inference.errors import http_status
+from inference.kv_cache import Platform, estimate, read_shape
+from inference.metrics import build_registry, render
+from inference.settings import InferenceSettings
+from inference.supervisor import ServePlan, Supervisor
+from lorastack.errors import ConfigError, LorastackError
+from lorastack.store import ArtifactStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+def gpu_memory_gib(settings: InferenceSettings) -> float:
+    """GiB of the first GPU: from settings, else asked of torch (0 when unknown)."""
+    if settings.gpu_memory_gib:
+        return settings.gpu_memory_gib
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory) / 1024**3
+    except Exception:  # no torch / no driver: the estimate says it lacks the figure
+        pass
+    return 0.0
+
+
+def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
+    """Fetch and verify the model and preloaded adapters, and estimate the KV cache."""
+    platform: Platform = detect_platform() if settings.engine == "auto" else settings.engine
+    model = fetch_model(store, settings.model)
+    adapters = [
+        fetch_adapter(store, ref, model, max_lora_rank=settings.max_lora_rank, source="preload")
+        for ref in settings.adapters
+    ]
+    names = [a.served_name for a in adapters]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(f"adapter(s) listed twice: {', '.join(dup)}", "list each once")
+    shape = read_shape(model.path)
+    gpu_mem = gpu_memory_gib(settings) if platform == "cuda" else 0.0
+    if platform == "cuda" and not gpu_mem:
+        raise ConfigError(
+            "cannot tell the GPU's memory for the KV estimate",
+            "set gpu_memory_gib in the serve config (e.g. 80 for an H100)",
+        )
+    est = estimate(
+        shape,
+        platform=platform,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        dtype="float32" if settings.dtype == "auto" and platform == "cpu" else settings.dtype,
+        kv_dtype=settings.kv_cache_dtype,
+        kv_cache_gib=settings.kv_cache_gib,
+        gpu_mem_gib=gpu_mem,
+        gpu_util=settings.gpu_memory_utilization,
+        overhead_gib=settings.gpu_overhead_gib,
+        typical_tokens=settings.typical_tokens,
+    )
+    log.info(
+        "KV estimate: %s bytes/token, %s tokens, %.2fx at %s tokens",
+        f"{est.bytes_per_token:,}",
+        f"{est.capacity_tokens:,}",
+        est.max_concurrency,
+        settings.max_model_len,
+    )
+    for w in est.warnings:
+        log.warning("KV cache: %s", w)
+    return ServePlan(model=model, adapters=adapters, estimate=est, platform=platform)
+
+
+class AdapterLoad(BaseModel):
+    ref: str = Field(min_length=1, max_length=300, description="adapter NAME[:VERSION]")
+
+
+def create_app(
+    settings: InferenceSettings,
+    *,
+    plan: ServePlan | None = None,
+    store: ArtifactStore | None = None,
+) -> FastAPI:
+    store = store or open_store(settings)
+    supervisor = Supervisor(settings, plan or prepare(settings, store), store)
+    registry = build_registry(supervisor)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        supervisor.start()
+        try:
+            yield
+        finally:
+            supervisor.stop()
+
+    app = FastAPI(title="lorastack inference supervisor", lifespan=lifespan)
+    app.state.supervisor = supervisor
+
+    @app.exception_handler(LorastackError)
+    async def _error(request: Request, exc: LorastackError) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint}},
+            status_code=http_status(exc),
+        )
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        running = supervisor.state not in ("stopping", "stopped")
+        vllm = supervisor.server
+        body = {
+            "status": "ok" if running else supervisor.state,
+            "vllm_running": bool(vllm and vllm.running),
+        }
+        return JSONResponse(body, status_code=200 if running else 503)
+
+    @app.get("/ready")
+    def ready() -> JSONResponse:
+        body = {"ready": supervisor.ready, "state": supervisor.state}
+        return JSONResponse(body, status_code=200 if supervisor.ready else 503)
+
+    @app.get("/status")
+    def status() -> dict[str, Any]:
+        return supervisor.status()
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/admin/adapters", status_code=201)
+    def load_adapter(body: AdapterLoad) -> dict[str, object]:
+        return supervisor.load_adapter(body.ref).describe()
+
+    @app.delete("/admin/adapters/{served_name:path}")
+    def unload_adapter(served_name: str) -> dict[str, object]:
+        return {"unloaded": supervisor.unload_adapter(served_name).describe()}
+
+    return app
+
+
+def serve(settings: InferenceSettings) -> int:
+    """Fetch, then run the supervisor (and through it vLLM) until SIGINT/SIGTERM."""
+    import uvicorn
+
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.supervisor_host,
+        port=settings.supervisor_port,
+        log_level="warning",
+        access_log=False,
+    )
+    return 0

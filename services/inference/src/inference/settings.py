@@ -1,0 +1,152 @@
+"""The inference service's one settings class, and loading it from a serve YAML file.
+
+Every field can come from the YAML file given to `lorastack serve CONFIG` or from the
+environment (`LORASTACK_<FIELD>`); the file wins. Unknown keys in the file are refused
+so a typo does not silently fall back to a default.
+
+    # serve.yaml
+    model: smollm2-135m-instruct          # store ref NAME[:VERSION]: base or merged model
+    served_model_name: smollm2            # name clients send as "model"
+    adapters: [demo/adapter:3]            # served as demo/adapter-v3 beside the base
+    max_model_len: 2048                   # tokens, prompt + output, per request
+    max_num_seqs: 8                       # requests running at once
+    kv_cache_gib: 1                       # CPU only: KV cache space in GiB
+    gpu_memory_utilization: 0.9           # GPU only: fraction of the device vLLM may take
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from lorastack.errors import ConfigError
+from lorastack.manifest import parse_ref, validate_name
+from lorastack.settings import CommonSettings
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32 accepts
+
+
+class InferenceSettings(CommonSettings):
+    model: str = Field("", description="store ref NAME[:VERSION] of a base or merged model")
+    served_model_name: str = Field("", description="model name clients use; default: model name")
+    adapters: list[str] = Field(
+        default_factory=list, description="adapter refs to preload; each served as NAME-vVERSION"
+    )
+    enable_lora: bool = Field(False, description="allow adapters (on when adapters are listed)")
+    max_loras: int = Field(2, ge=1, le=64, description="adapters in one batch")
+    max_lora_rank: int = Field(16, description="largest adapter rank r accepted")
+    max_model_len: int = Field(2048, ge=16, description="tokens, prompt + output, per request")
+    max_num_seqs: int = Field(8, ge=1, le=4096, description="requests running at once")
+    typical_request_tokens: int = Field(
+        0, ge=0, description="tokens a typical request holds, for the preemption warning; "
+        "0 = max_model_len"
+    )  # fmt: skip
+    dtype: str = Field("auto", description="weights/compute dtype; auto = float32 on CPU")
+    kv_cache_dtype: str = Field("auto", description="auto = the compute dtype; fp8 on GPU")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_overhead_gib: float = Field(
+        2.0, ge=0.0, description="GPU memory besides weights and KV (activations, graphs), GiB"
+    )
+    gpu_memory_gib: float = Field(0.0, ge=0.0, description="for the estimate; 0 = ask the GPU")
+    kv_cache_gib: float = Field(1.0, gt=0.0, le=1024, description="CPU only: KV cache space, GiB")
+    engine: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: from installed vLLM")
+    host: str = Field("127.0.0.1", description="vLLM's bind address (0.0.0.0 in a container)")
+    port: int = Field(8000, ge=1, le=65535, description="vLLM's OpenAI API port")
+    supervisor_host: str = "127.0.0.1"
+    supervisor_port: int = Field(
+        8001, ge=1, le=65535, description="/health /ready /status /metrics"
+    )
+    workdir: Path | None = Field(None, description="vLLM logs, caches, sockets; default HOME/serve")
+    startup_timeout_s: float = Field(900.0, gt=0, description="seconds for load + warm-up")
+    restart_backoff_s: float = Field(2.0, gt=0, description="first restart delay, seconds")
+    restart_backoff_max_s: float = Field(60.0, gt=0, description="cap on the restart delay")
+    log_tail_lines: int = Field(50, ge=1, le=2000, description="vLLM log lines kept on /status")
+    extra_vllm_args: list[str] = Field(default_factory=list, description="passed to vLLM as is")
+
+    @field_validator("model")
+    @classmethod
+    def _model_ref(cls, v: str) -> str:
+        if v:
+            parse_ref(v)
+        return v
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_refs(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            parse_ref(ref)
+        return v
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _served(cls, v: str) -> str:
+        return validate_name(v, "served model name") if v else v
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v not in LORA_RANKS:
+            raise ValueError(f"vLLM accepts max_lora_rank in {LORA_RANKS}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> InferenceSettings:
+        if self.adapters:
+            self.enable_lora = True
+        if self.port == self.supervisor_port:
+            raise ValueError("port and supervisor_port must differ")
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError("restart_backoff_max_s must be >= restart_backoff_s")
+        return self
+
+    @property
+    def resolved_served_name(self) -> str:
+        name, _ = parse_ref(self.model)
+        return self.served_model_name or name.rsplit("/", 1)[-1]
+
+    @property
+    def resolved_workdir(self) -> Path:
+        return self.workdir or self.home / "serve"
+
+    @property
+    def typical_tokens(self) -> int:
+        return self.typical_request_tokens or self.max_model_len
+
+
+def build_settings(**values: Any) -> InferenceSettings:
+    """InferenceSettings from keyword values (+ environment), errors as ConfigError."""
+    unknown = sorted(set(values) - set(InferenceSettings.model_fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s): {', '.join(unknown)}",
+            f"valid keys: {', '.join(sorted(InferenceSettings.model_fields))}",
+        )
+    try:
+        return InferenceSettings(**values)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"invalid serve settings: {problems}", "fix these keys") from None
+
+
+def load_serve_config(path: Path) -> InferenceSettings:
+    """Settings from a serve YAML file (keys as in InferenceSettings) plus the environment."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(
+            f"serve config {path} does not exist", "give the path of a YAML file"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}", "fix the file's syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings", "e.g. 'model: NAME'")
+    settings = build_settings(**data)
+    if not settings.model:
+        raise ConfigError(f"{path} names no model", "add 'model: NAME[:VERSION]' (a store ref)")
+    return settings

@@ -1,0 +1,340 @@
+"""Keeps one vLLM alive and explains it: start, warm-up, readiness, restarts, adapters.
+
+Owns the state machine and the adapter registry; it does not know HTTP routes (main.py)
+or metric names (metrics.py). One background thread runs the loop:
+
+    starting -> warming -> ready --(vLLM exits)--> restarting --(backoff)--> starting ...
+
+`ready` is true only after vLLM answered /v1/models AND a warm-up completion. When vLLM
+exits, ready goes false at once, its last log lines are kept, and it is started again
+after min(restart_backoff_max_s, restart_backoff_s × 2^(failures−1)) seconds; the
+failure count resets once a start reaches ready. Adapters loaded at runtime are passed
+as --lora-modules to the next start, so a restart keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference import vllm_api
+from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
+from inference.engine import VllmServer
+from inference.errors import EngineFailed
+from inference.kv_cache import (
+    KvEstimate,
+    VllmKvReport,
+    parse_cache_config_info,
+    parse_kv_log,
+    relative_difference,
+    tokens_from_cache_config,
+)
+from inference.settings import InferenceSettings
+from lorastack.errors import Conflict, NotFound
+from lorastack.manifest import validate_name
+from lorastack.store import ArtifactStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServePlan:
+    """Everything fetched and computed before vLLM starts."""
+
+    model: ServedModel
+    adapters: list[ServedAdapter]
+    estimate: KvEstimate
+    platform: str  # "cpu" or "cuda"
+
+
+@dataclass
+class ExitRecord:
+    returncode: int | None
+    at: float  # unix time
+    uptime_s: float  # seconds since that start
+    log_tail: list[str] = field(default_factory=list)
+
+
+def backoff_delay(failures: int, base_s: float, cap_s: float) -> float:
+    """Seconds to wait before restart number `failures` (1, 2, ...): doubling, capped."""
+    return min(cap_s, base_s * 2 ** max(0, failures - 1))
+
+
+class Supervisor:
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        plan: ServePlan,
+        store: ArtifactStore,
+        *,
+        server_factory: Callable[..., VllmServer] = VllmServer,
+    ) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.store = store
+        self._factory = server_factory
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._adapters: dict[str, ServedAdapter] = {a.served_name: a for a in plan.adapters}
+        self.server: VllmServer | None = None
+        self.state = "created"
+        self.ready = False
+        self.restarts = 0  # starts after the first
+        self.failures = 0  # consecutive starts that did not reach ready
+        self.started_at = 0.0  # unix time of the current start
+        self.last_error = ""
+        self.exits: list[ExitRecord] = []  # newest last, at most 10
+        self.vllm_kv: VllmKvReport | None = None
+        self.vllm_cache_config: dict[str, str] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="vllm-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self.ready = False
+            self.state = "stopping"
+            server = self.server
+        if server is not None:
+            server.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.state = "stopped"
+
+    def _new_server(self) -> VllmServer:
+        s = self.settings
+        with self._lock:
+            modules = {name: a.path for name, a in self._adapters.items()}
+        return self._factory(
+            self.plan.model.path,
+            served_name=s.resolved_served_name,
+            port=s.port,
+            host=s.host,
+            max_model_len=s.max_model_len,
+            dtype=self.resolved_dtype,
+            kv_cache_gib=s.kv_cache_gib,
+            enable_lora=s.enable_lora,
+            lora_modules=modules,
+            max_lora_rank=s.max_lora_rank,
+            max_loras=s.max_loras,
+            max_num_seqs=s.max_num_seqs,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            extra_args=self.engine_args,
+            workdir=s.resolved_workdir,
+            platform=self.plan.platform,
+        )
+
+    @property
+    def resolved_dtype(self) -> str:
+        d = self.settings.dtype
+        return "float32" if d == "auto" and self.plan.platform == "cpu" else d
+
+    @property
+    def engine_args(self) -> list[str]:
+        args = list(self.settings.extra_vllm_args)
+        if self.settings.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", self.settings.kv_cache_dtype]
+        return args
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            server = self._new_server()
+            with self._lock:
+                self.server = server
+                self.state = "starting"
+                self.started_at = time.time()
+            try:
+                server.start()
+                server.wait_ready(self.settings.startup_timeout_s)
+                with self._lock:
+                    self.state = "warming"
+                vllm_api.warm_up(server.base_url, self.settings.resolved_served_name)
+                self._read_vllm_figures(server)
+                with self._lock:
+                    if self._stop.is_set():
+                        break
+                    self.ready, self.state, self.failures = True, "ready", 0
+                    self.last_error = ""
+                self._log_comparison()
+                while not self._stop.wait(0.5) and server.running:
+                    pass
+            except EngineFailed as e:
+                self.last_error = e.message.splitlines()[0]
+                log.error("vLLM failed: %s", self.last_error)
+            except Exception as e:  # top of the thread: keep supervising whatever happened
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.exception("vLLM supervision failed")
+            if self._stop.is_set():
+                break
+            self._record_exit(server)
+            server.stop()
+            with self._lock:
+                self.failures += 1
+                self.restarts += 1
+                self.state = "restarting"
+            delay = backoff_delay(
+                self.failures, self.settings.restart_backoff_s, self.settings.restart_backoff_max_s
+            )
+            log.warning("restarting vLLM in %.1f s (restart %d)", delay, self.restarts)
+            self._stop.wait(delay)
+        with self._lock:
+            self.ready = False
+
+    def _record_exit(self, server: VllmServer) -> None:
+        tail = server.log_tail(self.settings.log_tail_lines).splitlines()
+        record = ExitRecord(server.returncode, time.time(), time.time() - self.started_at, tail)
+        with self._lock:
+            self.ready = False
+            self.exits = [*self.exits[-9:], record]
+        log.warning(
+            "vLLM exited (status %s) after %.0f s; last lines:\n%s",
+            record.returncode,
+            record.uptime_s,
+            "\n".join(tail[-10:]),
+        )
+
+    def _read_vllm_figures(self, server: VllmServer) -> None:
+        report = parse_kv_log(server.read_log())
+        info = parse_cache_config_info(vllm_api.get_metrics(server.base_url))
+        with self._lock:
+            self.vllm_kv = report or self.vllm_kv
+            self.vllm_cache_config = info or self.vllm_cache_config
+
+    def _log_comparison(self) -> None:
+        kv = self.kv_comparison()
+        log.info(
+            "KV cache: estimated %s tokens, vLLM logged %s, vLLM metrics %s (difference %s)",
+            kv["estimate"]["capacity_tokens"],
+            kv["vllm_log"] and kv["vllm_log"]["capacity_tokens"],
+            kv["vllm_metrics"] and kv["vllm_metrics"]["capacity_tokens"],
+            kv["difference_pct"],
+        )
+        for w in self.plan.estimate.warnings:
+            log.warning("KV cache: %s", w)
+
+    # -- adapters ----------------------------------------------------------------------
+
+    def _require_ready(self) -> VllmServer:
+        with self._lock:
+            if not self.ready or self.server is None:
+                raise EngineFailed(
+                    f"vLLM is not ready (state: {self.state})", "retry when /ready answers 200"
+                )
+            return self.server
+
+    def load_adapter(self, ref: str) -> ServedAdapter:
+        """Fetch (verified) and load an adapter from the store under `<name>-v<version>`."""
+        if not self.settings.enable_lora:
+            raise EngineFailed(
+                "this server runs without LoRA",
+                "restart it with enable_lora: true (or list adapters in the config)",
+                status=409,
+            )
+        adapter = fetch_adapter(
+            self.store,
+            ref,
+            self.plan.model,
+            max_lora_rank=self.settings.max_lora_rank,
+            source="runtime",
+        )
+        with self._lock:
+            if adapter.served_name in self._adapters:
+                raise Conflict(
+                    f"{adapter.served_name} is already loaded",
+                    "a new version gets a new name: publish and load the next version",
+                )
+        server = self._require_ready()
+        vllm_api.load_lora(server.base_url, adapter.served_name, adapter.path)
+        with self._lock:
+            self._adapters[adapter.served_name] = adapter
+        log.info("loaded adapter %s as %s", adapter.manifest.ref, adapter.served_name)
+        return adapter
+
+    def unload_adapter(self, served_name: str) -> ServedAdapter:
+        validate_name(served_name, "served adapter name")
+        with self._lock:
+            adapter = self._adapters.get(served_name)
+        if adapter is None:
+            raise NotFound(
+                f"no adapter {served_name!r} is loaded",
+                f"loaded: {', '.join(self.adapters) or 'none'}",
+            )
+        server = self._require_ready()
+        vllm_api.unload_lora(server.base_url, served_name)
+        with self._lock:
+            self._adapters.pop(served_name, None)
+        log.info("unloaded adapter %s", served_name)
+        return adapter
+
+    @property
+    def adapters(self) -> dict[str, ServedAdapter]:
+        with self._lock:
+            return dict(self._adapters)
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def kv_comparison(self) -> dict[str, Any]:
+        est = self.plan.estimate
+        with self._lock:
+            report, info = self.vllm_kv, self.vllm_cache_config
+        metrics_tokens = tokens_from_cache_config(info) if info else None
+        reported = report.capacity_tokens if report else metrics_tokens
+        return {
+            "estimate": est.as_dict(),
+            "vllm_log": report.__dict__ if report else None,
+            "vllm_metrics": {
+                "capacity_tokens": metrics_tokens,
+                "num_gpu_blocks": info.get("num_gpu_blocks"),
+                "block_size": info.get("block_size"),
+                "kv_cache_memory_bytes": info.get("kv_cache_memory_bytes"),
+                "cache_config_info": info,
+            }
+            if info
+            else None,
+            "difference_pct": round(100 * relative_difference(est.capacity_tokens, reported), 3)
+            if reported
+            else None,
+        }
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            server = self.server
+            exits = list(self.exits)
+            state, ready = self.state, self.ready
+        m = self.plan.model.manifest
+        return {
+            "state": state,
+            "ready": ready,
+            "platform": self.plan.platform,
+            "model": {
+                "ref": m.ref,
+                "kind": m.kind,
+                "digest": m.digest,
+                "served_name": self.settings.resolved_served_name,
+                "path": str(self.plan.model.path),
+            },
+            "adapters": [a.describe() for a in self.adapters.values()],
+            "vllm": {
+                "base_url": server.base_url if server else None,
+                "pid": server.pid if server else None,
+                "running": bool(server and server.running),
+                "log": str(server.log_path) if server else None,
+                "uptime_s": round(time.time() - self.started_at, 1) if ready else 0.0,
+            },
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "last_exit": exits[-1].__dict__ if exits else None,
+            "kv_cache": self.kv_comparison(),
+            "log_tail": server.log_tail(self.settings.log_tail_lines).splitlines()
+            if server
+            else [],
+        }

@@ -1,0 +1,82 @@
+"""The supervisor's HTTP calls to its vLLM: warm-up, metrics, runtime LoRA load/unload.
+
+vLLM's answers are turned into `EngineFailed` here (with vLLM's own message), so the
+supervisor and the routes never see raw HTTP errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from inference.errors import EngineFailed
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return str(body)[:500]
+
+
+def warm_up(base_url: str, model: str, timeout_s: float = 120.0) -> None:
+    """One tiny completion end to end (tokenizer, scheduler, model, sampler)."""
+    try:
+        r = httpx.post(
+            f"{base_url}/v1/completions",
+            json={"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as e:
+        raise EngineFailed(f"warm-up request failed: {e}", "see the vLLM log") from e
+    if r.status_code != 200:
+        raise EngineFailed(f"warm-up answered {r.status_code}: {_message(r)}", "see the vLLM log")
+
+
+def get_metrics(base_url: str, timeout_s: float = 5.0) -> str:
+    try:
+        r = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return ""
+    return r.text if r.status_code == 200 else ""
+
+
+def load_lora(base_url: str, served_name: str, path: Path, timeout_s: float = 120.0) -> None:
+    try:
+        r = httpx.post(
+            f"{base_url}/v1/load_lora_adapter",
+            json={"lora_name": served_name, "lora_path": str(path)},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as e:
+        raise EngineFailed(f"vLLM did not answer the adapter load: {e}", "retry") from e
+    if r.status_code != 200:
+        raise EngineFailed(
+            f"vLLM refused to load {served_name} ({r.status_code}): {_message(r)}",
+            "check the adapter matches the served model and max_lora_rank",
+            status=502,
+        )
+
+
+def unload_lora(base_url: str, served_name: str, timeout_s: float = 60.0) -> None:
+    try:
+        r = httpx.post(
+            f"{base_url}/v1/unload_lora_adapter",
+            json={"lora_name": served_name},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as e:
+        raise EngineFailed(f"vLLM did not answer the adapter unload: {e}", "retry") from e
+    if r.status_code != 200:
+        raise EngineFailed(
+            f"vLLM refused to unload {served_name} ({r.status_code}): {_message(r)}",
+            "list loaded adapters on /status",
+            status=502,
+        )
