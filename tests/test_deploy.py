@@ -143,7 +143,7 @@ def test_k8s_gateway_lists_every_inference_replica_and_gpus_are_requested() -> N
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     gw = docs[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
     backends = yaml.safe_load(
-        next(e["value"] for e in gw["env"] if e["name"] == "LORASTACK_GATEWAY_BACKENDS")
+        next(e["value"] for e in gw["env"] if e["name"] == "LORASTACK_BACKENDS")
     )
     assert backends == [f"http://inference-{i}.inference:8000" for i in range(replicas)]
 
@@ -153,3 +153,31 @@ def test_multi_gpu_overlay_runs_torchrun() -> None:
     job = next(d for d in docs if d["kind"] == "Job")
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][0] == "torchrun" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+
+
+def settings_fields() -> set[str]:
+    """Every LORASTACK_* name some service's settings class reads."""
+    import importlib
+
+    from lorastack.settings import CommonSettings
+
+    names = set(CommonSettings.model_fields)
+    for module, cls in [
+        ("gateway.settings", "GatewaySettings"),
+        ("inference.settings", "InferenceSettings"),
+        ("trainer.settings", "TrainerSettings"),
+        ("merger.settings", "MergerSettings"),
+    ]:
+        names |= set(getattr(importlib.import_module(module), cls).model_fields)
+    return {f"LORASTACK_{n.upper()}" for n in names}
+
+
+def test_every_lorastack_variable_in_deploy_files_is_a_real_setting() -> None:
+    known = settings_fields()
+    texts = [(REPO / "compose.yaml").read_text()]
+    texts += [p.read_text() for p in (REPO / "deploy/k8s").rglob("*.yaml")]
+    used = {v for t in texts for v in re.findall(r"\b(LORASTACK_[A-Z0-9_]+)\s*[:=]", t)}
+    used |= {v for t in texts for v in re.findall(r"name: (LORASTACK_[A-Z0-9_]+)", t)}
+    assert used, "no settings found: the pattern is wrong"
+    unknown = sorted(used - known)
+    assert not unknown, f"not a setting of any service (typo, or renamed?): {unknown}"
