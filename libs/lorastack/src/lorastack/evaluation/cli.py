@@ -102,5 +102,107 @@ def _register_eval(sub: Any) -> None:
     p.set_defaults(handler=cmd_eval)
 
 
+def _floats(text: str) -> list[float]:
+    from lorastack.errors import ConfigError
+
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ConfigError(
+            f"{text!r} is not a comma-separated list of numbers", "e.g. 1,2,4,8"
+        ) from e
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from lorastack.errors import ConfigError
+    from lorastack.evaluation.loadtest_config import LoadtestConfig
+    from lorastack.evaluation.loadtest_report import PNG, render_text, write_outputs
+    from lorastack.evaluation.loadtest_run import run_loadtest
+
+    fields: dict[str, Any] = {
+        "base_url": args.base_url,
+        "model": args.model,
+        "api_key": args.api_key,
+        "endpoint": args.endpoint,
+        "concurrency": [int(c) for c in _floats(args.concurrency)] if args.concurrency else [],
+        "rates": _floats(args.rate) if args.rate else [],
+        "max_concurrency": args.max_concurrency,
+        "requests": args.requests,
+        "max_duration_s": args.max_duration_s,
+        "warmup": args.warmup,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "ignore_eos": not args.no_ignore_eos,
+        "prompts_file": args.prompts,
+        "tokenizer": args.tokenizer,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "metrics_url": args.metrics_url,
+        "temperature": args.temperature,
+        "timeout_s": args.timeout_s,
+        "seed": args.seed,
+    }
+    try:
+        config = LoadtestConfig.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:
+        msgs = "; ".join(
+            f"{'.'.join(map(str, x['loc'])) or 'flags'}: {x['msg'].removeprefix('Value error, ')}"
+            for x in e.errors()
+        )
+        raise ConfigError(f"invalid load test: {msgs}", "see 'lorastack loadtest --help'") from e
+    result = run_loadtest(config)
+    out = Path(args.out)
+    write_outputs(result, out)
+    print()
+    print(render_text(result))
+    print(
+        f"\nwritten: {out / 'report.md'}, {out / 'report.json'}, {out / PNG}, {out / 'samples.jsonl'}"
+    )
+    if args.publish:
+        from lorastack.store import open_store
+
+        m = open_store(CommonSettings()).publish(
+            out, kind="report", name=args.publish, service="evaluation", config=result.config
+        )
+        print(f"published: {m.ref}")
+    return 0
+
+
+def _register_loadtest(sub: Any) -> None:
+    p = sub.add_parser(
+        "loadtest",
+        help="streamed load sweep against an OpenAI-compatible endpoint (TTFT, TPOT, ITL, ...)",
+        description="Sweep concurrency levels and/or Poisson request rates; per level report "
+        "TTFT, TPOT, ITL and E2E percentiles, throughput, goodput and server peaks.",
+    )
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (vLLM or gateway)")
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--api-key", help="bearer token, if the endpoint needs one")
+    p.add_argument("--endpoint", choices=["chat", "completions"], help="default chat")
+    p.add_argument("--concurrency", help="levels of requests in flight, e.g. 1,2,4,8")
+    p.add_argument("--rate", help="levels of Poisson request rates per second, e.g. 1,2,4")
+    p.add_argument("--max-concurrency", type=int, help="cap on in-flight requests at rate levels")
+    p.add_argument("--requests", type=int, help="requests per level (default 32)")
+    p.add_argument("--max-duration-s", type=float, help="no new request after this (default 600)")
+    p.add_argument("--warmup", type=int, help="uncounted requests first (default 1)")
+    p.add_argument("--input-len", type=int, help="synthetic prompt tokens (default 128)")
+    p.add_argument("--output-len", type=int, help="max_tokens per request (default 64)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early")
+    p.add_argument("--prompts", help="JSONL of {prompt} or {messages} instead of synthetic")
+    p.add_argument("--tokenizer", help="model folder: exact prompt lengths and token counts")
+    p.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on TTFT")
+    p.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on TPOT")
+    p.add_argument("--metrics-url", help="the server's /metrics, sampled during each level")
+    p.add_argument("--temperature", type=float, help="default 0")
+    p.add_argument("--timeout-s", type=float, help="per request (default 600)")
+    p.add_argument("--seed", type=int, help="prompts and arrivals (default 0)")
+    p.add_argument("--out", default="loadtest", help="folder for report.md/json, PNG, samples")
+    p.add_argument("--publish", metavar="NAME", help="also publish as a report artifact")
+    p.set_defaults(handler=cmd_loadtest)
+
+
 def register(sub: Any) -> None:
     _register_eval(sub)
+    _register_loadtest(sub)
