@@ -160,6 +160,15 @@ class Backends:
             self.tokenizer_errors[source] = str(e)
             raise
 
+    def pending_tokenizers(self) -> list[str]:
+        """Models whose tokenizer is neither loaded nor failed yet (the gateway is not ready)."""
+        return [
+            m.id
+            for m in self.catalog().values()
+            if self.tokenizers.get(self.tokenizer_source(m)) is None
+            and self.tokenizer_source(m) not in self.tokenizer_errors
+        ]
+
     def views(self) -> list[BackendView]:
         out = []
         for st in self.states.values():

@@ -91,9 +91,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
-        ok = any(st.up and st.models for st in backends.states.values())
+        loading = backends.pending_tokenizers()
+        ok = any(st.up and st.models for st in backends.states.values()) and not loading
         return JSONResponse(
-            {"ready": ok, "backends": states, "models": sorted(backends.catalog())},
+            {
+                "ready": ok,
+                "backends": states,
+                "models": sorted(backends.catalog()),
+                "loading_tokenizers": loading,
+            },
             status_code=200 if ok else 503,
         )
 

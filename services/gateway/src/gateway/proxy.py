@@ -70,7 +70,8 @@ class Prepared:
     body: bytes
     headers: dict[str, str]  # for the client
     key: str
-    reserved_tokens: int
+    reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
+    prompt_tokens: int  # all prompts, as counted here
     adapter: bool
 
 
@@ -113,7 +114,7 @@ class Proxy:
                 self.metrics.inflight.dec()
 
     # --- before the upstream ------------------------------------------------
-    async def _read_json(self, request: Request) -> dict[str, Any]:
+    async def _read_json(self, request: Request) -> tuple[dict[str, Any], bytes]:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -134,7 +135,7 @@ class Proxy:
             raise BadRequest(f"the body is not valid JSON: {e}", "send a JSON object") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object", "send a JSON object")
-        return body
+        return body, raw
 
     async def _count(
         self, tok: CountingTokenizer, req: ChatRequest | CompletionRequest
@@ -151,7 +152,7 @@ class Proxy:
 
     async def _prepare(self, request: Request, route: str) -> Prepared:
         key = self.auth.authenticate(request.headers.get("authorization"))
-        body = await self._read_json(request)
+        body, original = await self._read_json(request)
         req: ChatRequest | CompletionRequest = (
             parse_chat(body, self.settings.max_messages)
             if route == "chat"
@@ -182,7 +183,7 @@ class Proxy:
         if req.stream and not client_wants_usage:
             body["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
             changed = True
-        raw = json.dumps(body).encode() if changed else await request.body()
+        raw = json.dumps(body).encode() if changed else original
         return Prepared(
             model=req.model,
             route=route,
@@ -192,6 +193,7 @@ class Proxy:
             headers=headers,
             key=key,
             reserved_tokens=reserved,
+            prompt_tokens=sum(counts),
             adapter=info.parent is not None,
         )
 
@@ -234,9 +236,7 @@ class Proxy:
         out = usage.get("completion_tokens") if usage else None
         if isinstance(out, int):
             m.output_tokens.labels(prep.model, prep.route).observe(out)
-            prompt = usage.get("prompt_tokens", 0) if usage else 0
-            used = (prompt if isinstance(prompt, int) else 0) + out
-            self.auth.refund(prep.key, prep.reserved_tokens - used)
+            self.auth.refund(prep.key, prep.reserved_tokens - prep.prompt_tokens - out)
         if ttft is not None:
             m.ttft.labels(prep.model, prep.route).observe(ttft)
             if isinstance(out, int) and out >= 2:

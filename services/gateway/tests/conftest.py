@@ -1,0 +1,70 @@
+"""Gateway fixtures: the fake upstream on loopback and a real gateway (uvicorn) in front."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # fake_upstream, also run as a script by bench/
+
+from fake_upstream import FakeState, FakeUpstream, serve_in_thread
+
+from gateway.main import create_app
+from gateway.settings import GatewaySettings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[str, FakeState]]:
+    state = FakeState()
+    with serve_in_thread(FakeUpstream(state), free_port()) as url:
+        yield url, state
+
+
+@pytest.fixture
+def second_fake() -> Iterator[tuple[str, FakeState]]:
+    state = FakeState()
+    with serve_in_thread(FakeUpstream(state), free_port()) as url:
+        yield url, state
+
+
+GatewayFactory = Callable[..., contextlib.AbstractContextManager[str]]
+
+
+@pytest.fixture
+def make_gateway(embedded_model: Path, tmp_path: Path) -> GatewayFactory:
+    """`with make_gateway([backend urls], **settings) as url:` a running gateway."""
+
+    @contextlib.contextmanager
+    def start(backends: list[str], **overrides: Any) -> Iterator[str]:
+        values: dict[str, Any] = {
+            "home": tmp_path / "home",
+            "backends": backends,
+            "tokenizers": {"smollm2": str(embedded_model)},
+            "scrape_interval_s": 0.1,
+            "retry_backoff_s": 0.01,
+        }
+        values.update(overrides)
+        app = create_app(GatewaySettings(**values))
+        with serve_in_thread(app, free_port()) as url:
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{url}/ready").status_code != 200:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("gateway never became ready")
+                time.sleep(0.05)
+            yield url
+
+    return start
