@@ -125,8 +125,8 @@ def test_store_refs_provenance_and_publish(fake: FakeUpstream, tmp_path: Path, h
     (adapter_dir / "training-complete.json").write_text(
         json.dumps({"steps": 75, "train_loss": 0.21, "val_loss": 0.35, "wall_time_s": 480.0})
     )
-    (adapter_dir / "metrics" / "metrics-step-70.json").write_text(
-        json.dumps({"step": 70, "loss": 0.3, "val_loss": 0.36})
+    (adapter_dir / "metrics" / "eval-step-70.json").write_text(
+        json.dumps({"step": 70, "val_loss": 0.36})
     )
     (adapter_dir / "metrics" / "metrics-step-75.json").write_text(
         json.dumps({"step": 75, "loss": 0.2})
@@ -143,7 +143,7 @@ def test_store_refs_provenance_and_publish(fake: FakeUpstream, tmp_path: Path, h
     assert report.adapter.training["train_loss"] == 0.21
     assert report.adapter.training["last_step.loss"] == 0.2
     assert report.adapter.validation["val_loss"] == 0.35
-    assert report.adapter.validation["metrics-step-70.val_loss"] == 0.36
+    assert report.adapter.validation["eval-step-70.val_loss"] == 0.36
     assert "val_loss" not in report.adapter.training
     assert report.adapter.train_data is not None and report.adapter.train_data.digest == data.digest
     published = store.resolve("demo/eval")

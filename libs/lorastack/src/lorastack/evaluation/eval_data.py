@@ -22,7 +22,8 @@ from lorastack.manifest import Manifest, sha256_file
 from lorastack.store import ArtifactStore
 
 TEST_FILE = "test.jsonl"
-_STEP_FILE = re.compile(r"metrics-step-(\d+)\.json$")
+_STEP_FILE = re.compile(r"metrics-step-(\d+)\.json$")  # the trainer's per-step numbers
+_EVAL_FILE = re.compile(r"eval-step-(\d+)\.json$")  # its validation passes
 _VAL_KEY = re.compile(r"(^|_)(val|valid|validation|eval)(_|$)")
 
 
@@ -45,7 +46,7 @@ class TrainingEvidence(BaseModel):
     adapter: DataSource
     training: dict[str, Any] = {}  # numbers seen on the training data
     validation: dict[str, Any] = {}  # numbers on the validation split (held out, not test)
-    last_step_file: str = ""  # the metrics file the latest per-step numbers came from
+    last_step_file: str = ""  # the metrics files the latest per-step numbers came from
     train_data: DataSource | None = None
     validation_data: DataSource | None = None
     manifest: Manifest | None = None
@@ -114,6 +115,12 @@ def split_training_validation(numbers: dict[str, Any]) -> tuple[dict[str, Any], 
     return train, val
 
 
+def _numbered(folder: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """Files matching `pattern` anywhere under `folder`, by their step number."""
+    found = [(int(m.group(1)), p) for p in folder.rglob("*.json") if (m := pattern.search(p.name))]
+    return [p for _, p in sorted(found)]
+
+
 def read_training_evidence(spec: str, store: ArtifactStore | None) -> TrainingEvidence:
     """Training and validation numbers of an adapter (store ref or local folder)."""
     manifest: Manifest | None = None
@@ -132,24 +139,19 @@ def read_training_evidence(spec: str, store: ArtifactStore | None) -> TrainingEv
     validation: dict[str, Any] = {}
     if complete.is_file():
         training, validation = split_training_validation(_load_json(complete))
-    steps = sorted(
-        (int(m.group(1)), p)
-        for p in folder.rglob("metrics-step-*.json")
-        if (m := _STEP_FILE.search(p.name))
-    )
     last_file = ""
+    steps = _numbered(folder, _STEP_FILE)
     if steps:
-        _, last = steps[-1]
+        last = steps[-1]
         last_file = str(last.relative_to(folder))
         t, v = split_training_validation(_load_json(last))
         training.update({f"last_step.{k}": val for k, val in t.items()})
         validation.update({f"last_step.{k}": val for k, val in v.items()})
-        # the latest validation numbers may sit in an earlier file (validation runs less often)
-        for _, p in reversed(steps[:-1]):
-            _, v_old = split_training_validation(_load_json(p))
-            if v_old and not v:
-                validation.update({f"{p.stem}.{k}": val for k, val in v_old.items()})
-                break
+    evals = _numbered(folder, _EVAL_FILE)  # the trainer's validation passes
+    if evals:
+        _, v = split_training_validation(_load_json(evals[-1]))
+        validation.update({f"{evals[-1].stem}.{k}": val for k, val in v.items()})
+        last_file += (", " if last_file else "") + str(evals[-1].relative_to(folder))
     if not training and not validation:
         raise NotFound(
             f"adapter {spec!r} holds neither training-complete.json nor metrics-step-N.json",
