@@ -15,7 +15,12 @@ from collections.abc import Sequence
 from lorastack.errors import LorastackError
 
 SERVICE_CLIS = ("lorastack.store_cli", "trainer.cli", "merger.cli", "inference.cli", "gateway.cli")
-OPTIONAL_CLIS = ("lorastack.pipeline", "lorastack.doctor", "lorastack.evaluation.cli")
+OPTIONAL_CLIS = (
+    "lorastack.pipeline",
+    "lorastack.doctor",
+    "lorastack.local_stack",
+    "lorastack.evaluation.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
