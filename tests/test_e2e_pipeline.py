@@ -1,0 +1,108 @@
+"""The README's first command, end to end on the embedded defaults, with a very short
+training: every stage's artifact exists, the gateway answers, and every Grafana query
+names a metric that the live stack's /metrics really exposes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from dashboard_queries import missing_from
+from prometheus_client.parser import text_string_to_metric_families
+
+from lorastack.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
+from lorastack.settings import CommonSettings
+from lorastack.store import open_store
+
+GATEWAY = f"http://127.0.0.1:{GATEWAY_PORT}"
+
+
+def lorastack(*args: str, home: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORASTACK_")}
+    env |= {"LORASTACK_HOME": str(home), "LORASTACK_TORCH_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, "-m", "lorastack.cli", *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def demo(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model: Path
+) -> Iterator[tuple[Path, str]]:
+    home = tmp_path_factory.mktemp("e2e") / "home"
+    # reuse the converted base model instead of converting the GGUF again (~1 min)
+    from lorastack.base_model import find_default_gguf
+    from lorastack.manifest import sha256_file
+
+    models = home / "models"
+    models.mkdir(parents=True)
+    sha = sha256_file(find_default_gguf())[:12]
+    (models / f"smollm2-135m-instruct-{sha}").symlink_to(embedded_model)
+    try:
+        out = lorastack("demo", "--max-steps", "4", home=home, timeout=1800)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        print(out.stdout)  # the demo's own report, shown with pytest -s
+        yield home, out.stdout
+    finally:
+        lorastack("down", home=home, timeout=120)
+
+
+@pytest.mark.slow
+def test_every_stage_left_its_artifact(demo: tuple[Path, str]) -> None:
+    home, log = demo
+    assert "== timings (s)" in log, log[-4000:]
+    store = open_store(CommonSettings(home=home))
+    kinds = {m.name: m.kind for m in store.ls()}
+    assert kinds["smollm2-135m-instruct"] == "base-model"
+    assert kinds["date-iso/data"] == kinds["date-iso/test"] == "dataset"
+    assert kinds["date-iso/adapter"] == "adapter"
+    assert kinds["date-iso/merged"] == "merged-model"
+    merged = store.fetch(store.resolve("date-iso/merged"))
+    report = json.loads((merged / "merge-report.json").read_text())
+    assert report["passed"] is True
+    adapter = store.fetch(store.resolve("date-iso/adapter"))
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert (adapter / "training-complete.json").is_file() and (adapter / "loss.png").is_file()
+    assert (home / "demo" / "eval" / "report.md").is_file()
+    assert "verdict" in (home / "demo" / "eval" / "report.md").read_text().lower()
+
+
+@pytest.mark.slow
+def test_the_gateway_answers_base_and_lora(demo: tuple[Path, str]) -> None:
+    models = httpx.get(f"{GATEWAY}/v1/models", timeout=30).json()["data"]
+    ids = {m["id"] for m in models}
+    assert "smollm2" in ids and any(m.get("parent") for m in models), models
+    body = {
+        "model": "smollm2",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+    r = httpx.post(f"{GATEWAY}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].strip()
+
+
+@pytest.mark.slow
+def test_every_dashboard_query_matches_the_live_metrics(demo: tuple[Path, str]) -> None:
+    exposed: set[str] = set()
+    for url in (
+        f"{GATEWAY}/metrics",
+        f"http://127.0.0.1:{VLLM_PORT}/metrics",
+        f"http://127.0.0.1:{SUPERVISOR_PORT}/metrics",
+    ):
+        text = httpx.get(url, timeout=30).text
+        for fam in text_string_to_metric_families(text):
+            exposed |= {fam.name} | {s.name for s in fam.samples}
+    assert missing_from(exposed) == {}
