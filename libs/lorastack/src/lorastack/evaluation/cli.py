@@ -203,6 +203,147 @@ def _register_loadtest(sub: Any) -> None:
     p.set_defaults(handler=cmd_loadtest)
 
 
+def _print_cost(report: Any) -> None:
+    print(f"{report.title} ({report.currency})")
+    width = max(len(x.item) for x in report.lines)
+    for x in report.lines:
+        print(f"  {x.item:{width}}  {x.amount:12.4f}   = {x.formula}")
+    print(f"  {'total':{width}}  {report.total:12.4f}")
+    print("assumptions:")
+    for a in report.assumptions:
+        print(f"  - {a}")
+
+
+def _read_json(path: Path) -> Any:
+    import json
+
+    from lorastack.errors import ConfigError, NotFound
+
+    if not path.is_file():
+        raise NotFound(f"{path} does not exist", "give the path of the JSON file")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}", "give the file the tool wrote") from e
+
+
+def cmd_cost_estimate(args: argparse.Namespace) -> int:
+    from lorastack.errors import ConfigError
+    from lorastack.evaluation.cost import estimate_training, steps_for, time_warm_steps
+
+    if args.steps is None and args.examples is None:
+        raise ConfigError("give --steps, or --examples with --batch-size and --epochs")
+    steps = args.steps or steps_for(args.examples, args.batch_size, args.epochs)
+    if args.seconds_per_step is not None:
+        sps, source = args.seconds_per_step, "given with --seconds-per-step"
+    elif args.metrics:
+        folder = Path(args.metrics)
+        files = sorted(folder.rglob("metrics-step-*.json"))
+        timing = time_warm_steps([_read_json(f) for f in files], args.warmup_steps)
+        sps = timing.seconds_per_step
+        source = (
+            f"mean of {timing.warm_steps} warm steps in {folder} (median {timing.median_s:.4g} s; "
+            f"first {timing.skipped_steps} skipped as warm-up)"
+        )
+    else:
+        raise ConfigError(
+            "no step time", "give --seconds-per-step, or --metrics DIR of a short (smoke) run"
+        )
+    report = estimate_training(
+        steps=steps,
+        seconds_per_step=sps,
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        gpus=args.gpus,
+        storage_gb=args.storage_gb,
+        price_per_gb_month=args.price_per_gb_month,
+        storage_months=args.months,
+        setup_hours=args.setup_hours,
+        idle_fraction=args.idle_fraction,
+        currency=args.currency,
+        timing_source=source,
+    )
+    _print_cost(report)
+    return 0
+
+
+def cmd_cost_actual(args: argparse.Namespace) -> int:
+    from lorastack.evaluation.cost import actual_training
+
+    path = Path(args.source)
+    if path.is_dir():
+        path = path / "training-complete.json"
+    elif not path.exists():
+        from lorastack.store import open_store
+
+        store = open_store(CommonSettings())
+        path = store.fetch(store.resolve(args.source)) / "training-complete.json"
+    report = actual_training(
+        _read_json(path), price_per_gpu_hour=args.price_per_gpu_hour, currency=args.currency
+    )
+    _print_cost(report)
+    return 0
+
+
+def cmd_cost_serving(args: argparse.Namespace) -> int:
+    from lorastack.evaluation.cost import serving_costs
+
+    path = Path(args.loadtest)
+    if path.is_dir():
+        path = path / "report.json"
+    rows = serving_costs(_read_json(path), args.price_per_hour)
+    print(f"serving cost at {args.price_per_hour:g} {args.currency}/h, from {path}")
+    print(
+        f"  {'LEVEL':10} {'OUT TOK/S':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'ERR':>4}  PER 1M OUTPUT TOKENS"
+    )
+    for r in rows:
+        ttft = f"{r.ttft_p50_ms:.0f}" if r.ttft_p50_ms is not None else "-"
+        tpot = f"{r.tpot_p50_ms:.1f}" if r.tpot_p50_ms is not None else "-"
+        print(
+            f"  {r.level:10} {r.output_tokens_per_s:10.1f} {ttft:>12} {tpot:>12} {r.errors:4}  {r.cost_per_million:.4f} {args.currency}"
+        )
+    print(
+        "  formula: price/h / (output tokens/s x 3600) x 1e6; the machine is assumed busy at that "
+        "level all the time (idle time, prompts and other models not counted)"
+    )
+    return 0
+
+
+def _register_cost(sub: Any) -> None:
+    p = sub.add_parser("cost", help="cost before a run, after it, and per million served tokens")
+    s = p.add_subparsers(dest="cost_command", metavar="ACTION", required=True)
+
+    e = s.add_parser("estimate", help="before a run: steps x s/step x price + storage + allowance")
+    e.add_argument("--steps", type=int, help="optimizer steps of the full run")
+    e.add_argument("--examples", type=int, help="training examples (with --batch-size, --epochs)")
+    e.add_argument("--batch-size", type=int, default=8, help="examples per optimizer step")
+    e.add_argument("--epochs", type=float, default=1.0)
+    e.add_argument("--seconds-per-step", type=float, help="measured on a short warm run")
+    e.add_argument("--metrics", help="folder with metrics-step-N.json of a short (smoke) run")
+    e.add_argument("--warmup-steps", type=int, default=2, help="first steps left out (default 2)")
+    e.add_argument("--price-per-gpu-hour", type=float, required=True)
+    e.add_argument("--gpus", type=int, default=1)
+    e.add_argument("--storage-gb", type=float, default=0.0, help="artifacts kept (GB)")
+    e.add_argument("--price-per-gb-month", type=float, default=0.0)
+    e.add_argument("--months", type=float, default=1.0, help="months the artifacts are kept")
+    e.add_argument("--setup-hours", type=float, default=0.25, help="per GPU (default 0.25)")
+    e.add_argument("--idle-fraction", type=float, default=0.10, help="of compute (default 0.10)")
+    e.add_argument("--currency", default="USD")
+    e.set_defaults(handler=cmd_cost_estimate)
+
+    a = s.add_parser("actual", help="after a run: billed time x price from training-complete.json")
+    a.add_argument("source", help="training-complete.json, its run folder, or an adapter ref")
+    a.add_argument("--price-per-gpu-hour", type=float, help="default: the price the run recorded")
+    a.add_argument("--currency", default="USD")
+    a.set_defaults(handler=cmd_cost_actual)
+
+    v = s.add_parser("serving", help="price per hour / measured throughput -> cost per 1M tokens")
+    v.add_argument("loadtest", help="report.json of 'lorastack loadtest' (or its folder)")
+    v.add_argument("--price-per-hour", type=float, required=True, help="for the whole server")
+    v.add_argument("--currency", default="USD")
+    v.set_defaults(handler=cmd_cost_serving)
+
+
 def register(sub: Any) -> None:
     _register_eval(sub)
     _register_loadtest(sub)
+    _register_cost(sub)
