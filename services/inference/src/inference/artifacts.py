@@ -50,9 +50,20 @@ def served_adapter_name(manifest: Manifest) -> str:
     return validate_name(f"{manifest.name}-v{manifest.version}", "served adapter name")
 
 
-def fetch_model(store: ArtifactStore, ref: str) -> ServedModel:
+def resolve(store: ArtifactStore, ref: str) -> Manifest:
+    """The manifest of `ref`; a missing one says how to list what exists."""
     parse_ref(ref)
-    manifest = store.resolve(ref)
+    try:
+        return store.resolve(ref)
+    except NotFound as e:
+        raise NotFound(
+            e.message,
+            e.hint or f"list the published versions: lorastack store ls {ref.partition(':')[0]}",
+        ) from None
+
+
+def fetch_model(store: ArtifactStore, ref: str) -> ServedModel:
+    manifest = resolve(store, ref)
     if manifest.kind not in MODEL_KINDS:
         raise ConfigError(
             f"{manifest.ref} is a {manifest.kind}, not a model",
@@ -68,8 +79,7 @@ def fetch_adapter(
     store: ArtifactStore, ref: str, model: ServedModel, *, max_lora_rank: int, source: str
 ) -> ServedAdapter:
     """Resolve, check and fetch (verified) an adapter made for the served model."""
-    parse_ref(ref)
-    manifest = store.resolve(ref)
+    manifest = resolve(store, ref)
     if manifest.kind != "adapter":
         raise ConfigError(
             f"{manifest.ref} is a {manifest.kind}, not an adapter",

@@ -1,0 +1,171 @@
+"""Serve config, names, the vLLM command line, backoff and the CLI, without a running vLLM
+(except the fail-fast test, which starts one that cannot load)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inference.artifacts import check_adapter_base, served_adapter_name
+from inference.engine import VllmServer
+from inference.errors import EngineFailed
+from inference.settings import build_settings, load_serve_config
+from inference.supervisor import backoff_delay
+from lorastack.cli import main as lorastack_main
+from lorastack.errors import ConfigError, InvalidName, Refused
+from lorastack.manifest import Manifest, Parent, Producer
+
+
+def _write(tmp_path: Path, data: object) -> Path:
+    p = tmp_path / "serve.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_serve_config_loads_and_fills_defaults(tmp_path: Path, home: Path) -> None:
+    s = load_serve_config(_write(tmp_path, {"model": "runs/a/merged:3", "adapters": ["x/y:2"]}))
+    assert s.resolved_served_name == "merged"
+    assert s.enable_lora  # adapters switch LoRA on
+    assert s.typical_tokens == s.max_model_len == 2048
+    assert s.resolved_workdir == home.resolve() / "serve"
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ({"model": "m", "max_model_len": 0}, "max_model_len"),
+        ({"model": "m", "max_lora_rank": 12}, "max_lora_rank"),
+        ({"model": "m", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"model": "m", "port": 9000, "supervisor_port": 9000}, "must differ"),
+        ({"model": "m", "max_num_seq": 4}, "unknown setting(s): max_num_seq"),
+        ({"adapters": []}, "names no model"),
+        (["model", "m"], "mapping"),
+    ],
+)
+def test_bad_serve_configs_say_what_to_fix(
+    tmp_path: Path, home: Path, data: object, words: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(_write(tmp_path, data))
+    assert words in e.value.message
+    assert e.value.hint
+
+
+@pytest.mark.parametrize("ref", ["../x", "a//b", "/abs", "x:1/2"])
+def test_bad_refs_are_invalid_names(home: Path, ref: str) -> None:
+    with pytest.raises(InvalidName):
+        build_settings(model=ref)
+    with pytest.raises(InvalidName):
+        build_settings(model="m", adapters=[ref])
+
+
+def _manifest(
+    name: str, version: str, digest: str, parents: list[Parent] | None = None
+) -> Manifest:
+    return Manifest(
+        kind="adapter", name=name, version=version, digest=digest, files=[],
+        created="now", producer=Producer(service="t"), parents=parents or [],
+    )  # fmt: skip
+
+
+def test_each_adapter_version_gets_its_own_served_name() -> None:
+    assert served_adapter_name(_manifest("runs/a/adapter", "3", "d")) == "runs/a/adapter-v3"
+    assert served_adapter_name(_manifest("x", "4", "d")) != served_adapter_name(
+        _manifest("x", "3", "d")
+    )
+
+
+def test_an_adapter_for_another_base_is_refused() -> None:
+    model = _manifest("base", "1", "sha256:aaa")
+    other = Parent(role="base", name="other", version="2", digest="sha256:bbb")
+    with pytest.raises(Refused, match="trained on other:2"):
+        check_adapter_base(_manifest("ad", "1", "d", [other]), model)
+    mine = Parent(role="base", name="base", version="1", digest="sha256:aaa")
+    check_adapter_base(_manifest("ad", "1", "d", [mine]), model)
+    check_adapter_base(_manifest("ad", "1", "d"), model)  # no recorded base: let through
+
+
+@pytest.mark.parametrize(
+    ("failures", "delay"), [(1, 2.0), (2, 4.0), (3, 8.0), (5, 32.0), (6, 60.0), (20, 60.0)]
+)
+def test_restart_backoff_doubles_and_is_capped(failures: int, delay: float) -> None:
+    assert backoff_delay(failures, 2.0, 60.0) == delay
+
+
+def test_cpu_command_and_environment(tmp_path: Path) -> None:
+    s = VllmServer(
+        tmp_path / "model", served_name="m", port=8123, workdir=tmp_path / "w",
+        enable_lora=True, lora_modules={"a-v1": tmp_path / "a"}, platform="cpu",
+    )  # fmt: skip
+    cmd = s.command()
+    assert cmd[1:3] == ["-m", "inference.vllm_launcher"]
+    assert {"--enforce-eager", "--enable-lora"} <= set(cmd)
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    assert cmd[cmd.index("--lora-modules") + 1] == f"a-v1={tmp_path / 'a'}"
+    assert "--gpu-memory-utilization" not in cmd
+    env = s.environment()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(
+        str(tmp_path)
+    )
+    half = VllmServer(tmp_path, served_name="m", port=1, workdir=tmp_path, kv_cache_gib=0.5,
+                      platform="cpu")  # fmt: skip
+    assert "VLLM_CPU_KVCACHE_SPACE" not in half.environment()  # the variable takes whole GiB
+    assert half.command()[half.command().index("--kv-cache-memory-bytes") + 1] == str(2**29)
+
+
+def test_cuda_command(tmp_path: Path) -> None:
+    s = VllmServer(
+        tmp_path, served_name="m", port=1, workdir=tmp_path, dtype="bfloat16",
+        gpu_memory_utilization=0.85, platform="cuda",
+    )  # fmt: skip
+    cmd = s.command()
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert "--enforce-eager" not in cmd and "--enable-lora" not in cmd
+    assert "VLLM_CPU_KVCACHE_SPACE" not in s.environment()
+
+
+@pytest.mark.slow
+def test_a_crashed_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    t0 = time.monotonic()
+    with VllmServer(model, served_name="m", port=1, workdir=tmp_path / "w", platform="cpu") as s:
+        with pytest.raises(EngineFailed) as e:
+            s.wait_ready(timeout_s=600)
+        assert s.returncode not in (None, 0)
+    assert time.monotonic() - t0 < 300  # did not sit out the 600 s timeout
+    assert "exited with status" in e.value.message
+    assert "no-such-architecture" in e.value.message  # vLLM's own words, from the log tail
+
+
+def test_kv_estimate_cli(embedded_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert lorastack_main(["kv-estimate", "--model", str(embedded_model)]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes/token: 46,080" in out
+    assert "capacity: 23,296 tokens (182 blocks of 128 tokens)" in out
+    assert "max concurrency at 2,048 tokens per request: 11.38x" in out
+    argv = ["kv-estimate", "--model", str(embedded_model), "--gpu-mem-gib", "80",
+            "--gpu-util", "0.9", "--max-model-len", "8192", "--max-num-seqs", "64"]  # fmt: skip
+    assert lorastack_main(argv) == 0
+    out = capsys.readouterr().out
+    for flag in ("--gpu-memory-utilization", "--max-model-len", "--max-num-seqs"):
+        assert f"  {flag}" in out
+
+
+def test_cli_errors_are_exit_codes_not_tracebacks(
+    tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert lorastack_main(["serve", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert lorastack_main(["kv-estimate", "--model", "no/such:1"]) == 2
+    assert "lorastack store ls no/such" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lorastack_main(["kv-estimate", "--model", "x", "--gpu-util", "1.5"])
+    assert "must be in (0, 1]" in capsys.readouterr().err
