@@ -1,0 +1,54 @@
+"""The merger's one settings class, built once at start (CLI handler or job entry point).
+
+Environment variables carry the `LORASTACK_` prefix, e.g. `LORASTACK_MERGE_MAX_SHARD_SIZE=5GB`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from lorastack.settings import CommonSettings
+
+# The ranks vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks, vLLM 0.32).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class MergerSettings(CommonSettings):
+    merge_dir: Path | None = Field(
+        None, description="where merged folders are written before publishing; default HOME/merges"
+    )
+    merge_max_shard_size: str = Field(
+        "2GB", description="largest safetensors shard, e.g. '2GB' or '500MB'; larger models shard"
+    )
+    merge_probe_new_tokens: int = Field(
+        24, ge=1, le=512, description="tokens generated greedily per probe during verification"
+    )
+    max_lora_rank: int = Field(
+        16, description="the serving vLLM's --max-lora-rank, for check-adapter"
+    )
+
+    @field_validator("merge_dir")
+    @classmethod
+    def _expand_dir(cls, v: Path | None) -> Path | None:
+        return v.expanduser().resolve() if v is not None else None
+
+    @field_validator("merge_max_shard_size")
+    @classmethod
+    def _shard_size(cls, v: str) -> str:
+        digits = v.upper().removesuffix("B").rstrip("KMGT")
+        if not digits.isdigit() or not v.upper().endswith(("KB", "MB", "GB", "TB")):
+            raise ValueError(f"{v!r} is not a size like '2GB' or '500MB'")
+        return v
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v not in VLLM_MAX_LORA_RANKS:
+            raise ValueError(f"vLLM accepts --max-lora-rank only in {VLLM_MAX_LORA_RANKS}")
+        return v
+
+    @property
+    def resolved_merge_dir(self) -> Path:
+        return self.merge_dir or self.home / "merges"
