@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -15,16 +14,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # fake_upstream, also run as a script by bench/
 
-from fake_upstream import FakeState, FakeUpstream, serve_in_thread
+from fake_upstream import FakeState, FakeUpstream, free_port, serve_in_thread
 
 from gateway.main import create_app
 from gateway.settings import GatewaySettings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -300,6 +301,12 @@ class FakeUpstream:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,330 @@
+"""Added latency of the gateway versus calling the (fake) upstream directly; and a soak.
+
+Starts the fake vLLM (services/gateway/tests/fake_upstream.py) and the gateway
+(`lorastack gateway`, one uvicorn worker) as separate processes on 127.0.0.1, then drives
+streaming chat requests from this process with a minimal raw HTTP/1.1 client (asyncio +
+uvloop; no SDK overhead in the numbers). For each concurrency it measures TTFT (to the
+first SSE event) and end-to-end time, direct and through the gateway, and prints JSON.
+
+    .venv/bin/python bench/gateway_latency.py --tokenizer DIR [--duration 10] \
+        [--concurrency 1 16 64 256] [--soak 600] > bench/results/gateway-latency.json
+
+Soak: streams through the gateway for --soak seconds, a random fraction of which the
+client abandons mid-stream; before and after (and after a short settle) it records the
+gateway's RSS, its open TCP connections and its in-flight gauge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE = REPO / "services" / "gateway" / "tests" / "fake_upstream.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(port: int, path: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                if b" 200 " in s.recv(100):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing answered 200 on :{port}{path}")
+
+
+async def stream_once(
+    port: int, body: bytes, abandon_after: int | None = None
+) -> tuple[float, float]:
+    """One streaming POST; returns (ttft, e2e) in seconds. Reads the chunked body raw."""
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.split(b"\r\n")[0].decode())
+        ttft = None
+        events = 0
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            size = int(size_line.strip(), 16)
+            if size == 0:
+                break
+            data = await reader.readexactly(size + 2)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            events += data.count(b"data: ")
+            if abandon_after is not None and events >= abandon_after:
+                return ttft, time.perf_counter() - t0  # hang up mid-stream
+        assert ttft is not None
+        return ttft, time.perf_counter() - t0
+    finally:
+        writer.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+async def load(port: int, body: bytes, concurrency: int, duration: float) -> dict[str, Any]:
+    ttfts: list[float] = []
+    e2es: list[float] = []
+    errors = 0
+    stop = time.perf_counter() + duration
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.perf_counter() < stop:
+            try:
+                ttft, e2e = await stream_once(port, body)
+                ttfts.append(ttft)
+                e2es.append(e2e)
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    ms = 1000.0
+    return {
+        "requests": len(e2es),
+        "errors": errors,
+        "requests_per_s": round(len(e2es) / wall, 1),
+        "ttft_p50_ms": round(pct(ttfts, 50) * ms, 3),
+        "ttft_p99_ms": round(pct(ttfts, 99) * ms, 3),
+        "e2e_p50_ms": round(pct(e2es, 50) * ms, 3),
+        "e2e_p99_ms": round(pct(e2es, 99) * ms, 3),
+    }
+
+
+async def load_with_excerpt(
+    port: int, body: bytes, concurrency: int, duration: float
+) -> tuple[dict[str, Any], str]:
+    """`load`, with the gateway's /metrics read half-way through."""
+    task = asyncio.ensure_future(load(port, body, concurrency, duration))
+    await asyncio.sleep(duration / 2)
+    text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
+    return await task, text
+
+
+def gateway_state(proc: psutil.Process, port: int) -> dict[str, Any]:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    text = raw.decode()
+    m = re.search(r"^lorastack_gateway_inflight_requests (\S+)$", text, re.M)
+    conns = [c for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED]
+    return {
+        "rss_mib": round(proc.memory_info().rss / 2**20, 1),
+        "established_tcp": len(conns),
+        "inflight_gauge": float(m.group(1)) if m else None,
+        "open_fds": proc.num_fds(),
+    }
+
+
+def metrics_excerpt(port: int) -> str:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    keep = ("inflight", "backend_", "rejections_total", "_count", "_sum", "upstream_errors")
+    lines = raw.decode().split("\r\n\r\n", 1)[1].splitlines()
+    return "\n".join(ln for ln in lines if not ln.startswith("#") and any(k in ln for k in keep))
+
+
+async def soak(
+    gw_port: int, body: bytes, proc: psutil.Process, seconds: float, concurrency: int
+) -> dict[str, Any]:
+    before = gateway_state(proc, gw_port)
+    done = abandoned = errors = 0
+    stop = time.perf_counter() + seconds
+    samples = []
+    rng = random.Random(7)
+
+    async def worker() -> None:
+        nonlocal done, abandoned, errors
+        while time.perf_counter() < stop:
+            cut = rng.randint(1, 12) if rng.random() < 0.3 else None
+            try:
+                await stream_once(gw_port, body, abandon_after=cut)
+                done += cut is None
+                abandoned += cut is not None
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                errors += 1
+
+    async def sampler() -> None:
+        while time.perf_counter() < stop:
+            await asyncio.sleep(min(30.0, seconds / 10))
+            samples.append(
+                {
+                    "t_s": round(seconds - (stop - time.perf_counter())),
+                    **gateway_state(proc, gw_port),
+                }
+            )
+
+    await asyncio.gather(sampler(), *(worker() for _ in range(concurrency)))
+    during = gateway_state(proc, gw_port)
+    await asyncio.sleep(5)  # let closed streams finish on both sides
+    after = gateway_state(proc, gw_port)
+    return {
+        "seconds": seconds,
+        "concurrency": concurrency,
+        "completed": done,
+        "abandoned_mid_stream": abandoned,
+        "errors": errors,
+        "before": before,
+        "samples": samples,
+        "right_after": during,
+        "after_5s_settle": after,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="HF folder of SmolLM2 (the gateway counts tokens with it)",
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per answer")
+    p.add_argument("--pace", type=float, default=0.01, help="seconds between tokens (fake)")
+    p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
+    p.add_argument("--soak-concurrency", type=int, default=32)
+    a = p.parse_args()
+
+    import uvloop
+
+    fake_port, gw_port = free_port(), free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            str(FAKE),
+            "--port",
+            str(fake_port),
+            "--tokens",
+            str(a.tokens),
+            "--pace",
+            str(a.pace),
+        ],
+        env=env,
+    )
+    gw_env = dict(
+        env,
+        LORASTACK_TOKENIZERS=json.dumps({"smollm2": a.tokenizer}),
+        LORASTACK_ADMIT_MAX_WAITING="100000",
+    )
+    gw = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lorastack.cli",
+            "gateway",
+            "--port",
+            str(gw_port),
+            "--backend",
+            f"http://127.0.0.1:{fake_port}",
+        ],
+        env=gw_env,
+    )
+    try:
+        wait_http(fake_port, "/v1/models")
+        wait_http(gw_port, "/ready")
+        gw_proc = psutil.Process(gw.pid)
+        body = json.dumps(
+            {
+                "model": "smollm2",
+                "messages": [
+                    {"role": "system", "content": "You are a concise assistant."},
+                    {"role": "user", "content": "Explain in two sentences what a KV cache is."},
+                ],
+                "max_tokens": 64,
+                "stream": True,
+            }
+        ).encode()
+        results: dict[str, Any] = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "cpu": platform.processor() or platform.machine(),
+                "python": platform.python_version(),
+                "note": "client, gateway and fake upstream share these cores; other work on the machine adds noise",
+                "load_avg_at_start": os.getloadavg(),
+            },
+            "workload": {
+                "tokens_per_answer": a.tokens,
+                "pace_s": a.pace,
+                "duration_s_per_point": a.duration,
+                "stream": True,
+            },
+            "points": [],
+        }
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(load(gw_port, body, 4, 2.0))  # warm-up both paths
+        loop.run_until_complete(load(fake_port, body, 4, 2.0))
+        for c in a.concurrency:
+            direct = loop.run_until_complete(load(fake_port, body, c, a.duration))
+            if c == 64:
+                via, text = loop.run_until_complete(load_with_excerpt(gw_port, body, c, a.duration))
+                results["metrics_excerpt_during_64_streams"] = text
+            else:
+                via = loop.run_until_complete(load(gw_port, body, c, a.duration))
+            added = {
+                k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3)
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+            }
+            results["points"].append({"concurrency": c, "direct": direct, "gateway": via, **added})
+            print(json.dumps(results["points"][-1]), file=sys.stderr)
+        if a.soak > 0:
+            results["soak"] = loop.run_until_complete(
+                soak(gw_port, body, gw_proc, a.soak, a.soak_concurrency)
+            )
+        print(json.dumps(results, indent=2))
+    finally:
+        for proc in (gw, fake):
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
