@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -197,12 +198,15 @@ class VllmServer:
         except httpx.HTTPError:
             return False
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until `/health` and `/v1/models` answer; fail fast if the process exits."""
+    def wait_ready(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
+        """Block until `/health` and `/v1/models` answer; fail fast if the process exits
+        (the error carries the log tail) or `cancel` is set."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc is None:
                 raise EngineFailed("vLLM was not started", "call start() first")
+            if cancel is not None and cancel.is_set():
+                raise EngineFailed("vLLM start-up was cancelled", "")
             code = self._proc.poll()
             if code is not None:
                 raise EngineFailed(

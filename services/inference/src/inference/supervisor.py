@@ -108,6 +108,10 @@ class Supervisor:
             server.stop()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        with self._lock:
+            server = self.server
+        if server is not None:  # the loop may have started another one meanwhile
+            server.stop()
         self.state = "stopped"
 
     def _new_server(self) -> VllmServer:
@@ -154,7 +158,7 @@ class Supervisor:
                 self.started_at = time.time()
             try:
                 server.start()
-                server.wait_ready(self.settings.startup_timeout_s)
+                server.wait_ready(self.settings.startup_timeout_s, cancel=self._stop)
                 with self._lock:
                     self.state = "warming"
                 vllm_api.warm_up(server.base_url, self.settings.resolved_served_name)
@@ -174,6 +178,7 @@ class Supervisor:
                 self.last_error = f"{type(e).__name__}: {e}"
                 log.exception("vLLM supervision failed")
             if self._stop.is_set():
+                server.stop()
                 break
             self._record_exit(server)
             server.stop()
