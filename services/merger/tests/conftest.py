@@ -4,6 +4,7 @@ merge changes the model) and publishes them as the trainer would."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,19 +24,32 @@ QA = [
 ]
 
 AdapterFactory = Callable[..., Manifest]
+BASE = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def seed_home(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A home whose store holds the base (and whose cache holds it fetched), built once:
+    each test gets a hard-linked copy instead of hashing and copying 538 MB again."""
+    from lorastack.base_model import import_folder
+
+    seed = tmp_path_factory.mktemp("seed") / "home"
+    settings = MergerSettings(home=seed)
+    open_store(settings).fetch(import_folder(settings, embedded_model, name=BASE))
+    return seed
 
 
 @pytest.fixture
-def settings(home: Path) -> MergerSettings:
+def settings(home: Path, seed_home: Path) -> MergerSettings:
+    # Blobs are immutable (written by rename), so hard links are safe to share.
+    shutil.copytree(seed_home, home, copy_function=os.link)
     # Few tokens and 2 threads keep verification quick on a 2-core CI machine.
     return MergerSettings(torch_threads=2, merge_probe_new_tokens=8)
 
 
 @pytest.fixture
-def base_manifest(settings: MergerSettings, embedded_model: Path) -> Manifest:
-    from lorastack.base_model import import_folder
-
-    return import_folder(settings, embedded_model, name="smollm2-135m-instruct")
+def base_manifest(settings: MergerSettings) -> Manifest:
+    return open_store(settings).resolve(BASE)
 
 
 @pytest.fixture

@@ -170,7 +170,7 @@ def _load_with_adapter(base_dir: Path, adapter_dir: Path) -> Any:
     return model.eval()
 
 
-def _lineage(adapter: Manifest, base: Manifest, dataset: Parent | None) -> dict[str, Any]:
+def _lineage(adapter: Manifest, base: Manifest, dataset: Parent) -> dict[str, Any]:
     run_cfg = json.dumps(adapter.config, sort_keys=True, separators=(",", ":")).encode()
     run_manifest = next((f.sha256 for f in adapter.files if f.path == "run-manifest.json"), None)
     lineage: dict[str, Any] = {
@@ -178,30 +178,25 @@ def _lineage(adapter: Manifest, base: Manifest, dataset: Parent | None) -> dict[
         "adapter": {"ref": adapter.ref, "digest": adapter.digest},
         "run_config_digest": "sha256:" + hashlib.sha256(run_cfg).hexdigest(),
         "run_manifest_sha256": run_manifest,
+        "dataset": {"ref": f"{dataset.name}:{dataset.version}", "digest": dataset.digest},
     }
-    if dataset:
-        lineage["dataset"] = {"ref": f"{dataset.name}:{dataset.version}", "digest": dataset.digest}
     return lineage
 
 
-def merge_adapter(
-    settings: MergerSettings,
-    adapter_ref: str,
-    dtype: str = "float32",
-    name: str | None = None,
-    probes: int = 8,
-) -> MergeResult:
-    """Merge, verify and (only if verified) publish. See the module docstring."""
-    import torch
+@dataclass
+class _Inputs:
+    """Everything the merge reads, resolved and fetched (verified, read-only folders)."""
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-    if probes < 1:
-        raise ConfigError(f"--probes {probes} must be at least 1", "use e.g. --probes 8")
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
-    timings: dict[str, float] = {}
-    start = time.monotonic()
+    adapter: Manifest
+    base: Manifest
+    dataset: Parent
+    adapter_dir: Path
+    base_dir: Path
+    dataset_dir: Path
+
+
+def resolve_inputs(settings: MergerSettings, adapter_ref: str) -> _Inputs:
+    """Fetch the adapter, its base and its dataset; refuse a changed or quantized base."""
     store = open_store(settings)
     adapter = store.resolve(adapter_ref)
     if adapter.kind != "adapter":
@@ -209,8 +204,6 @@ def merge_adapter(
             f"{adapter.ref} is a {adapter.kind}, not an adapter",
             "give the adapter the trainer published, e.g. RUN/adapter",
         )
-    out_name = validate_name(name or default_name(adapter.name))
-
     base_parent = _parent(adapter, "base")
     try:
         base = store.manifest(base_parent.name, base_parent.version)
@@ -223,27 +216,44 @@ def merge_adapter(
     check_base_digest(base_parent, base)
     base_dir = store.fetch(base)
     refuse_quantized_base(base.ref, _json(base_dir / "config.json"), safetensors_dtypes(base_dir))
-    adapter_dir = store.fetch(adapter)
-    dataset_parent = _parent(adapter, "dataset")
-    dataset_dir = store.fetch(store.manifest(dataset_parent.name, dataset_parent.version))
-    probe_list, probe_source = _load_probes(dataset_dir, probes)
-    timings["fetch"] = time.monotonic() - start
+    dataset = _parent(adapter, "dataset")
+    return _Inputs(
+        adapter=adapter,
+        base=base,
+        dataset=dataset,
+        adapter_dir=store.fetch(adapter),
+        base_dir=base_dir,
+        dataset_dir=store.fetch(store.manifest(dataset.name, dataset.version)),
+    )
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    tok_dir = adapter_dir if (adapter_dir / TOKENIZER_FILES[0]).is_file() else base_dir
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+@dataclass
+class _Probing:
+    """The tokenizer and the tokenised probes every model is run on."""
+
+    tokenizer: Any
+    stops: list[int]  # token ids that end a reply
+    pad: int
+    generation: Any  # transformers.GenerationConfig, greedy
+    encoded: list[tuple[list[int], list[int]]]  # per probe: (prompt ids, whole conversation ids)
+    source: str  # the split the probes came from
+    skipped: list[int]  # probe indices longer than PROBE_MAX_TOKENS
+
+
+def prepare_probes(settings: MergerSettings, inputs: _Inputs, n: int) -> _Probing:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    probes, source = _load_probes(inputs.dataset_dir, n)
+    has_tok = (inputs.adapter_dir / TOKENIZER_FILES[0]).is_file()
+    tok = AutoTokenizer.from_pretrained(inputs.adapter_dir if has_tok else inputs.base_dir)
     template = tok.chat_template or ""
     if not template:
         raise Refused(
-            f"neither the adapter nor the base {base.ref} carries a chat template",
+            f"neither the adapter nor the base {inputs.base.ref} carries a chat template",
             "publish the base with its tokenizer's chat template (the trainer needs it too)",
         )
-    base_gen = (
-        _json(base_dir / "generation_config.json")
-        if (base_dir / "generation_config.json").is_file()
-        else {}
-    )
+    gen_path = inputs.base_dir / "generation_config.json"
+    base_gen = _json(gen_path) if gen_path.is_file() else {}
     stops = stop_token_ids(
         tok.eos_token_id, base_gen.get("eos_token_id"), template, tok.get_vocab()
     )
@@ -255,7 +265,7 @@ def merge_adapter(
         pad_token_id=pad,
     )
     encoded, skipped = [], []
-    for p in probe_list:
+    for p in probes:
         full = _encode(tok, p.full, generation_prompt=False)
         if len(full) > PROBE_MAX_TOKENS:
             skipped.append(p.index)
@@ -263,59 +273,98 @@ def merge_adapter(
         encoded.append((_encode(tok, p.prompt, generation_prompt=True), full))
     if not encoded:
         raise Refused(
-            f"every probe conversation in {probe_source} is longer than {PROBE_MAX_TOKENS} tokens",
+            f"every probe conversation in {source} is longer than {PROBE_MAX_TOKENS} tokens",
             "add shorter conversations to the validation split",
         )
+    return _Probing(tok, stops, pad, gen, encoded, source, skipped)
 
-    t = time.monotonic()
-    model = _load_with_adapter(base_dir, adapter_dir)
-    ref = _run_probes(model, encoded, gen)
-    effect = _adapter_effect(model, encoded, ref)
-    timings["reference"] = time.monotonic() - t
 
-    t = time.monotonic()
-    folder = settings.resolved_merge_dir / out_name / f"{adapter.version}-{dtype}"
+def write_merged(
+    settings: MergerSettings,
+    model: Any,
+    inputs: _Inputs,
+    probing: _Probing,
+    dtype: str,
+    folder: Path,
+) -> None:
+    """merge_and_unload in float32, cast, and save a complete HF folder into `folder`."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     merged = model.merge_and_unload()  # float32: W + scale * B @ A, exact to fp32 rounding
-    del model
     merged = merged.to(_torch_dtype(dtype))
     merged.config.dtype = dtype
     merged.save_pretrained(folder, max_shard_size=settings.merge_max_shard_size)
-    del merged
-    tok.save_pretrained(folder)
-    gen_cfg = {k: v for k, v in base_gen.items() if k != "transformers_version"}
-    gen_cfg |= {"eos_token_id": stops, "pad_token_id": pad}
+    probing.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
+    gen_path = inputs.base_dir / "generation_config.json"
+    gen_cfg = _json(gen_path) if gen_path.is_file() else {}
+    gen_cfg = {k: v for k, v in gen_cfg.items() if k != "transformers_version"}
+    gen_cfg |= {"eos_token_id": probing.stops, "pad_token_id": probing.pad}
     (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    timings["merge_and_save"] = time.monotonic() - t
 
-    t = time.monotonic()
+
+def merge_adapter(
+    settings: MergerSettings,
+    adapter_ref: str,
+    dtype: str = "float32",
+    name: str | None = None,
+    probes: int = 8,
+) -> MergeResult:
+    """Merge, verify and (only if verified) publish. See the module docstring."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if probes < 1:
+        raise ConfigError(f"--probes {probes} must be at least 1", "use e.g. --probes 8")
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    clock = _Clock()
+    inputs = resolve_inputs(settings, adapter_ref)
+    out_name = validate_name(name or default_name(inputs.adapter.name))
+    probing = prepare_probes(settings, inputs, probes)
+    clock.lap("fetch")
+
+    model = _load_with_adapter(inputs.base_dir, inputs.adapter_dir)
+    ref = _run_probes(model, probing.encoded, probing.generation)
+    effect = _adapter_effect(model, probing.encoded, ref)
+    clock.lap("reference")
+
+    folder = settings.resolved_merge_dir / out_name / f"{inputs.adapter.version}-{dtype}"
+    write_merged(settings, model, inputs, probing, dtype, folder)
+    del model
+    clock.lap("merge_and_save")
+
+    # Verify the files as they will ship: reload the saved folder in the output dtype.
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=_torch_dtype(dtype)).eval()
-    got = _run_probes(reloaded, encoded, gen)
+    got = _run_probes(reloaded, probing.encoded, probing.generation)
     del reloaded
     merged_cmp = _compare(ref, got)
     dtype_only: Comparison | None = None
     merge_only: Comparison | None = None
     if dtype != "float32":
-        unmerged = _load_with_adapter(base_dir, adapter_dir).to(_torch_dtype(dtype))
-        same_dtype = _run_probes(unmerged, encoded, gen)
+        unmerged = _load_with_adapter(inputs.base_dir, inputs.adapter_dir)
+        same_dtype = _run_probes(
+            unmerged.to(_torch_dtype(dtype)), probing.encoded, probing.generation
+        )
         del unmerged
         dtype_only = _compare(ref, same_dtype)
         merge_only = _compare(same_dtype, got)
     verdict = judge(dtype, merged_cmp, dtype_only)
-    timings["verify"] = time.monotonic() - t
+    clock.lap("verify")
 
-    lineage = _lineage(adapter, base, dataset_parent)
+    lineage = _lineage(inputs.adapter, inputs.base, inputs.dataset)
     report: dict[str, Any] = {
         "schema_version": 1,
         "adapter": lineage["adapter"],
         "base": lineage["base"],
-        "dataset": lineage.get("dataset"),
-        "output": {"name": out_name, "dtype": dtype, "stop_token_ids": stops},
+        "dataset": lineage["dataset"],
+        "output": {"name": out_name, "dtype": dtype, "stop_token_ids": probing.stops},
         "dtype": dtype,
         "passed": verdict.passed,
         "failures": verdict.failures,
         "advice": verdict.advice,
+        "notes": _notes(inputs.adapter),
         "thresholds": THRESHOLDS[dtype].as_dict(),
         "reference": "base + adapter, unmerged, float32",
         "adapter_effect": {
@@ -327,27 +376,27 @@ def merge_adapter(
         "dtype_only": dtype_only.summary() if dtype_only else None,
         "merge_only": merge_only.summary() if merge_only else None,
         "probes": {
-            "source": f"{dataset_parent.name}:{dataset_parent.version}/{probe_source}",
-            "count": len(encoded),
-            "skipped_too_long": skipped,
+            "source": f"{inputs.dataset.name}:{inputs.dataset.version}/{probing.source}",
+            "count": len(probing.encoded),
+            "skipped_too_long": probing.skipped,
             "new_tokens": settings.merge_probe_new_tokens,
-            "greedy_reference": [tok.decode(t) for t in ref.tokens],
-            "greedy_merged": [tok.decode(t) for t in got.tokens],
+            "greedy_reference": [probing.tokenizer.decode(t) for t in ref.tokens],
+            "greedy_merged": [probing.tokenizer.decode(t) for t in got.tokens],
         },
         "lineage": lineage,
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "timings_s": clock.laps,
     }
     (folder / "merge-report.json").write_text(json.dumps(report, indent=2) + "\n")
     (folder / "README.md").write_text(render_card(out_name, lineage, report))
     if not verdict.passed:
         log.warning("verification failed, nothing published: %s", "; ".join(verdict.failures))
         return MergeResult(manifest=None, report=report, folder=folder)
-    published = store.publish(
+    published = open_store(settings).publish(
         folder,
         kind="merged-model",
         name=out_name,
         service="merger",
-        parents=[base.as_parent("base"), adapter.as_parent("adapter")],
+        parents=[inputs.base.as_parent("base"), inputs.adapter.as_parent("adapter")],
         config={
             "dtype": dtype,
             "probes": probes,
@@ -365,3 +414,23 @@ def merge_adapter(
     )
     log.info("published %s (%s)", published.ref, published.digest[:19])
     return MergeResult(manifest=published, report=report, folder=folder)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}  # seconds per step
+        self._t = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = round(now - self._t, 2)
+        self._t = now
+
+
+def _notes(adapter: Manifest) -> list[str]:
+    if "nf4" in (adapter.config.get("quantization"), adapter.metadata.get("quantization")):
+        return [
+            "QLoRA adapter: it trained against an nf4 view of the base and is merged into the "
+            "unquantised base, as it should be; the reference is base + adapter in float32"
+        ]
+    return []

@@ -19,13 +19,16 @@ agreement over every position of the probe conversations; greedy over probes):
 
     dtype     max |Δlogit|                    top-1 agreement                 greedy identical
     float32   <= 0.01 (measured 1.3e-4)       >= 99.5%                        all probes
-    bfloat16  <= 8.0 and <= 2 x dtype_only    >= 95% and >= dtype_only - 2pt  not gated (reported)
-    float16   <= 2.0 and <= 2 x dtype_only    >= 98% and >= dtype_only - 1pt  not gated (reported)
+    bfloat16  <= 8.0 and <= 2 x dtype_only    >= 90% and >= dtype_only - 3pt  not gated (reported)
+    float16   <= 2.0 and <= 2 x dtype_only    >= 97% and >= dtype_only - 2pt  not gated (reported)
 
 bfloat16 keeps 8 bits of mantissa, float16 11, hence the tighter float16 limits; float16
 also overflows above 65504, so any non-finite logit fails it. A greedy generation in half
 precision may take another path after a near-tie, which is the dtype's doing; the report
-shows the first divergence of every probe.
+shows the first divergence of every probe. Top-1 flips in half precision happen at
+near-ties (often in the system prompt, where the next token is uncertain); with few probes
+each flip moves agreement by 1/positions (2 SmolLM2 probes: ~80 positions, 1.25 points),
+hence the 3-point margin over the dtype's own agreement for bfloat16.
 """
 
 from __future__ import annotations
@@ -57,17 +60,17 @@ THRESHOLDS: dict[str, Thresholds] = {
     "float32": Thresholds(max_abs_logit=1e-2, min_top1=0.995, min_greedy_identical=1.0),
     "bfloat16": Thresholds(
         max_abs_logit=8.0,
-        min_top1=0.95,
+        min_top1=0.90,
         min_greedy_identical=0.0,
         max_ratio_to_dtype=2.0,
-        max_top1_drop_vs_dtype=0.02,
+        max_top1_drop_vs_dtype=0.03,
     ),
     "float16": Thresholds(
         max_abs_logit=2.0,
-        min_top1=0.98,
+        min_top1=0.97,
         min_greedy_identical=0.0,
         max_ratio_to_dtype=2.0,
-        max_top1_drop_vs_dtype=0.01,
+        max_top1_drop_vs_dtype=0.02,
     ),
 }
 
