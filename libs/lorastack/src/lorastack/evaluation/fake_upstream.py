@@ -38,6 +38,13 @@ def echo_answer(model: str, prompt: str) -> str:
     return prompt
 
 
+def _text(content: Any) -> str:
+    """A message's text: a string, or OpenAI content parts [{"type": "text", "text": ...}]."""
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
 class FakeUpstream:
     def __init__(
         self,
@@ -103,7 +110,9 @@ class FakeUpstream:
 
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
-        users = [m["content"] for m in body.get("messages", []) if m.get("role") == "user"]
+        users = [
+            _text(m.get("content")) for m in body.get("messages", []) if m.get("role") == "user"
+        ]
         return await self._generate(body, users[-1] if users else "", chat=True)
 
     async def _completions(self, request: Request) -> Response:

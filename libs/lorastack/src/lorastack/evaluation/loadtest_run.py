@@ -94,33 +94,44 @@ async def send_streaming(
     text_parts: list[str] = []
     usage_tokens: int | None = None
     try:
-        async with client.stream("POST", url, json=payload) as response:
+        # identity encoding: raw bytes are the SSE text, read without httpx's line decoder
+        # (it added ~10 ms per first chunk at 4 streams on a busy 2-core machine)
+        async with client.stream(
+            "POST", url, json=payload, headers={"Accept-Encoding": "identity"}
+        ) as response:
             if response.status_code != 200:
                 await response.aread()
                 rec.error = f"HTTP {response.status_code}: {error_text(response)}"[:300]
                 return rec
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments, event: lines
-                body = line[5:].strip()
-                if body == "[DONE]":
-                    break
-                try:
-                    data = json.loads(body)
-                except ValueError:
-                    rec.error = f"bad SSE data: {body[:100]}"
-                    return rec
-                if "error" in data and not data.get("choices"):
-                    err = data["error"]
-                    rec.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
-                    return rec
-                if piece := _content(data, chat):
-                    rec.chunk_times_s.append(now - sent)
-                    text_parts.append(piece)
-                if usage := data.get("usage"):
-                    usage_tokens = usage.get("completion_tokens")
-                    rec.prompt_tokens = usage.get("prompt_tokens")
+            buffer = b""
+            done = False
+            async for raw in response.aiter_raw():
+                now = time.perf_counter()  # all events of one read arrived now
+                buffer += raw
+                while not done and b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, SSE comments, event: lines
+                    body = line[5:].strip()
+                    if body == b"[DONE]":
+                        done = True
+                        break
+                    try:
+                        data = json.loads(body)
+                    except ValueError:
+                        rec.error = f"bad SSE data: {body[:100]!r}"
+                        return rec
+                    if "error" in data and not data.get("choices"):
+                        err = data["error"]
+                        rec.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
+                        return rec
+                    if piece := _content(data, chat):
+                        rec.chunk_times_s.append(now - sent)
+                        text_parts.append(piece)
+                    if usage := data.get("usage"):
+                        usage_tokens = usage.get("completion_tokens")
+                        rec.prompt_tokens = usage.get("prompt_tokens")
+                # after [DONE], read on to the end of the body: the connection stays reusable
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
         return rec
