@@ -73,7 +73,10 @@ class Backends:
 
     async def refresh(self) -> None:
         """Scrape every backend once, then load tokenizers of new base models."""
+        asked = time.monotonic()
         async with self._refresh_lock:
+            if self.last_refresh >= asked:
+                return  # another caller refreshed while this one waited
             await asyncio.gather(*(self._scrape_one(st) for st in self.states.values()))
             self.last_refresh = time.monotonic()
             for info in self.catalog().values():

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -73,6 +72,7 @@ class Prepared:
     reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
+    finished: bool = False  # metrics recorded and upstream closed (streams)
 
 
 class Proxy:
@@ -247,18 +247,11 @@ class Proxy:
         try:
             async for chunk in call.chunks():
                 raw += chunk
-        except (httpx.HTTPError, UpstreamTimeout) as e:
+        except GatewayError as e:
             kind = "timeout" if isinstance(e, UpstreamTimeout) else "broken_stream"
             self.metrics.upstream_errors.labels(call.backend, kind).inc()
             self._observe(prep, "502", t0, None, None)
-            err = (
-                e
-                if isinstance(e, GatewayError)
-                else UpstreamBroken(
-                    f"the backend {call.backend} broke the response: {type(e).__name__}"
-                )
-            )
-            return error_response(err)
+            return error_response(e)
         finally:
             await call.aclose()
         usage = None
@@ -267,12 +260,9 @@ class Proxy:
             usage = parsed.get("usage") if isinstance(parsed, dict) else None
         except ValueError:
             pass
-        self._observe(prep, str(call.response.status_code), t0, None, usage)
+        self._observe(prep, str(call.status), t0, None, usage)
         return Response(
-            raw,
-            status_code=call.response.status_code,
-            media_type=call.response.headers.get("content-type", "application/json"),
-            headers=prep.headers,
+            raw, status_code=call.status, media_type=call.content_type, headers=prep.headers
         )
 
     async def _stream(
@@ -306,24 +296,17 @@ class Proxy:
                     raise UpstreamBroken(
                         f"the backend {call.backend} ended the stream without [DONE]"
                     )
-            except (httpx.HTTPError, GatewayError) as e:
+            except GatewayError as err:
                 status = "502"
-                kind = "timeout" if isinstance(e, UpstreamTimeout) else "broken_stream"
+                kind = "timeout" if isinstance(err, UpstreamTimeout) else "broken_stream"
                 self.metrics.upstream_errors.labels(call.backend, kind).inc()
-                err = (
-                    e
-                    if isinstance(e, GatewayError)
-                    else UpstreamBroken(
-                        f"the backend {call.backend} broke the stream: {type(e).__name__}",
-                        "retry the request",
-                    )
-                )
                 yield sse_error_event(err)
         except BaseException:
             status = "499"  # the client went away (cancelled) or the gateway is stopping
             raise
         finally:
-            await self._finish(prep, call, status, t0, ttft, usage)
+            with anyio.CancelScope(shield=True):
+                await self._finish(prep, call, status, t0, ttft, usage)
 
     async def _finish(
         self,
@@ -334,12 +317,16 @@ class Proxy:
         ttft: float | None,
         usage: dict[str, Any] | None,
     ) -> None:
-        """Once per stream: close the upstream (vLLM aborts the request), record metrics."""
-        if call.closed:
+        """Once per stream: record metrics, close the upstream (vLLM aborts the request).
+
+        Runs shielded: it is reached from a cancelled task when the client went away."""
+        if prep.finished:
             return
-        await call.aclose()
+        prep.finished = True
         self._observe(prep, status, t0, ttft, usage)
         self.metrics.inflight.dec()
+        with anyio.CancelScope(shield=True):
+            await call.aclose()
 
 
 class _ProxyStream(StreamingResponse):
