@@ -70,6 +70,7 @@ log = logging.getLogger("trainer")
 
 SMOKE_STEPS = 8  # optimizer steps of a smoke run
 SMOKE_SEQ = 128  # tokens: smoke runs use samples at most this long
+SMOKE_MIN_DROP = 0.01  # the last loss must be at least 1% under the first
 SMOKE_NEW_TOKENS = 48  # tokens generated for the smoke sample
 OVERFIT_LOSS = 0.05  # nats/token: --overfit passes below this
 OVERFIT_MAX_STEPS = 300
@@ -618,9 +619,12 @@ class Recipe:
     def _smoke_verdict(self, series: dict[int, float]) -> dict[str, Any]:
         checks, ok = [], True
         first, last = self.losses.get(1, float("nan")), self.losses.get(self.step, float("nan"))
-        down = last < first
+        down = last < first * (1 - SMOKE_MIN_DROP)
         ok &= down
-        checks.append(f"{'ok ' if down else 'BAD'} loss went down: {first:.4f} -> {last:.4f}")
+        checks.append(
+            f"{'ok ' if down else 'BAD'} loss went down (by {SMOKE_MIN_DROP:.0%} at least): "
+            f"{first:.4f} -> {last:.4f}"
+        )
         reload_ok = False
         if self.last_checkpoint is not None:
             from safetensors.torch import load_file

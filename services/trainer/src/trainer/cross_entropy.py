@@ -1,0 +1,49 @@
+"""Next-token cross-entropy without materialising the full logits.
+
+The plain path computes `[batch, seq, vocab]` logits, upcasts them to fp32 and keeps
+them for backward: for a 128k vocabulary at 2,048 tokens that is 1 GiB of fp32 logits
+plus their gradient, per sequence. Here only supervised positions go through the
+output projection, in chunks of about `CHUNK_ELEMENTS` logits, and each chunk is
+recomputed in backward (activation checkpointing), so one chunk's logits are alive at a
+time. Same code on CPU and CUDA; the result equals the plain path up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 128 Mi elements = 512 MiB in fp32
+
+
+def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()  # [rows, vocab], fp32 for a stable softmax
+    return F.cross_entropy(logits, target, reduction="sum")
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Sum of CE(hidden[t] @ weight.T, labels[t+1]) over positions whose label is supervised.
+
+    hidden: [batch, seq, dim] final hidden states; weight: [vocab, dim] output projection;
+    labels: [batch, seq] aligned with the inputs, IGNORE where not supervised.
+    """
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    rows = hidden[:, :-1][keep]  # [n_supervised, dim]
+    tgt = target[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    step = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    for start in range(0, rows.shape[0], step):
+        part = checkpoint(
+            _chunk_ce,
+            rows[start : start + step],
+            weight,
+            tgt[start : start + step],
+            use_reentrant=False,
+        )
+        total = total + part
+    return total

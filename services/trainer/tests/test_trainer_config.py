@@ -1,0 +1,64 @@
+"""Run config: YAML + key=value overrides, errors that name the field, the resume hash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lorastack.errors import ConfigError
+from trainer.batching import lr_factor, step_micro_batches, steps_per_epoch
+from trainer.config import load_config, parse_overrides, with_overrides
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def test_demo_config_loads_with_overrides() -> None:
+    cfg = load_config(DEMO, ["lora.r=16", "lr=1e-4", "lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.lora.r == 16 and cfg.lr == 1e-4 and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.base_model == "smollm2-135m-instruct" and cfg.quantization == "none"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["lora.r=0"], "lora.r"),
+        (["quantization=int3"], "quantization"),
+        (["micro_batch=two"], "micro_batch"),
+        (["lorra.r=4"], "lorra"),
+        (["split.test=0.5", "split.validation=0.5"], "split"),
+        (["output=../x"], "output"),
+    ],
+)
+def test_errors_name_the_field(overrides: list[str], names: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, overrides)
+    assert names in e.value.message and e.value.hint
+
+
+def test_override_syntax_and_missing_file(tmp_path: Path) -> None:
+    assert parse_overrides(["a.b=1", "a.c=x"]) == {"a": {"b": 1, "c": "x"}}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["lora.r"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_hash_ignores_only_safe_fields() -> None:
+    cfg = load_config(DEMO)
+    assert (
+        with_overrides(cfg, ["max_steps=7", "keep_checkpoints=5"]).config_hash()
+        == cfg.config_hash()
+    )
+    assert with_overrides(cfg, ["lr=1e-3"]).config_hash() != cfg.config_hash()
+
+
+def test_batch_order_is_a_function_of_seed_and_step() -> None:
+    n, mb, acc = 10, 2, 2
+    assert steps_per_epoch(n, mb, acc) == 3
+    epoch0 = [i for s in range(3) for g in step_micro_batches(7, s, n, mb, acc) for i in g]
+    assert sorted(epoch0) == list(range(10))
+    assert step_micro_batches(7, 4, n, mb, acc) == step_micro_batches(7, 4, n, mb, acc)
+    assert step_micro_batches(7, 3, n, mb, acc) != step_micro_batches(8, 3, n, mb, acc)
+    assert lr_factor(0, 10, 2, "cosine") == 0.5 and lr_factor(2, 10, 2, "cosine") == 1.0
+    assert lr_factor(5, 10, 0, "linear") == 0.5 and lr_factor(9, 10, 0, "constant") == 1.0

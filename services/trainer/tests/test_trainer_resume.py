@@ -1,0 +1,81 @@
+"""A run SIGKILLed after a checkpoint resumes to the same losses, bit for bit; a changed
+dataset or an unsafe config change makes --resume refuse; a fresh start over existing
+checkpoints refuses too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lorastack.chat_data import load_jsonl, write_jsonl
+from trainer.config import load_config
+from trainer.errors import ResumeRefused
+from trainer.metrics import read_series
+from trainer.recipe import run_training
+from trainer.settings import TrainerSettings
+
+CLI = [sys.executable, "-m", "lorastack.cli"]
+
+
+def _train(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "train", *args], capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_resume_is_bitwise_exact(
+    trainer_env: TrainerSettings, demo_jsonl: Path, write_config: Callable[..., Path]
+) -> None:
+    runs = trainer_env.resolved_runs_dir
+    full = _train(str(write_config("full", demo_jsonl)))
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+
+    cut_cfg = write_config("cut", demo_jsonl)
+    proc = subprocess.Popen(
+        [*CLI, "train", str(cut_cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ckpt = runs / "cut" / "checkpoints" / "step-00000002"
+    deadline = time.monotonic() + 900
+    while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (runs / "cut" / "training-complete.json").exists()
+
+    # without --resume: refused, never a silent restart
+    with pytest.raises(ResumeRefused, match="already has checkpoints"):
+        run_training(load_config(cut_cfg), trainer_env)
+    # a changed dataset: refused before any model loads, naming what changed
+    convs = load_jsonl(demo_jsonl)
+    convs[0].messages[-1].content = "1999-12-31"
+    changed = demo_jsonl.with_name("changed.jsonl")
+    write_jsonl(changed, convs)
+    with pytest.raises(ResumeRefused, match="dataset_digest") as e:
+        run_training(load_config(write_config("cut", changed)), trainer_env, resume=True)
+    assert "config.dataset.path" in e.value.message
+    # an unsafe config change is refused; only declared-safe fields may differ
+    with pytest.raises(ResumeRefused, match=r"config\.lr"):
+        run_training(load_config(cut_cfg, ["lr=0.002"]), trainer_env, resume=True)
+
+    resumed = _train(str(cut_cfg), "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+
+    a = read_series(runs / "full" / "metrics", "metrics", "loss")
+    b = read_series(runs / "cut" / "metrics", "metrics", "loss")
+    assert list(a) == [1, 2, 3, 4] and a == b  # float equality: bit for bit
+    assert read_series(runs / "full" / "metrics", "eval", "val_loss") == read_series(
+        runs / "cut" / "metrics", "eval", "val_loss"
+    )
+    from safetensors.torch import load_file
+
+    wa = load_file(str(runs / "full" / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(runs / "cut" / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
