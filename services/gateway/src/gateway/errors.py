@@ -11,8 +11,8 @@
         ├── Overloaded               429  every eligible backend saturated (reason overloaded)
         ├── UpstreamRejected         the backend's own 4xx/5xx, passed through verbatim
         ├── UpstreamUnavailable      503  no backend reachable after capped retries
-        ├── UpstreamTimeout          504  connect / first byte / idle gap exceeded
-        ├── UpstreamBroken           502  the stream broke after it started (SSE event only)
+        ├── UpstreamTimeout          504  first byte / idle gap exceeded
+        ├── UpstreamBroken           502  the response broke off (mid-stream: one SSE error event)
         └── TokenizerUnavailable     503  no tokenizer for the model, so no exact length check
 
 Before a response started, `error_response` gives the status and the OpenAI body

@@ -9,7 +9,9 @@ it learns the exact output-token count for TPOT; when the client did not ask for
 the final usage-only event is dropped (the other events then carry `"usage": null`,
 which OpenAI's own API also sends). Events are forwarded as soon as they are complete
 (bytes up to the blank line); a read from the backend that holds several events is
-forwarded as one write. Nothing else is buffered.
+forwarded as one write. Nothing else is buffered. A client that hangs up cancels the
+streaming task (Starlette listens for `http.disconnect` under uvicorn's ASGI 2.3); the
+stream's cleanup then closes the upstream connection, which makes vLLM abort the request.
 """
 
 from __future__ import annotations
