@@ -62,3 +62,27 @@ def test_batch_order_is_a_function_of_seed_and_step() -> None:
     assert step_micro_batches(7, 3, n, mb, acc) != step_micro_batches(8, 3, n, mb, acc)
     assert lr_factor(0, 10, 2, "cosine") == 0.5 and lr_factor(2, 10, 2, "cosine") == 1.0
     assert lr_factor(5, 10, 0, "linear") == 0.5 and lr_factor(9, 10, 0, "constant") == 1.0
+
+
+def test_manifest_diff_lists_unsafe_changes_only() -> None:
+    from trainer.checkpoint import manifest_diff
+
+    old = {
+        "dataset_digest": "sha256:a",
+        "git_commit": "111",
+        "libraries": {"torch": "2.13.0"},
+        "config": {"lr": 1e-4, "max_steps": 10, "lora": {"r": 8}},
+    }
+    same = {**old, "git_commit": "222", "config": {**old["config"], "max_steps": 50}}
+    assert manifest_diff(old, same) == []
+    new = {
+        **old,
+        "dataset_digest": "sha256:b",
+        "libraries": {"torch": "2.14.0"},
+        "config": {"lr": 1e-4, "max_steps": 10, "lora": {"r": 16}},
+    }
+    assert manifest_diff(old, new) == [
+        "dataset_digest: 'sha256:a' -> 'sha256:b'",
+        "libraries.torch: '2.13.0' -> '2.14.0'",
+        "config.lora.r: 8 -> 16",
+    ]

@@ -25,6 +25,19 @@ import torch
 from trainer.config import SAFE_TO_CHANGE
 
 PREFIX = "step-"
+NOT_COMPARED = frozenset({"git_commit"})  # informational: other services' commits move HEAD
+
+
+def code_version() -> str:
+    """The trainer version plus a hash of its own sources: what decides the numbers."""
+    import hashlib
+
+    from trainer import __version__
+
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return f"trainer {__version__} src:{h.hexdigest()[:16]}"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -154,7 +167,7 @@ def manifest_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human lines for every difference that makes a resume unsafe."""
     lines: list[str] = []
     for key in sorted(set(old) | set(new)):
-        if key == "config":
+        if key == "config" or key in NOT_COMPARED:
             continue
         if old.get(key) != new.get(key):
             if isinstance(old.get(key), dict) or isinstance(new.get(key), dict):

@@ -29,7 +29,7 @@ import torch
 from lorastack.errors import Conflict, LorastackError, NotFound
 from lorastack.manifest import Manifest, git_commit, sha256_file
 from lorastack.store import ArtifactStore
-from trainer import __version__, checkpoint
+from trainer import checkpoint
 from trainer.batching import (
     collate,
     lr_factor,
@@ -164,7 +164,8 @@ class Recipe:
             "base": {"ref": self.base.ref, "digest": self.base.digest},
             "config_hash": cfg.config_hash(),
             "config": cfg.model_dump(mode="json"),
-            "code_version": f"trainer {__version__} ({git_commit() or 'no git'})",
+            "code_version": checkpoint.code_version(),
+            "git_commit": git_commit(),
             "libraries": library_versions(),
             "template_hash": template_hash(self.tokenizer),
             "device_type": self.device.type,
