@@ -52,7 +52,9 @@ def test_loadable_adapter_is_exported(
 
 
 def test_bad_arguments_say_what_to_change(
-    make_adapter: AdapterFactory, capsys: pytest.CaptureFixture[str]
+    make_adapter: AdapterFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert main(["merge", "check-adapter"]) == 2
     assert "check-adapter needs an adapter" in capsys.readouterr().err
@@ -60,3 +62,8 @@ def test_bad_arguments_say_what_to_change(
     assert "belong to check-adapter" in capsys.readouterr().err
     assert main(["merge", "nothing/here"]) == 2
     assert "no artifact named 'nothing/here'" in capsys.readouterr().err
+    monkeypatch.setenv("LORASTACK_MAX_LORA_RANK", "12")
+    assert main(["merge", "check-adapter", "run1/adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "max_lora_rank: vLLM accepts --max-lora-rank only in" in err
+    assert "LORASTACK_MAX_LORA_RANK" in err

@@ -46,6 +46,21 @@ def print_report(report: dict[str, Any]) -> None:
     )
 
 
+def load_settings() -> MergerSettings:
+    """The one settings object, from the environment; a bad value is a ConfigError."""
+    from pydantic import ValidationError
+
+    try:
+        return MergerSettings()
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(
+            f"merger setting {field}: {err['msg'].removeprefix('Value error, ')}",
+            f"fix the environment variable LORASTACK_{field.upper()}",
+        ) from None
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     if args.ref == CHECK:
         return cmd_check(args)
@@ -58,7 +73,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         )
     from merger.merge import merge_adapter
 
-    settings = MergerSettings()
+    settings = load_settings()
     result = merge_adapter(
         settings,
         args.ref,
@@ -86,7 +101,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise ConfigError("--dtype, --name and --probes belong to a merge", "drop them here")
     from merger.export import check_adapter, export_adapter
 
-    settings = MergerSettings()
+    settings = load_settings()
     check = check_adapter(settings, args.adapter, args.max_lora_rank)
     print(
         f"{check.adapter.ref} ({check.architecture}) against vLLM --max-lora-rank "
