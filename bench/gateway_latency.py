@@ -196,7 +196,11 @@ async def soak(
 
     await asyncio.gather(sampler(), *(worker() for _ in range(concurrency)))
     during = gateway_state(proc, gw_port)
-    await asyncio.sleep(5)  # let closed streams finish on both sides
+    # httpx closes expired keep-alive connections (5 s) when its pool is next used: wait,
+    # then send one request so the pool prunes, then read the state again
+    await asyncio.sleep(6)
+    await stream_once(gw_port, body)
+    await asyncio.sleep(1)
     after = gateway_state(proc, gw_port)
     return {
         "seconds": seconds,
@@ -207,7 +211,23 @@ async def soak(
         "before": before,
         "samples": samples,
         "right_after": during,
-        "after_5s_settle": after,
+        "after_settle": after,
+    }
+
+
+def cpu_per_request(
+    loop: asyncio.AbstractEventLoop, gw_port: int, body: bytes, gw: psutil.Process, fake_pid: int
+) -> dict[str, float]:
+    """CPU seconds the gateway and the fake spend per request at 16 streams (less
+    sensitive to other load on the machine than latency is)."""
+    fake = psutil.Process(fake_pid)
+    g0, f0 = sum(gw.cpu_times()[:2]), sum(fake.cpu_times()[:2])
+    r = loop.run_until_complete(load(gw_port, body, 16, 10.0))
+    g1, f1 = sum(gw.cpu_times()[:2]), sum(fake.cpu_times()[:2])
+    n = max(1, r["requests"])
+    return {
+        "gateway": round((g1 - g0) / n * 1000, 2),
+        "fake_upstream": round((f1 - f0) / n * 1000, 2),
     }
 
 
@@ -312,6 +332,7 @@ def main() -> None:
             }
             results["points"].append({"concurrency": c, "direct": direct, "gateway": via, **added})
             print(json.dumps(results["points"][-1]), file=sys.stderr)
+        results["cpu_ms_per_request"] = cpu_per_request(loop, gw_port, body, gw_proc, fake.pid)
         if a.soak > 0:
             results["soak"] = loop.run_until_complete(
                 soak(gw_port, body, gw_proc, a.soak, a.soak_concurrency)

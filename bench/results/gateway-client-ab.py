@@ -20,7 +20,7 @@ import httpx
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gateway_latency import FAKE, free_port, wait_http  # noqa: E402
+from gateway_latency import FAKE, free_port, wait_http
 
 
 async def with_httpx(url: str, body: bytes, n: int, c: int) -> None:
