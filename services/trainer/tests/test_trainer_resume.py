@@ -58,7 +58,11 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_exact(
     changed = demo_jsonl.with_name("changed.jsonl")
     write_jsonl(changed, convs)
     with pytest.raises(ResumeRefused, match="dataset_digest") as e:
-        run_training(load_config(write_config("cut", changed)), trainer_env, resume=True)
+        run_training(
+            load_config(write_config("cut-changed", changed, output="cut")),
+            trainer_env,
+            resume=True,
+        )
     assert "config.dataset.path" in e.value.message
     # an unsafe config change is refused; only declared-safe fields may differ
     with pytest.raises(ResumeRefused, match=r"config\.lr"):
@@ -70,7 +74,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_exact(
 
     a = read_series(runs / "full" / "metrics", "metrics", "loss")
     b = read_series(runs / "cut" / "metrics", "metrics", "loss")
-    assert list(a) == [1, 2, 3, 4] and a == b  # float equality: bit for bit
+    assert list(a) == [1, 2, 3, 4, 5, 6] and a == b  # float equality: bit for bit
     assert read_series(runs / "full" / "metrics", "eval", "val_loss") == read_series(
         runs / "cut" / "metrics", "eval", "val_loss"
     )

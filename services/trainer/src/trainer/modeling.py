@@ -2,8 +2,18 @@
 
 `load_model` is the one place a base model is loaded (fp32 on CPU, bf16 on CUDA;
 nf4 + double quant for QLoRA, same code path) and wrapped with LoRA. `loss_sum` is the
-one place the loss is computed: a later GPU task swaps in a chunked/fused
-cross-entropy there without touching the recipe.
+one place the loss is computed. Both are the fast path, on CPU and CUDA alike
+(bench/trainer_gpu.py measures it against the plain transformers+peft recipe):
+
+- no `prepare_model_for_kbit_training`: it upcasts every non-quantized weight
+  (embeddings, norms, a 128k-vocabulary lm_head) to fp32, which costs memory and runs
+  the output projection in fp32; the frozen weights stay in the compute dtype;
+- LoRA weights stay fp32 (the optimizer's master copy) but compute in the compute dtype
+  under autocast, instead of peft casting every adapter input up to fp32 (on CUDA that
+  cast doubled the saved activations);
+- gradient checkpointing is non-reentrant, per decoder layer;
+- the cross-entropy never materialises the full logits (trainer.cross_entropy): only
+  supervised positions go through lm_head, in recomputed chunks.
 """
 
 from __future__ import annotations
@@ -13,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lorastack.errors import ConfigError
 from trainer.config import RunConfig
-from trainer.masking import IGNORE
+from trainer.cross_entropy import linear_cross_entropy_sum
 
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
@@ -66,7 +75,7 @@ def read_model_config(base_dir: Path) -> dict[str, Any]:
 
 def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
     """The base model from `base_dir` with fresh LoRA adapters (seeded by config.seed)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = compute_dtype(device)
@@ -81,17 +90,12 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model: Any = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
     model.config.use_cache = False
-    if config.quantization == "nf4":
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=config.gradient_checkpointing
-        )
-    else:
+    if config.quantization != "nf4":
         model.to(device)
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-            model.enable_input_require_grads()
+    for p in model.parameters():
+        p.requires_grad_(False)  # only the LoRA weights train
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(config.seed)  # LoRA A init
     lora = LoraConfig(
         r=config.lora.r,
@@ -101,7 +105,13 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    peft_model = get_peft_model(model, lora)
+    if dtype != torch.float32:
+        # fp32 LoRA weights, low-precision compute: autocast in loss_sum does the casts
+        for module in peft_model.modules():
+            if hasattr(module, "cast_input_dtype_enabled"):
+                module.cast_input_dtype_enabled = False
+    return peft_model
 
 
 def loss_sum(
@@ -110,14 +120,11 @@ def loss_sum(
     """Sum of the next-token cross-entropy over supervised positions (fp32).
 
     `labels` is aligned with `input_ids` (IGNORE where not supervised); position t's
-    logits predict token t+1. Divide by the step's supervised-token count outside.
+    hidden state predicts token t+1. Divide by the step's supervised-token count outside.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    shifted = logits[:, :-1, :].float()
-    target = labels[:, 1:]
-    return F.cross_entropy(
-        shifted.reshape(-1, shifted.size(-1)),
-        target.reshape(-1),
-        ignore_index=IGNORE,
-        reduction="sum",
-    )
+    base = model.get_base_model()
+    head = base.get_output_embeddings().weight
+    low = head.dtype != torch.float32  # bf16 compute on CUDA, fp32 on CPU
+    with torch.autocast(input_ids.device.type, dtype=head.dtype, enabled=low):
+        out = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+        return linear_cross_entropy_sum(out.last_hidden_state, head, labels)
