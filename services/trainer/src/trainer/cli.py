@@ -158,6 +158,20 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
+    """Let key=value overrides come after the flags too (`train C --smoke lr=1e-4`):
+    argparse hands positionals that follow an optional back as unrecognised."""
+
+    def parse_known_args(
+        args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = argparse.ArgumentParser.parse_known_args(parser, args, namespace)
+        ns.overrides = [*(ns.overrides or []), *(a for a in extras if not a.startswith("-"))]
+        return ns, [a for a in extras if a.startswith("-")]
+
+    setattr(parser, "parse_known_args", parse_known_args)  # noqa: B010 (instance override)
+
+
 def register(sub: Any) -> None:
     data = sub.add_parser("data", help="make, inspect and check chat datasets")
     d = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -177,6 +191,7 @@ def register(sub: Any) -> None:
             p.add_argument("--index", type=int, default=0, help="sample index in the split")
             p.add_argument("--split", choices=("train", "validation", "test"), default="train")
         p.set_defaults(handler=fn)
+        _overrides_anywhere(p)
 
     p = sub.add_parser(
         "train",
@@ -194,3 +209,4 @@ def register(sub: Any) -> None:
     p.add_argument("--auto-batch", action="store_true", help="largest micro-batch that fits (CUDA)")
     p.add_argument("--ranks", help="sweep only: comma-separated LoRA ranks")
     p.set_defaults(handler=cmd_train)
+    _overrides_anywhere(p)
