@@ -13,6 +13,7 @@ from lorastack.cli import main
 from lorastack.errors import Refused
 from lorastack.manifest import Manifest
 from lorastack.store import open_store
+from merger.cli import print_report
 from merger.merge import merge_adapter
 from merger.settings import MergerSettings
 
@@ -33,6 +34,8 @@ def test_float32_merge_verifies_and_publishes(
     assert main(["merge", adapter.ref, "--probes", "2"]) == 0
     out = capsys.readouterr().out
     assert "published run1/merged:1" in out
+    with capsys.disabled():
+        print("\n" + out)  # the verification table, shown with pytest -s
 
     store = open_store(MergerSettings())
     merged = store.resolve("run1/merged")
@@ -74,7 +77,7 @@ def test_bfloat16_merge_reports_numbers_against_thresholds(
     assert r["merged"]["max_abs_logit_diff"] <= 2 * r["dtype_only"]["max_abs_logit_diff"]
     assert r["passed"] and result.manifest is not None
     assert json.loads((result.folder / "config.json").read_text())["dtype"] == "bfloat16"
-    print(json.dumps({k: r[k] for k in ("merged", "dtype_only", "merge_only")}))
+    print_report(r)  # shown with pytest -s
 
 
 @pytest.mark.slow
