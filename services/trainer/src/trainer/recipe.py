@@ -186,6 +186,13 @@ class Recipe:
                 {"frozen_test_of": f"{cfg.output}/data"},
             )
         write_json(self.run_dir / "run-manifest.json", self.run_manifest)
+        if resume_from is not None and settings.is_main:
+            ckpt_name = f"{cfg.output}/checkpoints"
+            if resume_from.name.removeprefix(checkpoint.PREFIX).lstrip(
+                "0"
+            ) not in self.store.versions(ckpt_name):
+                self.step = int(resume_from.name.removeprefix(checkpoint.PREFIX))
+                self._publish_checkpoint(resume_from)  # killed between local write and upload
 
         self.memory_estimate = estimate(
             self.model_config,
