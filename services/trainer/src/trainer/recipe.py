@@ -548,7 +548,7 @@ class Recipe:
                 version=str(self.step),
                 parents=parents,
                 config=self.config.model_dump(mode="json"),
-                metadata={"step": self.step, "total_steps": self.total_steps},
+                metadata={"step": self.step, "total_steps": getattr(self, "total_steps", None)},
             )
         except Conflict:
             log.warning("%s:%d was already published; keeping that version", name, self.step)
