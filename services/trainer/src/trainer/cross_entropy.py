@@ -19,12 +19,16 @@ CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 128 Mi elements = 512 MiB in fp32
 
 
 def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()  # [rows, vocab], fp32 for a stable softmax
-    return F.cross_entropy(logits, target, reduction="sum")
+    logits = F.linear(hidden, weight)  # [rows, vocab]
+    wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32: a stable softmax
+    return F.cross_entropy(logits.to(wide), target, reduction="sum")
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Sum of CE(hidden[t] @ weight.T, labels[t+1]) over positions whose label is supervised.
 
@@ -35,8 +39,8 @@ def linear_cross_entropy_sum(
     keep = target != IGNORE
     rows = hidden[:, :-1][keep]  # [n_supervised, dim]
     tgt = target[keep]
-    total = hidden.new_zeros((), dtype=torch.float32)
-    step = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    step = max(1, chunk_elements // weight.shape[0])
     for start in range(0, rows.shape[0], step):
         part = checkpoint(
             _chunk_ce,

@@ -108,8 +108,10 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
     peft_model = get_peft_model(model, lora)
     if dtype != torch.float32:
         # fp32 LoRA weights, low-precision compute: autocast in loss_sum does the casts
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         for module in peft_model.modules():
-            if hasattr(module, "cast_input_dtype_enabled"):
+            if isinstance(module, BaseTunerLayer):
                 module.cast_input_dtype_enabled = False
     return peft_model
 
