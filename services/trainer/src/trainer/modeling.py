@@ -112,7 +112,7 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
 
         for module in peft_model.modules():
             if isinstance(module, BaseTunerLayer):
-                module.cast_input_dtype_enabled = False
+                module.cast_input_dtype_enabled = False  # type: ignore[assignment]
     return peft_model
 
 
