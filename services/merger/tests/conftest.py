@@ -4,9 +4,10 @@ merge changes the model) and publishes them as the trainer would."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,17 @@ QA = [
 
 AdapterFactory = Callable[..., Manifest]
 BASE = "smollm2-135m-instruct"
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """lorastack.cli.main() points the root logger at the (captured) stderr of its test;
+    put the handlers back so a later test does not log into a closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
