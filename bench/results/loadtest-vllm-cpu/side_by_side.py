@@ -1,6 +1,6 @@
 """Build the side-by-side table of `lorastack loadtest` vs `vllm bench serve` results.
 
-    .venv/bin/python bench/results/loadtest-vllm-cpu/side_by_side.py DIR TAG [TAG ...]
+    .venv/bin/python bench/results/loadtest-vllm-cpu/side_by_side.py DIR:TAG [DIR:TAG ...]
 
 Per run: each tool's own medians. Pooled: medians over all requests of all TAGs of one
 concurrency (lorastack from samples.jsonl, vllm from its --save-detailed lists), which
@@ -34,19 +34,23 @@ def theirs(f: Path) -> tuple[dict[str, float], list[dict[str, float]]]:
     med = {"ttft": v["median_ttft_ms"], "tpot": v["median_tpot_ms"], "itl": v["median_itl_ms"],
            "e2e": v["median_e2el_ms"], "tps": v["output_throughput"], "n": v["completed"]}  # fmt: skip
     rows = []
-    for ttft, lat, n, err in zip(v["ttfts"], v["latencies"], v["output_lens"], v["errors"], strict=True):
+    for ttft, lat, n, err in zip(
+        v["ttfts"], v["latencies"], v["output_lens"], v["errors"], strict=True
+    ):
         if not err and n > 1:
-            rows.append({"ttft": ttft * 1e3, "e2e": lat * 1e3, "tpot": (lat - ttft) / (n - 1) * 1e3})
+            rows.append(
+                {"ttft": ttft * 1e3, "e2e": lat * 1e3, "tpot": (lat - ttft) / (n - 1) * 1e3}
+            )
     return med, rows
 
 
 def main() -> None:
-    d, tags = Path(sys.argv[1]), sys.argv[2:]
+    runs = [(Path(a.rpartition(":")[0]), a.rpartition(":")[2]) for a in sys.argv[1:]]
     print("| run | tool | n | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | E2E p50 ms | out tok/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     pooled: dict[tuple[int, str], list[dict[str, float]]] = {}
     for c in (1, 4):
-        for tag in tags:
+        for d, tag in runs:
             lt, vb = d / f"lorastack-c{c}-{tag}", d / f"vllm-bench-c{c}-{tag}.json"
             if not lt.is_dir() or not vb.is_file():
                 continue
@@ -55,7 +59,9 @@ def main() -> None:
                 print(f"| c={c} {tag} | {tool} | {med['n']} | {med['ttft']:.0f} | {med['tpot']:.1f} "
                       f"| {med['itl']:.1f} | {med['e2e']:.0f} | {med['tps']:.2f} |")  # fmt: skip
     print()
-    print("| pooled | n (lorastack / vllm) | TTFT p50 ms lorastack / vllm (diff) | TPOT p50 ms lorastack / vllm (diff) |")
+    print(
+        "| pooled | n (lorastack / vllm) | TTFT p50 ms lorastack / vllm (diff) | TPOT p50 ms lorastack / vllm (diff) |"
+    )
     print("|---|---|---|---|")
     for c in (1, 4):
         a, b = pooled.get((c, "lorastack")), pooled.get((c, "vllm bench"))
