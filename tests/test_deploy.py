@@ -92,7 +92,15 @@ def test_dockerfiles_pin_base_install_pinned_requirements_and_drop_root(dockerfi
     assert "constraints.txt" in text, "install with -c constraints.txt (what CI tests)"
     assert re.search(r"^USER\s+(?!root)\S+", text, flags=re.M), "run as a non-root user"
     # dependencies are installed in their own layer before the code is copied
-    assert text.index("requirements.txt") < text.index("COPY libs/lorastack/src")
+    lines = text.splitlines()
+    code_copy = next(
+        i
+        for i, ln in enumerate(lines)
+        if ln.startswith("COPY")
+        and not ln.split()[1].endswith(("requirements.txt", "constraints.txt"))
+    )
+    deps_install = next(i for i, ln in enumerate(lines) if "pip install" in ln and " -r " in ln)
+    assert deps_install < code_copy, "install the pinned requirements before copying the code"
 
 
 def promtool() -> str:
