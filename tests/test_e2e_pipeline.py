@@ -106,3 +106,23 @@ def test_every_dashboard_query_matches_the_live_metrics(demo: tuple[Path, str]) 
         for fam in text_string_to_metric_families(text):
             exposed |= {fam.name} | {s.name for s in fam.samples}
     assert missing_from(exposed) == {}
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_verified_merged_model(demo: tuple[Path, str], tmp_path: Path) -> None:
+    """The merger's published folder (not a hand-made one) is what vLLM loads and serves."""
+    from conftest import free_port
+    from inference.engine import VllmServer
+
+    home, _ = demo
+    store = open_store(CommonSettings(home=home))
+    merged = store.fetch(store.resolve("date-iso/merged"))
+    prompt = [{"role": "user", "content": "Convert to ISO 8601: the ninth of May, 2013"}]
+    with VllmServer(merged, served_name="merged", port=free_port(), workdir=tmp_path) as server:
+        server.wait_ready(timeout_s=600)
+        body = {"model": "merged", "messages": prompt, "max_tokens": 16, "temperature": 0}
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"].strip()
+    assert choice["finish_reason"] == "stop"  # the exported eos / stop token ends the answer
