@@ -186,7 +186,8 @@ def run_demo(settings: CommonSettings, max_steps: int | None, keep_running: bool
                     16,
                 )
                 lo = chat(gateway, lora, [{"role": "user", "content": user}], 16)
-                print(f"   {user[:44]:44} {expected:11} {b.strip()[:22]!s:22} {lo.strip()}")
+                b, lo = " ".join(b.split()), " ".join(lo.split())  # one line per row
+                print(f"   {user[:44]:44} {expected:11} {b[:22]:22} {lo[:22]}")
         eval_args = [
             "eval",
             "--base-url",
