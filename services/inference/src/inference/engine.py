@@ -77,7 +77,7 @@ class VllmServer:
         host: str = "127.0.0.1",
         platform: Platform | None = None,  # None: detect from the installed distribution
     ) -> None:
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(model_dir).resolve()  # vLLM runs in its workdir
         self.served_name = served_name
         self.port = port
         self.host = host
