@@ -49,7 +49,7 @@ def moto_endpoint() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def embedded_model() -> Path:
     """The SmolLM2-135M-Instruct HF folder, converted from the GGUF once per machine."""
-    from lorastack.base_model import GGUF_FILE, convert_gguf, find_default_gguf
+    from lorastack.base_model import convert_gguf, find_default_gguf
     from lorastack.manifest import sha256_file
 
     gguf = find_default_gguf()
@@ -57,5 +57,4 @@ def embedded_model() -> Path:
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(gguf, out)
-    assert GGUF_FILE
     return out

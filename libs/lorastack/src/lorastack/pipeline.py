@@ -12,6 +12,7 @@ and print where everything is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -54,21 +55,14 @@ class Stages:
             )
         print(f"   ({self.timings[title]:.0f} s)", flush=True)
 
-    def timed(self, title: str) -> _Timer:
+    @contextlib.contextmanager
+    def timed(self, title: str) -> Iterator[None]:
+        """Time an in-process stage (one that is no `lorastack` command)."""
         print(f"\n== {title}", flush=True)
-        return _Timer(self, title)
-
-
-class _Timer:
-    def __init__(self, stages: Stages, title: str) -> None:
-        self.stages, self.title = stages, title
-
-    def __enter__(self) -> None:
-        self.start = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stages.timings[self.title] = time.monotonic() - self.start
-        print(f"   ({self.stages.timings[self.title]:.0f} s)", flush=True)
+        start = time.monotonic()
+        yield
+        self.timings[title] = time.monotonic() - start
+        print(f"   ({self.timings[title]:.0f} s)", flush=True)
 
 
 def demo_config() -> Path:
