@@ -27,7 +27,7 @@ import torch
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def run_config(batch: int, seq: int, checkpointing: bool) -> Any:
+def run_config(batch: int, seq: int, checkpointing: bool, fused: bool = True) -> Any:
     from trainer.config import RunConfig
 
     return RunConfig.model_validate(
@@ -37,6 +37,7 @@ def run_config(batch: int, seq: int, checkpointing: bool) -> Any:
             "max_seq_len": seq,
             "micro_batch": batch,
             "gradient_checkpointing": checkpointing,
+            "fused_lora": fused,
             "device": "cuda",
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ALL_LINEAR},
         }

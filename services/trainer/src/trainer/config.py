@@ -97,6 +97,9 @@ class RunConfig(_Strict):
     seed: int = Field(0, ge=0, description="LoRA init, dropout and batch order")
     loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     gradient_checkpointing: bool = False
+    fused_lora: bool = Field(
+        True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"
+    )
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     eval_every: int = Field(50, ge=1, description="optimizer steps between validation passes")
     log_every: int = Field(1, ge=1, description="optimizer steps between metrics files")

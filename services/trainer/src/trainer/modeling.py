@@ -11,6 +11,8 @@ one place the loss is computed. Both are the fast path, on CPU and CUDA alike
 - LoRA weights stay fp32 (the optimizer's master copy) but compute in the compute dtype
   under autocast, instead of peft casting every adapter input up to fp32 (on CUDA that
   cast doubled the saved activations);
+- each LoRA linear is one autograd node (trainer.fast_lora): at batch 1 on a GPU the
+  step was bound by peft's and bitsandbytes' per-op Python, not by the GPU;
 - gradient checkpointing is non-reentrant, per decoder layer;
 - the cross-entropy never materialises the full logits (trainer.cross_entropy): only
   supervised positions go through lm_head, in recomputed chunks.
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from lorastack.errors import ConfigError
+from trainer import fast_lora
 from trainer.config import RunConfig
 from trainer.cross_entropy import linear_cross_entropy_sum
 
@@ -113,6 +116,8 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
         for module in peft_model.modules():
             if isinstance(module, BaseTunerLayer):
                 module.cast_input_dtype_enabled = False  # type: ignore[assignment]
+    if config.fused_lora:
+        fast_lora.install(peft_model)
     return peft_model
 
 

@@ -1,0 +1,137 @@
+"""The LoRA linear layer as one autograd node: y = x·Wᵀ + s·(drop(x)·Aᵀ)·Bᵀ.
+
+peft builds and saves the adapters; this module only replaces the forward of each
+plain LoRA layer (frozen base, nf4 or dense) while training with one active adapter.
+Why (bench/results/trainer-gpu-*.json): at batch 1 on an H200 the step was bound by the
+host, not the GPU: peft + bitsandbytes issue ~15 Python-level ops per linear (module
+calls, a defensive clone, a separate scale and add), 224 linears per 8B forward. Here:
+
+- forward: dequantise W (nf4) once, x·Wᵀ, x·Aᵀ, and the LoRA product added in place
+  with its scale (one addmm); nothing of W is kept for backward;
+- backward: dequantise W again (never stored: 16 GB of bf16 for an 8B model), dx is
+  skipped where the input needs no gradient (the first layer), the scale is applied to
+  the rank-r tensors only;
+- LoRA weights stay fp32 (the optimizer's copy) and are cast to the input's dtype
+  inside, so autocast does not see them; their gradients come back fp32.
+
+Any other state (merged weights, disabled adapters, several active adapters, DoRA,
+a LoRA bias, peft's extra forward kwargs) falls back to peft's own forward, so
+evaluation, merging and saving behave as before. Same code on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+def dense_weight(base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The base layer's weight [out, in] in `dtype`, dequantised if it is nf4/fp4."""
+    weight = base.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is None:
+        return weight.to(dtype)
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(weight.data, quant_state).to(dtype)
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """Autograd of the frozen-base LoRA linear; see the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        x_dropped: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        base: torch.nn.Module,
+        scale: float,
+    ) -> torch.Tensor:
+        dtype = x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        xd2 = x_dropped.reshape(-1, x.shape[-1])
+        a = lora_a.to(dtype)
+        b = lora_b.to(dtype)
+        y = x2 @ dense_weight(base, dtype).t()
+        xa = xd2 @ a.t()  # [tokens, r]
+        y.addmm_(xa, b.t(), alpha=scale)
+        if base.bias is not None:
+            y += base.bias.to(dtype)
+        ctx.save_for_backward(xd2, xa, a, b)
+        ctx.base, ctx.scale = base, scale
+        ctx.same_input = x_dropped is x
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        xd2, xa, a, b = ctx.saved_tensors
+        need_x, need_xd, need_a, need_b = ctx.needs_input_grad[:4]
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
+        g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
+        dx = dxd = None
+        if need_x:
+            dx = dy2 @ dense_weight(ctx.base, dy2.dtype)
+            if ctx.same_input:
+                dx.addmm_(g, a)
+        if need_xd and not ctx.same_input:
+            dxd = (g @ a).reshape(*dy.shape[:-1], a.shape[-1])
+        if dx is not None:
+            dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
+        da = (g.t() @ xd2).float() if need_a else None
+        db = (dy2.t() @ xa).mul_(ctx.scale).float() if need_b else None
+        return dx, dxd, da, db, None, None
+
+
+def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Forward of a peft LoRA layer; the fused path when the layer is in its plain state."""
+    active = [a for a in self.active_adapters if a in self.lora_A]
+    if (
+        args
+        or kwargs
+        or self.disable_adapters
+        or self.merged
+        or len(active) != 1
+        or active[0] in self.lora_variant
+        or self.lora_B[active[0]].bias is not None
+    ):
+        return self._peft_forward(x, *args, **kwargs)  # type: ignore[no-any-return]
+    name = active[0]
+    dropout = self.lora_dropout[name]
+    x_dropped = dropout(x) if isinstance(dropout, torch.nn.Dropout) and self.training else x
+    out: torch.Tensor = LoraLinearFunction.apply(
+        x,
+        x_dropped,
+        self.lora_A[name].weight,
+        self.lora_B[name].weight,
+        self.base_layer,
+        float(self.scaling[name]),
+    )
+    return out
+
+
+def install(model: torch.nn.Module) -> int:
+    """Route every plain peft LoRA linear of `model` through the fused path; returns how
+    many layers were routed (0 when peft built no such layer)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    count = 0
+    linear4bit: tuple[type, ...] = ()
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+
+        linear4bit = (Linear4bit,)
+    except ImportError:  # bitsandbytes absent: plain LoRA only
+        pass
+    for module in model.modules():
+        if type(module) in (LoraLinear, *linear4bit) and not hasattr(module, "_peft_forward"):
+            module._peft_forward = module.forward
+            module.forward = types.MethodType(_fast_forward, module)
+            count += 1
+    return count
+
+
+__all__ = ["LoraLinearFunction", "dense_weight", "install"]
