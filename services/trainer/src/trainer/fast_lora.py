@@ -26,16 +26,50 @@ from typing import Any
 
 import torch
 
+# (packed weight, absmax, nested absmax, nested code, nested offset) and
+# (blocksize, quant type, shape, dtype, nested blocksize): plain tensors and constants, so
+# that torch.compile sees graph inputs rather than bitsandbytes objects.
+QuantTensors = tuple[torch.Tensor, torch.Tensor, Any, Any, Any]
+QuantMeta = tuple[int, str, list[int], torch.dtype, int]
+QUANT_BUFFERS = ("packed", "absmax", "nested_absmax", "nested_code", "offset")
 
-def dense_weight(base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The base layer's weight [out, in] in `dtype`, dequantised if it is nf4/fp4."""
-    weight = base.weight
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is None:
+
+def quant_parts(base: torch.nn.Module) -> tuple[QuantTensors, QuantMeta] | None:
+    """The nf4/fp4 state of `base.weight` as tensors + constants; None if not quantized."""
+    qs = getattr(base.weight, "quant_state", None)
+    if qs is None:
+        return None
+    nested = (qs.state2.absmax, qs.state2.code, qs.offset) if qs.nested else (None, None, None)
+    meta = (qs.blocksize, qs.quant_type, list(qs.shape), qs.dtype, 0)
+    if qs.nested:
+        meta = (*meta[:4], qs.state2.blocksize)
+    return (base.weight.data, qs.absmax, *nested), meta
+
+
+def dense_weight(
+    weight: torch.Tensor | None,
+    quant: QuantTensors | None,
+    meta: QuantMeta | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The base weight [out, in] in `dtype`: `weight` if dense, else dequantised from
+    `quant` (the two bitsandbytes ops that bitsandbytes.functional.dequantize_4bit runs)."""
+    if quant is None or meta is None:
+        assert weight is not None
         return weight.to(dtype)
-    import bitsandbytes.functional as bnbf
-
-    return bnbf.dequantize_4bit(weight.data, quant_state).to(dtype)
+    packed, absmax, nested_absmax, nested_code, offset = quant
+    blocksize, quant_type, shape, qdtype, nested_blocksize = meta
+    if nested_absmax is not None:
+        absmax = (
+            torch.ops.bitsandbytes.dequantize_blockwise.default(
+                absmax, nested_absmax, nested_code, nested_blocksize, torch.float32
+            )
+            + offset
+        )
+    out = torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed, absmax, blocksize, quant_type, shape, qdtype
+    )
+    return out.to(dtype)
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -48,21 +82,24 @@ class LoraLinearFunction(torch.autograd.Function):
         x_dropped: torch.Tensor,
         lora_a: torch.Tensor,
         lora_b: torch.Tensor,
-        base: torch.nn.Module,
         scale: float,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        quant: QuantTensors | None,
+        meta: QuantMeta | None,
     ) -> torch.Tensor:
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         xd2 = x_dropped.reshape(-1, x.shape[-1])
         a = lora_a.to(dtype)
         b = lora_b.to(dtype)
-        y = x2 @ dense_weight(base, dtype).t()
+        y = x2 @ dense_weight(weight, quant, meta, dtype).t()
         xa = xd2 @ a.t()  # [tokens, r]
         y.addmm_(xa, b.t(), alpha=scale)
-        if base.bias is not None:
-            y += base.bias.to(dtype)
+        if bias is not None:
+            y += bias.to(dtype)
         ctx.save_for_backward(xd2, xa, a, b)
-        ctx.base, ctx.scale = base, scale
+        ctx.scale, ctx.weight, ctx.quant, ctx.meta = scale, weight, quant, meta
         ctx.same_input = x_dropped is x
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -74,16 +111,15 @@ class LoraLinearFunction(torch.autograd.Function):
         g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
         dx = dxd = None
         if need_x:
-            dx = dy2 @ dense_weight(ctx.base, dy2.dtype)
+            dx = dy2 @ dense_weight(ctx.weight, ctx.quant, ctx.meta, dy2.dtype)
             if ctx.same_input:
                 dx.addmm_(g, a)
+            dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
         if need_xd and not ctx.same_input:
             dxd = (g @ a).reshape(*dy.shape[:-1], a.shape[-1])
-        if dx is not None:
-            dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
         da = (g.t() @ xd2).float() if need_a else None
         db = (dy2.t() @ xa).mul_(ctx.scale).float() if need_b else None
-        return dx, dxd, da, db, None, None
+        return dx, dxd, da, db, None, None, None, None, None
 
 
 def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -102,13 +138,20 @@ def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     name = active[0]
     dropout = self.lora_dropout[name]
     x_dropped = dropout(x) if isinstance(dropout, torch.nn.Dropout) and self.training else x
+    meta = self._fused_meta
+    quant = None
+    if meta is not None:
+        quant = tuple(getattr(self, f"_fused_{k}") for k in QUANT_BUFFERS)
     out: torch.Tensor = LoraLinearFunction.apply(
         x,
         x_dropped,
         self.lora_A[name].weight,
         self.lora_B[name].weight,
-        self.base_layer,
         float(self.scaling[name]),
+        None if quant else self.base_layer.weight,
+        self.base_layer.bias,
+        quant,
+        meta,
     )
     return out
 
@@ -129,9 +172,15 @@ def install(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) in (LoraLinear, *linear4bit) and not hasattr(module, "_peft_forward"):
             module._peft_forward = module.forward
+            parts = quant_parts(module.base_layer)
+            module._fused_meta = parts[1] if parts else None
+            for key, tensor in zip(QUANT_BUFFERS, parts[0] if parts else (), strict=False):
+                # buffers, not attributes: torch.compile treats them as inputs of one graph
+                # shared by all layers; non-persistent: never in a state dict
+                module.register_buffer(f"_fused_{key}", tensor, persistent=False)
             module.forward = types.MethodType(_fast_forward, module)
             count += 1
     return count
 
 
-__all__ = ["LoraLinearFunction", "dense_weight", "install"]
+__all__ = ["LoraLinearFunction", "dense_weight", "install", "quant_parts"]
