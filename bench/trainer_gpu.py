@@ -15,6 +15,7 @@ usage (on a CUDA machine, repo root):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -27,7 +28,9 @@ import torch
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def run_config(batch: int, seq: int, checkpointing: bool, fused: bool = True) -> Any:
+def run_config(
+    batch: int, seq: int, checkpointing: bool, fused: bool = True, compile: str = "auto"
+) -> Any:
     from trainer.config import RunConfig
 
     return RunConfig.model_validate(
@@ -38,6 +41,7 @@ def run_config(batch: int, seq: int, checkpointing: bool, fused: bool = True) ->
             "micro_batch": batch,
             "gradient_checkpointing": checkpointing,
             "fused_lora": fused,
+            "compile": compile,
             "device": "cuda",
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ALL_LINEAR},
         }
@@ -103,31 +107,83 @@ def steps(
     }
 
 
-def trainer_side(
-    shape: str, seq: int, plan: list[tuple[bool, int]], n: int
-) -> list[dict[str, Any]]:
+# (label, fused_lora, compile): the trainer's default last; the others attribute the gain
+PATHS = [("peft eager", False, "off"), ("fused eager", True, "off"), ("lorastack", True, "auto")]
+# (gradient checkpointing, batch) measured on each path
+PLAN = {
+    "peft eager": [(True, 1)],
+    "fused eager": [(True, 1), (False, 1)],
+    "lorastack": [(True, 1), (False, 1), (True, 4), (False, 2)],
+}
+
+
+def set_checkpointing(model: Any, on: bool) -> None:
+    """Per-layer switch of the (non-reentrant) checkpointing that load_model enabled."""
+    for layer in model.get_base_model().get_decoder().layers:
+        layer.gradient_checkpointing = on
+
+
+def load(shape: str, seq: int, fused: bool, compile: str) -> Any:
     from trainer.modeling import load_model
 
-    path = Path(f"/tmp/rand-{shape}")
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    gc.collect()
+    torch.cuda.empty_cache()
+    config = run_config(1, seq, True, fused, compile)
+    model = load_model(Path(f"/tmp/rand-{shape}"), config, torch.device("cuda", 0))
+    model.train()
+    return model
+
+
+def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
+    vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     results = []
-    model = None
-    loaded_ckpt = None
-    for ckpt, batch in plan:
-        if model is None or loaded_ckpt != ckpt:
-            model = None
+    for label, fused, compile in PATHS:
+        model = load(shape, seq, fused, compile)
+        for ckpt, batch in PLAN[label]:
+            set_checkpointing(model, ckpt)
+            try:
+                r = steps(model, batch, seq, vocab, n)
+            except torch.OutOfMemoryError:
+                r = {"batch": batch, "seq": seq, "error": "OOM"}
             torch.cuda.empty_cache()
-            model = load_model(path, run_config(batch, seq, ckpt), torch.device("cuda", 0))
-            model.train()
-            loaded_ckpt = ckpt
-        try:
-            r = steps(model, batch, seq, vocab, n)
-        except torch.OutOfMemoryError:
-            r = {"batch": batch, "seq": seq, "error": "OOM"}
-        torch.cuda.empty_cache()
-        results.append({"shape": shape, "side": "lorastack", "gradient_checkpointing": ckpt, **r})
-        print(json.dumps(results[-1]), flush=True)
+            row = {"shape": shape, "side": label, "gradient_checkpointing": ckpt, **r}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del model
     return results
+
+
+def gradient_check(shape: str, seq: int) -> dict[str, Any]:
+    """One step's LoRA gradients with compiled vs eager layers: same model, data, weights."""
+    from trainer.modeling import loss_sum
+
+    model = load(shape, seq, True, "auto")
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: make every gradient non-trivial
+            p.data.normal_(0, 0.01)
+    set_checkpointing(model, False)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    vocab = model.get_base_model().config.vocab_size
+    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
+    grads = []
+    for training in (False, True):  # compiled layers run in training mode only
+        for layer in model.get_base_model().get_decoder().layers:
+            layer.train(training)
+        loss = loss_sum(model, ids, torch.ones_like(ids), ids) / (seq - 1)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        model.zero_grad(set_to_none=True)
+    eager, compiled = grads
+    rel = sorted(float((compiled[k] - g).norm() / g.norm()) for k, g in eager.items())
+    del model
+    return {
+        "shape": shape,
+        "compare": "LoRA gradients of one step, compiled vs eager layers (|dg| / |g| per tensor)",
+        "tensors": len(rel),
+        "median": round(rel[len(rel) // 2], 5),
+        "max": round(rel[-1], 5),
+    }
 
 
 def plain_model(shape: str) -> Any:
@@ -161,8 +217,6 @@ def plain_model(shape: str) -> Any:
 
 def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
     """Loss curves of the plain path and the trainer's path on the same data and seed."""
-    from trainer.modeling import load_model
-
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     curves = {}
     for side in ("plain", "lorastack"):
@@ -171,10 +225,8 @@ def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
             model = plain_model(shape)
             curves[side] = steps(model, 1, seq, vocab, n, plain_loss_sum)["losses"]
         else:
-            model = load_model(
-                Path(f"/tmp/rand-{shape}"), run_config(1, seq, True), torch.device("cuda", 0)
-            )
-            model.train()
+            model = load(shape, seq, True, "auto")
+            set_checkpointing(model, False)
             curves[side] = steps(model, 1, seq, vocab, n)["losses"]
         del model
     diffs = [abs(a - b) / abs(a) for a, b in zip(curves["plain"], curves["lorastack"], strict=True)]
@@ -212,14 +264,15 @@ def main() -> int:
         base = {b: baseline(args.baseline, shape, args.seq, b) for b in (1, 2)}
         for b, r in base.items():
             print(json.dumps({"shape": shape, "side": "baseline", "batch": b, **r}), flush=True)
-        plan = [(True, 1), (True, 4), (False, 1)]
-        ours = trainer_side(shape, args.seq, plan, args.steps)
+        ours = trainer_side(shape, args.seq, args.steps)
+        print(json.dumps(gradient_check(shape, args.seq)), flush=True)
         b1 = base[1].get("tokens_per_s")
         for r in ours:
             if b1 and "tokens_per_s" in r:
                 summary.append(
                     {
                         "shape": shape,
+                        "side": r["side"],
                         "batch": r["batch"],
                         "gradient_checkpointing": r["gradient_checkpointing"],
                         "tokens_per_s": r["tokens_per_s"],

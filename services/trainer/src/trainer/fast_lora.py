@@ -8,9 +8,8 @@ calls, a defensive clone, a separate scale and add), 224 linears per 8B forward.
 
 - forward: dequantise W (nf4) once, x·Wᵀ, x·Aᵀ, and the LoRA product added in place
   with its scale (one addmm); nothing of W is kept for backward;
-- backward: dequantise W again (never stored: 16 GB of bf16 for an 8B model), dx is
-  skipped where the input needs no gradient (the first layer), the scale is applied to
-  the rank-r tensors only;
+- backward: dequantise W again (never stored: 16 GB of bf16 for an 8B model), the
+  scale is applied to the rank-r tensors only;
 - LoRA weights stay fp32 (the optimizer's copy) and are cast to the input's dtype
   inside, so autocast does not see them; their gradients come back fp32.
 
@@ -105,20 +104,21 @@ class LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        # dx is computed even where the input needs none (the first layer): a branch on
+        # ctx.needs_input_grad is frozen into the one compiled graph all layers share,
+        # which then dropped dx everywhere (seen on torch 2.11, CUDA)
         xd2, xa, a, b = ctx.saved_tensors
-        need_x, need_xd, need_a, need_b = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
         g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
-        dx = dxd = None
-        if need_x:
-            dx = dy2 @ dense_weight(ctx.weight, ctx.quant, ctx.meta, dy2.dtype)
-            if ctx.same_input:
-                dx.addmm_(g, a)
-            dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
-        if need_xd and not ctx.same_input:
+        dx = dy2 @ dense_weight(ctx.weight, ctx.quant, ctx.meta, dy2.dtype)
+        dxd = None
+        if ctx.same_input:
+            dx.addmm_(g, a)
+        else:
             dxd = (g @ a).reshape(*dy.shape[:-1], a.shape[-1])
-        da = (g.t() @ xd2).float() if need_a else None
-        db = (dy2.t() @ xa).mul_(ctx.scale).float() if need_b else None
+        dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
+        da = (g.t() @ xd2).float()
+        db = (dy2.t() @ xa).mul_(ctx.scale).float()
         return dx, dxd, da, db, None, None, None, None, None
 
 
