@@ -97,20 +97,23 @@ class LoraLinearFunction(torch.autograd.Function):
         y.addmm_(xa, b.t(), alpha=scale)
         if bias is not None:
             y += bias.to(dtype)
-        ctx.save_for_backward(xd2, xa, a, b)
-        ctx.scale, ctx.weight, ctx.quant, ctx.meta = scale, weight, quant, meta
+        # every tensor backward reads goes through save_for_backward, the frozen weight too:
+        # tensors kept as ctx attributes were baked into the one compiled backward graph
+        # as the first layer's (seen on torch 2.11, CUDA: wrong gradients in all others)
+        ctx.save_for_backward(xd2, xa, a, b, weight, *(quant or (None,) * len(QUANT_BUFFERS)))
+        ctx.scale, ctx.meta = scale, meta
         ctx.same_input = x_dropped is x
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         # dx is computed even where the input needs none (the first layer): a branch on
-        # ctx.needs_input_grad is frozen into the one compiled graph all layers share,
-        # which then dropped dx everywhere (seen on torch 2.11, CUDA)
-        xd2, xa, a, b = ctx.saved_tensors
+        # ctx.needs_input_grad would be frozen into the one compiled graph all layers share
+        xd2, xa, a, b, weight, *quant = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
         g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
-        dx = dy2 @ dense_weight(ctx.weight, ctx.quant, ctx.meta, dy2.dtype)
+        parts = tuple(quant) if ctx.meta is not None else None
+        dx = dy2 @ dense_weight(weight, parts, ctx.meta, dy2.dtype)  # type: ignore[arg-type]
         dxd = None
         if ctx.same_input:
             dx.addmm_(g, a)
