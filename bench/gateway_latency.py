@@ -36,6 +36,23 @@ REPO = Path(__file__).resolve().parents[1]
 FAKE = REPO / "services" / "gateway" / "tests" / "fake_upstream.py"
 
 
+def cpu_set(spec: str) -> set[int]:
+    """CPUs in taskset's list syntax ("2", "4-5", "0,6-7") as a set."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pinned(spec: str | None) -> Any:
+    """A `preexec_fn` that pins the child to `spec` before it runs (None: no pinning)."""
+    if spec is None:
+        return None
+    cpus = cpu_set(spec)
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,14 +112,23 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
-async def load(port: int, body: bytes, concurrency: int, duration: float) -> dict[str, Any]:
+async def load(
+    port: int, body: bytes, concurrency: int, duration: float, spread: float = 0.0
+) -> dict[str, Any]:
+    """Closed loop: `concurrency` workers, each streaming one request after the other.
+
+    `spread` > 0 staggers the workers' first requests evenly over that many seconds (one
+    stream's length): arrivals are then steady. With 0 all start at once and, as every
+    stream lasts the same, stay in lockstep: bursts of `concurrency` simultaneous requests.
+    """
     ttfts: list[float] = []
     e2es: list[float] = []
     errors = 0
     stop = time.perf_counter() + duration
 
-    async def worker() -> None:
+    async def worker(i: int) -> None:
         nonlocal errors
+        await asyncio.sleep(spread * i / concurrency)
         while time.perf_counter() < stop:
             try:
                 ttft, e2e = await stream_once(port, body)
@@ -112,7 +138,7 @@ async def load(port: int, body: bytes, concurrency: int, duration: float) -> dic
                 errors += 1
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
     wall = time.perf_counter() - t0
     ms = 1000.0
     return {
@@ -127,10 +153,10 @@ async def load(port: int, body: bytes, concurrency: int, duration: float) -> dic
 
 
 async def load_with_excerpt(
-    port: int, body: bytes, concurrency: int, duration: float
+    port: int, body: bytes, concurrency: int, duration: float, spread: float
 ) -> tuple[dict[str, Any], str]:
     """`load`, with the gateway's /metrics read half-way through."""
-    task = asyncio.ensure_future(load(port, body, concurrency, duration))
+    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread))
     await asyncio.sleep(duration / 2)
     text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
     return await task, text
@@ -196,8 +222,8 @@ async def soak(
 
     await asyncio.gather(sampler(), *(worker() for _ in range(concurrency)))
     during = gateway_state(proc, gw_port)
-    # httpx closes expired keep-alive connections (5 s) when its pool is next used: wait,
-    # then send one request so the pool prunes, then read the state again
+    # aiohttp closes expired keep-alive connections (5 s): wait, send one request so the
+    # pool is used again, then read the state again
     await asyncio.sleep(6)
     await stream_once(gw_port, body)
     await asyncio.sleep(1)
@@ -216,19 +242,26 @@ async def soak(
 
 
 def cpu_per_request(
-    loop: asyncio.AbstractEventLoop, gw_port: int, body: bytes, gw: psutil.Process, fake_pid: int
+    loop: asyncio.AbstractEventLoop,
+    gw_port: int,
+    body: bytes,
+    gw: psutil.Process,
+    fake_pid: int,
+    seconds: float,
+    spread: float,
 ) -> dict[str, float]:
-    """CPU seconds the gateway and the fake spend per request at 16 streams (less
-    sensitive to other load on the machine than latency is)."""
-    fake = psutil.Process(fake_pid)
-    g0, f0 = sum(gw.cpu_times()[:2]), sum(fake.cpu_times()[:2])
-    r = loop.run_until_complete(load(gw_port, body, 16, 10.0))
-    g1, f1 = sum(gw.cpu_times()[:2]), sum(fake.cpu_times()[:2])
+    """CPU milliseconds (user + system, and system alone) the gateway and the fake spend
+    per request at 16 streams (less sensitive to other load on the machine than latency)."""
+    procs = {"gateway": gw, "fake_upstream": psutil.Process(fake_pid)}
+    before = {k: p.cpu_times() for k, p in procs.items()}
+    r = loop.run_until_complete(load(gw_port, body, 16, seconds, spread))
     n = max(1, r["requests"])
-    return {
-        "gateway": round((g1 - g0) / n * 1000, 2),
-        "fake_upstream": round((f1 - f0) / n * 1000, 2),
-    }
+    out: dict[str, float] = {}
+    for k, p in procs.items():
+        t0, t1 = before[k], p.cpu_times()
+        out[k] = round((t1.user + t1.system - t0.user - t0.system) / n * 1000, 2)
+        out[f"{k}_system"] = round((t1.system - t0.system) / n * 1000, 2)
+    return out
 
 
 def main() -> None:
@@ -246,7 +279,21 @@ def main() -> None:
     p.add_argument("--pace", type=float, default=0.01, help="seconds between tokens (fake)")
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
     p.add_argument("--soak-concurrency", type=int, default=32)
+    for who in ("gateway", "upstream", "client"):
+        p.add_argument(
+            f"--pin-{who}",
+            metavar="CPUS",
+            help=f"run the {who} on these CPUs only (taskset list syntax: 2, 4-5, 0,6)",
+        )
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="start every stream of a point at once (bursts) instead of staggered",
+    )
     a = p.parse_args()
+    spread = 0.0 if a.lockstep else a.tokens * a.pace
+    if a.pin_client is not None:
+        os.sched_setaffinity(0, cpu_set(a.pin_client))
 
     import uvloop
 
@@ -264,6 +311,7 @@ def main() -> None:
             str(a.pace),
         ],
         env=env,
+        preexec_fn=pinned(a.pin_upstream),
     )
     gw_env = dict(
         env,
@@ -282,6 +330,7 @@ def main() -> None:
             f"http://127.0.0.1:{fake_port}",
         ],
         env=gw_env,
+        preexec_fn=pinned(a.pin_gateway),
     )
     try:
         wait_http(fake_port, "/v1/models")
@@ -304,13 +353,18 @@ def main() -> None:
                 "cpus": os.cpu_count(),
                 "cpu": platform.processor() or platform.machine(),
                 "python": platform.python_version(),
-                "note": "client, gateway and fake upstream share these cores; other work on the machine adds noise",
+                "pinned": {
+                    "gateway": a.pin_gateway,
+                    "upstream": a.pin_upstream,
+                    "client": a.pin_client,
+                },
                 "load_avg_at_start": os.getloadavg(),
             },
             "workload": {
                 "tokens_per_answer": a.tokens,
                 "pace_s": a.pace,
                 "duration_s_per_point": a.duration,
+                "arrivals": "lockstep bursts" if a.lockstep else f"staggered over {spread:g} s",
                 "stream": True,
             },
             "points": [],
@@ -320,23 +374,28 @@ def main() -> None:
         loop.run_until_complete(load(gw_port, body, 4, 2.0))  # warm-up both paths
         loop.run_until_complete(load(fake_port, body, 4, 2.0))
         for c in a.concurrency:
-            direct = loop.run_until_complete(load(fake_port, body, c, a.duration))
+            direct = loop.run_until_complete(load(fake_port, body, c, a.duration, spread))
             if c == 64:
-                via, text = loop.run_until_complete(load_with_excerpt(gw_port, body, c, a.duration))
+                via, text = loop.run_until_complete(
+                    load_with_excerpt(gw_port, body, c, a.duration, spread)
+                )
                 results["metrics_excerpt_during_64_streams"] = text
             else:
-                via = loop.run_until_complete(load(gw_port, body, c, a.duration))
+                via = loop.run_until_complete(load(gw_port, body, c, a.duration, spread))
             added = {
                 k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3)
                 for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
             }
             results["points"].append({"concurrency": c, "direct": direct, "gateway": via, **added})
             print(json.dumps(results["points"][-1]), file=sys.stderr)
-        results["cpu_ms_per_request"] = cpu_per_request(loop, gw_port, body, gw_proc, fake.pid)
+        results["cpu_ms_per_request"] = cpu_per_request(
+            loop, gw_port, body, gw_proc, fake.pid, a.duration, spread
+        )
         if a.soak > 0:
             results["soak"] = loop.run_until_complete(
                 soak(gw_port, body, gw_proc, a.soak, a.soak_concurrency)
             )
+        results["machine"]["load_avg_at_end"] = os.getloadavg()
         print(json.dumps(results, indent=2))
     finally:
         for proc in (gw, fake):

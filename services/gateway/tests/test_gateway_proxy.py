@@ -208,6 +208,43 @@ def test_upstream_dying_mid_stream_gives_one_error_event(make_gateway, fake) -> 
         assert metric(gw, "lorastack_gateway_upstream_errors_total", kind="broken_stream") == 1
 
 
+def test_idle_gap_mid_stream_gives_one_timeout_event(make_gateway, fake) -> None:
+    url, state = fake
+    state.pace_s = 0.6  # the first token comes at once, the next after 0.6 s
+    with make_gateway([url], idle_timeout_s=0.2) as gw:
+        t0 = time.monotonic()
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
+        assert time.monotonic() - t0 < 0.55  # ended by the idle timeout, not by the backend
+        events = sse_events(r.text)
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "upstream_timeout"
+        assert "0.2 s" in errors[0]["error"]["message"]
+        assert events[-1] == "[DONE]" and events[0]["choices"]  # the first token got through
+        assert metric(gw, "lorastack_gateway_upstream_errors_total", kind="timeout") == 1
+        wait_for(lambda: state.cancelled == 1)  # the upstream request was closed
+        wait_for(lambda: metric(gw, "lorastack_gateway_inflight_requests") == 0)
+
+
+def test_slow_first_byte_is_504_and_steady_stream_is_not_cut(make_gateway, fake) -> None:
+    url, state = fake
+    state.first_byte_delay_s = 0.6
+    with make_gateway([url], first_byte_timeout_s=0.2, idle_timeout_s=0.3) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        state.first_byte_delay_s = 0.0
+        state.pace_s = 0.1  # every gap under the idle limit: a 0.5 s stream goes through
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
+        assert sse_events(r.text)[-1] == "[DONE]" and "error" not in r.text
+
+
+def test_proxied_routes_answer_405_to_other_methods(make_gateway, fake) -> None:
+    url, _ = fake
+    with make_gateway([url]) as gw:
+        r = httpx.get(f"{gw}/v1/chat/completions")
+        assert r.status_code == 405 and "GET /v1/chat/completions" in r.json()["error"]["message"]
+        assert httpx.get(f"{gw}/nowhere").status_code == 404
+
+
 def test_retries_before_first_byte_only_on_503_and_prefers_other_backend(
     make_gateway, fake, second_fake
 ) -> None:

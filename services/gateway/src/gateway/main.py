@@ -1,4 +1,10 @@
-"""`create_app(settings)`: wiring only. Routes, the error map and the background refresh."""
+"""`create_app(settings)`: wiring only. Routes, the error map and the background refresh.
+
+The two proxied routes (`PROXIED`) are dispatched before FastAPI: on the streaming hot
+path its middleware stack and router cost a send wrapper per chunk and routing work per
+request (bench/results/gateway-latency.md), and the proxy needs none of them (it maps
+its own errors). Every other route is plain FastAPI.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Authenticator
 from gateway.backends import Backends
@@ -20,6 +27,32 @@ from gateway.proxy import Proxy
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream
+
+PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+class GatewayApp(FastAPI):
+    """FastAPI with the proxied routes served straight from the ASGI entry point."""
+
+    proxy: Proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = PROXIED.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            return await super().__call__(scope, receive, send)
+        if scope["method"] == "POST":
+            response = await self.proxy.handle(Request(scope, receive), route)
+        else:
+            response = http_error(scope["method"], scope["path"], 405, "Method Not Allowed")
+        await response(scope, receive, send)
+
+
+def http_error(method: str, path: str, status: int, detail: str) -> Response:
+    """Starlette's own HTTP errors (404, 405, ...) in the OpenAI error shape."""
+    err = GatewayError(f"{method} {path}: {detail}")
+    err.status = status
+    err.type = "NotFoundError" if status == 404 else "BadRequestError"
+    return error_response(err)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -42,25 +75,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await upstream.aclose()
             await scrape_client.aclose()
 
-    app = FastAPI(title="lorastack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="lorastack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.proxy = proxy
     app.state.backends = backends
     app.state.metrics = metrics
     app.state.proxy = proxy
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = GatewayError(f"{request.method} {request.url.path}: {exc.detail}")
-        err.status = exc.status_code
-        err.type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
-        return error_response(err)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "completion")
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return http_error(request.method, request.url.path, exc.status_code, str(exc.detail))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -9,9 +9,9 @@ it learns the exact output-token count for TPOT; when the client did not ask for
 the final usage-only event is dropped (the other events then carry `"usage": null`,
 which OpenAI's own API also sends). Events are forwarded as soon as they are complete
 (bytes up to the blank line); a read from the backend that holds several events is
-forwarded as one write. Nothing else is buffered. A client that hangs up cancels the
-streaming task (Starlette listens for `http.disconnect` under uvicorn's ASGI 2.3); the
-stream's cleanup then closes the upstream connection, which makes vLLM abort the request.
+forwarded as one write. Nothing else is buffered. The relay itself (`relay.py`) watches
+for the client hanging up: that cancels it, and the stream's end closes the upstream
+connection, which makes vLLM abort the request.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from gateway.auth import Authenticator
 from gateway.backends import Backends
@@ -33,13 +33,12 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     PayloadTooLarge,
-    UpstreamBroken,
     UpstreamTimeout,
     as_gateway_error,
     error_response,
-    sse_error_event,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.relay import SseRelay, StreamEnd
 from gateway.routing import RouteRequest, Thresholds, pick_backend
 from gateway.settings import GatewaySettings
 from gateway.tokens import CountingTokenizer
@@ -74,7 +73,6 @@ class Prepared:
     reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
-    finished: bool = False  # metrics recorded and upstream closed (streams)
 
 
 class Proxy:
@@ -102,7 +100,13 @@ class Proxy:
             call = await self._open(prep)
             if prep.stream:
                 done_here = False
-                return _ProxyStream(self, prep, call, t0)
+                return SseRelay(
+                    call,
+                    prep.headers,
+                    keep_usage=prep.client_wants_usage,
+                    t0=t0,
+                    on_end=lambda end: self._end_stream(prep, call, t0, end),
+                )
             return await self._unary(prep, call, t0)
         except Exception as e:
             err = as_gateway_error(e)
@@ -267,110 +271,13 @@ class Proxy:
             raw, status_code=call.status, media_type=call.content_type, headers=prep.headers
         )
 
-    async def _stream(
-        self, prep: Prepared, call: UpstreamCall, t0: float
-    ) -> AsyncGenerator[bytes, None]:
-        ttft: float | None = None
-        usage: dict[str, Any] | None = None
-        status = "200"
-        saw_done = False
-        buf = b""
-        try:
-            try:
-                async for chunk in call.chunks():
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    buf += chunk
-                    cut = buf.rfind(b"\n\n")
-                    if cut < 0:
-                        continue
-                    ready, buf = buf[: cut + 2], buf[cut + 2 :]
-                    if b'"usage":{' in ready or b"[DONE]" in ready:
-                        ready, found, done = _filter_events(
-                            ready, keep_usage=prep.client_wants_usage
-                        )
-                        usage = found or usage
-                        saw_done = saw_done or done
-                        if not ready:
-                            continue
-                    yield ready
-                if not saw_done:
-                    raise UpstreamBroken(
-                        f"the backend {call.backend} ended the stream without [DONE]"
-                    )
-            except GatewayError as err:
-                status = "502"
-                kind = "timeout" if isinstance(err, UpstreamTimeout) else "broken_stream"
-                self.metrics.upstream_errors.labels(call.backend, kind).inc()
-                yield sse_error_event(err)
-        except BaseException:
-            status = "499"  # the client went away (cancelled) or the gateway is stopping
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._finish(prep, call, status, t0, ttft, usage)
-
-    async def _finish(
-        self,
-        prep: Prepared,
-        call: UpstreamCall,
-        status: str,
-        t0: float,
-        ttft: float | None,
-        usage: dict[str, Any] | None,
+    async def _end_stream(
+        self, prep: Prepared, call: UpstreamCall, t0: float, end: StreamEnd
     ) -> None:
-        """Once per stream: record metrics, close the upstream (vLLM aborts the request).
-
-        Runs shielded: it is reached from a cancelled task when the client went away."""
-        if prep.finished:
-            return
-        prep.finished = True
-        self._observe(prep, status, t0, ttft, usage)
+        """Once per stream (the relay calls it, shielded): metrics, then close the upstream
+        (an unfinished response drops its connection: vLLM aborts the request)."""
+        if end.error_kind is not None:
+            self.metrics.upstream_errors.labels(call.backend, end.error_kind).inc()
+        self._observe(prep, end.status, t0, end.ttft, end.usage)
         self.metrics.inflight.dec()
-        with anyio.CancelScope(shield=True):
-            await call.aclose()
-
-
-class _ProxyStream(StreamingResponse):
-    """A StreamingResponse that always finishes its stream, even when the client left
-    before the first event (then Starlette never starts the body iterator)."""
-
-    def __init__(self, proxy: Proxy, prep: Prepared, call: UpstreamCall, t0: float) -> None:
-        self._gen = proxy._stream(prep, call, t0)
-        self._cleanup = lambda: proxy._finish(prep, call, "499", t0, None, None)
-        super().__init__(
-            self._gen,
-            media_type="text/event-stream",
-            headers={**prep.headers, "Cache-Control": "no-cache"},
-        )
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._gen.aclose()
-                await self._cleanup()
-
-
-def _filter_events(data: bytes, *, keep_usage: bool) -> tuple[bytes, dict[str, Any] | None, bool]:
-    """Pick the usage out of complete SSE events; drop the usage-only event unless wanted."""
-    out = []
-    usage = None
-    done = False
-    for event in data.split(b"\n\n"):
-        if not event:
-            continue
-        if event.startswith(b"data: [DONE]"):
-            done = True
-        elif b'"usage":{' in event:
-            try:
-                obj = json.loads(event.removeprefix(b"data:").strip())
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                usage = obj["usage"]
-                if not keep_usage and not obj.get("choices"):
-                    continue
-        out.append(event + b"\n\n")
-    return b"".join(out), usage, done
+        await call.aclose()

@@ -64,27 +64,31 @@ class UpstreamCall:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; raises UpstreamTimeout or UpstreamBroken."""
-        it = self.response.content.iter_any().__aiter__()
-        limit = self.settings.first_byte_timeout_s
-        while True:
-            try:
-                async with asyncio.timeout(limit):
-                    chunk = await it.__anext__()
-            except StopAsyncIteration:
-                self.complete = True
-                return
-            except TimeoutError:
-                raise UpstreamTimeout(
-                    f"{self.backend} sent nothing for {limit:g} s",
-                    "raise LORASTACK_IDLE_TIMEOUT_S / LORASTACK_FIRST_BYTE_TIMEOUT_S",
-                ) from None
-            except aiohttp.ClientError as e:
-                raise UpstreamBroken(
-                    f"the backend {self.backend} broke the response: {type(e).__name__}",
-                    "retry the request",
-                ) from None
-            limit = self.settings.idle_timeout_s
-            yield chunk
+        reader = self.response.content
+        s = self.settings
+        watch = _SilenceWatch(reader, s.first_byte_timeout_s)
+        try:
+            while True:
+                watch.reading()
+                try:
+                    chunk = await reader.readany()
+                except _Silence as e:
+                    raise UpstreamTimeout(
+                        f"{self.backend} sent nothing for {e.seconds:g} s",
+                        "raise LORASTACK_IDLE_TIMEOUT_S / LORASTACK_FIRST_BYTE_TIMEOUT_S",
+                    ) from None
+                except aiohttp.ClientError as e:
+                    raise UpstreamBroken(
+                        f"the backend {self.backend} broke the response: {type(e).__name__}",
+                        "retry the request",
+                    ) from None
+                if not chunk:
+                    self.complete = True
+                    return
+                watch.got(s.idle_timeout_s)
+                yield chunk
+        finally:
+            watch.stop()
 
     async def aclose(self) -> None:
         if not self.closed:
@@ -96,6 +100,55 @@ class UpstreamCall:
                 self.response.close()  # drop the connection: vLLM aborts the request
 
 
+class _Silence(Exception):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"nothing for {seconds:g} s")
+        self.seconds = seconds
+
+
+class _SilenceWatch:
+    """The first-byte and idle timeouts of one response, with one timer per response.
+
+    A timeout context per chunk (asyncio.timeout) costs a timer per chunk; here each chunk
+    only notes the time, and the timer, when due, re-arms itself from the last read
+    unless the reader has really waited `limit` seconds: then it fails the reader with
+    `_Silence`, which the pending `readany()` raises. Only time spent waiting for the
+    backend counts: while the caller is busy (e.g. a slow client holds the send), the
+    watch is paused.
+    """
+
+    __slots__ = ("_handle", "_limit", "_loop", "_reader", "_since")
+
+    def __init__(self, reader: aiohttp.StreamReader, limit: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._reader = reader
+        self._limit = limit
+        self._since: float | None = None  # when the current read began; None: not reading
+        self._handle = self._loop.call_later(limit, self._check)
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+
+    def got(self, next_limit: float) -> None:
+        """A chunk arrived; from now on the limit is `next_limit` (the idle gap)."""
+        self._since = None
+        if next_limit != self._limit:  # once per response: first byte -> idle
+            self._limit = next_limit
+            self._handle.cancel()
+            self._handle = self._loop.call_later(next_limit, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = now + self._limit if self._since is None else self._since + self._limit
+        if now >= due:
+            self._reader.set_exception(_Silence(self._limit))
+        else:
+            self._handle = self._loop.call_at(due, self._check)
+
+
 class Upstream:
     def __init__(
         self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: InflightCounter
@@ -104,11 +157,20 @@ class Upstream:
         self.metrics = metrics
         self.inflight = inflight
         self._session: aiohttp.ClientSession | None = None
+        # the retry policy, built once (per request only the AsyncRetrying loop is new)
+        self._stop = stop_after_attempt(settings.retry_attempts)
+        self._wait = wait_exponential_jitter(
+            multiplier=settings.retry_backoff_s,
+            max=settings.retry_backoff_max_s,
+            jitter=settings.retry_backoff_s,
+        )
+        self._retry = retry_if_exception_type(_Retryable)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # made on first use, inside the running event loop
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0),
+                cookie_jar=aiohttp.DummyCookieJar(),  # a backend's cookies are not ours to keep
                 timeout=aiohttp.ClientTimeout(
                     total=None, connect=self.settings.connect_timeout_s, sock_read=None
                 ),
@@ -162,16 +224,8 @@ class Upstream:
         headers: dict[str, str],
     ) -> UpstreamCall:
         """POST to the backend `pick(tried)` chooses; retry only before the first byte."""
-        s = self.settings
         tried: list[str] = []
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(s.retry_attempts),
-            wait=wait_exponential_jitter(
-                initial=s.retry_backoff_s, max=s.retry_backoff_max_s, jitter=s.retry_backoff_s
-            ),
-            retry=retry_if_exception_type(_Retryable),
-            reraise=False,
-        )
+        retrying = AsyncRetrying(stop=self._stop, wait=self._wait, retry=self._retry, reraise=False)
         try:
             async for attempt in retrying:
                 with attempt:

@@ -1,0 +1,109 @@
+"""The streaming response: a backend's SSE stream relayed to the client as raw ASGI.
+
+Owns: the send loop (what a backend read completes goes out as one `http.response.body`
+message, as the bytes arrived: no re-encoding), the watch for the client's disconnect
+(it cancels the relay at once, even while the backend is silent), the one SSE error
+event when the backend fails mid-stream, and reporting how the stream ended, exactly
+once, to `on_end` (which records metrics and closes the upstream: vLLM then aborts).
+Does not own: SSE parsing (`sse.py`), timeouts (`upstream.py`), metrics (`proxy.py`).
+
+Why not Starlette's StreamingResponse: per chunk it ran an async-generator chain and
+three send wrappers, per request a task group; this loop is what remains of that
+(bench/results/gateway-latency.md has the CPU per request before and after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError, UpstreamBroken, UpstreamTimeout, sse_error_event
+from gateway.sse import EventScanner
+from gateway.upstream import UpstreamCall
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How one relayed stream ended."""
+
+    status: str  # "200"; "502": the backend failed mid-stream; "499": the client left
+    ttft: float | None  # seconds from the request to the backend's first body bytes
+    usage: dict[str, Any] | None  # the backend's usage event, if one came
+    error_kind: str | None = None  # "timeout" | "broken_stream" when status is "502"
+
+
+class SseRelay(Response):
+    """An ASGI response that relays `call` (an open upstream SSE response)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        call: UpstreamCall,
+        headers: dict[str, str],
+        *,
+        keep_usage: bool,
+        t0: float,
+        on_end: Callable[[StreamEnd], Awaitable[None]],
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**headers, "cache-control": "no-cache"})
+        self._call = call
+        self._keep_usage = keep_usage
+        self._t0 = t0
+        self._on_end = on_end
+        self._ttft: float | None = None  # set by the relay at the first body bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scanner = EventScanner(keep_usage=self._keep_usage)
+        end = StreamEnd("499", None, None)  # until the relay says otherwise
+        try:
+            with anyio.CancelScope() as relay_scope:
+                watcher = asyncio.create_task(_cancel_on_disconnect(receive, relay_scope))
+                try:
+                    end = await self._relay(send, scanner)
+                finally:
+                    watcher.cancel()
+        finally:
+            if end.status == "499":  # the client left (or the server is stopping)
+                end = StreamEnd("499", self._ttft, scanner.usage)
+            with anyio.CancelScope(shield=True):
+                await self._on_end(end)
+
+    async def _relay(self, send: Send, scanner: EventScanner) -> StreamEnd:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            async for chunk in self._call.chunks():
+                if self._ttft is None:
+                    self._ttft = time.perf_counter() - self._t0
+                ready = scanner.feed(chunk)
+                if ready:
+                    await send({"type": "http.response.body", "body": ready, "more_body": True})
+            if not scanner.done:
+                raise UpstreamBroken(
+                    f"the backend {self._call.backend} ended the stream without [DONE]"
+                )
+            end = StreamEnd("200", self._ttft, scanner.usage)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except GatewayError as err:
+            kind = "timeout" if isinstance(err, UpstreamTimeout) else "broken_stream"
+            end = StreamEnd("502", self._ttft, scanner.usage, kind)
+            await send(
+                {"type": "http.response.body", "body": sse_error_event(err), "more_body": False}
+            )
+        return end
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Wait for the client's `http.disconnect`, then cancel the relay."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()

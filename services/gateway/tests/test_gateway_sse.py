@@ -1,0 +1,111 @@
+"""The relay's byte-level pieces without a server: SSE event scanning and the one-timer
+first-byte/idle watch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gateway.sse import EventScanner
+from gateway.upstream import _Silence, _SilenceWatch
+
+
+def event(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+DELTA = event({"choices": [{"index": 0, "delta": {"content": "hi"}}]})
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+USAGE_ONLY = event({"choices": [], "usage": USAGE})
+DONE = b"data: [DONE]\n\n"
+
+
+def test_whole_events_pass_as_the_same_bytes() -> None:
+    s = EventScanner(keep_usage=False)
+    assert s.feed(DELTA) is DELTA  # no copy, no re-encoding
+    assert s.feed(DELTA + DELTA) == DELTA + DELTA  # one read with two events: one write
+    assert not s.done and s.usage is None
+
+
+def test_split_events_wait_for_their_end() -> None:
+    s = EventScanner(keep_usage=False)
+    stream = DELTA + DELTA + USAGE_ONLY + DONE
+    out = b""
+    for i in range(0, len(stream), 7):  # every 7 bytes, cutting events and markers apart
+        ready = s.feed(stream[i : i + 7])
+        assert ready == b"" or ready.endswith(b"\n\n")
+        out += ready
+    assert out == DELTA + DELTA + DONE  # the usage-only event the gateway added is dropped
+    assert s.done and s.usage == USAGE
+
+
+def test_usage_event_kept_when_the_client_asked() -> None:
+    s = EventScanner(keep_usage=True)
+    assert s.feed(DELTA + USAGE_ONLY + DONE) == DELTA + USAGE_ONLY + DONE
+    assert s.done and s.usage == USAGE
+
+
+def test_usage_on_an_event_with_choices_is_never_dropped() -> None:
+    both = event({"choices": [{"index": 0, "delta": {}}], "usage": USAGE})
+    s = EventScanner(keep_usage=False)
+    assert s.feed(both) == both and s.usage == USAGE
+
+
+def test_done_and_usage_inside_content_are_text_not_markers() -> None:
+    tricky = event({"choices": [{"delta": {"content": 'data: [DONE] "usage":{'}}]})
+    s = EventScanner(keep_usage=False)
+    assert s.feed(tricky) == tricky
+    assert not s.done and s.usage is None
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.failed: BaseException | None = None
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.failed = exc
+
+
+def test_silence_watch_fires_only_while_waiting_for_the_backend() -> None:
+    async def scenario() -> tuple[BaseException | None, ...]:
+        results = []
+        # waiting longer than the limit: fires with the limit in the error
+        reader = _Reader()
+        watch = _SilenceWatch(reader, 0.05)  # type: ignore[arg-type]
+        watch.reading()
+        await asyncio.sleep(0.12)
+        watch.stop()
+        results.append(reader.failed)
+        # a long first-byte limit, then a short idle limit: the idle limit applies
+        reader = _Reader()
+        watch = _SilenceWatch(reader, 30.0)  # type: ignore[arg-type]
+        watch.reading()
+        watch.got(0.05)
+        watch.reading()
+        await asyncio.sleep(0.12)
+        watch.stop()
+        results.append(reader.failed)
+        # chunks keep coming faster than the limit: never fires
+        reader = _Reader()
+        watch = _SilenceWatch(reader, 0.05)  # type: ignore[arg-type]
+        for _ in range(8):
+            watch.reading()
+            await asyncio.sleep(0.02)
+            watch.got(0.05)
+        watch.stop()
+        results.append(reader.failed)
+        # not reading (the caller is busy sending to a slow client): paused
+        reader = _Reader()
+        watch = _SilenceWatch(reader, 0.05)  # type: ignore[arg-type]
+        watch.reading()
+        watch.got(0.05)
+        await asyncio.sleep(0.15)
+        watch.stop()
+        results.append(reader.failed)
+        return tuple(results)
+
+    fired, idle, steady, paused = asyncio.run(scenario())
+    assert isinstance(fired, _Silence) and fired.seconds == 0.05
+    assert isinstance(idle, _Silence) and idle.seconds == 0.05
+    assert steady is None
+    assert paused is None
