@@ -28,9 +28,7 @@ import torch
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def run_config(
-    batch: int, seq: int, checkpointing: bool, fused: bool = True, compile: str = "auto"
-) -> Any:
+def run_config(batch: int, seq: int, checkpointing: bool, fused: bool = True) -> Any:
     from trainer.config import RunConfig
 
     return RunConfig.model_validate(
@@ -41,7 +39,6 @@ def run_config(
             "micro_batch": batch,
             "gradient_checkpointing": checkpointing,
             "fused_lora": fused,
-            "compile": compile,
             "device": "cuda",
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ALL_LINEAR},
         }
@@ -107,13 +104,12 @@ def steps(
     }
 
 
-# (label, fused_lora, compile): the trainer's default last; the others attribute the gain
-PATHS = [("peft eager", False, "off"), ("fused eager", True, "off"), ("lorastack", True, "auto")]
+# (label, fused_lora): the trainer's path; with peft's own LoRA forward to attribute the gain
+PATHS = [("lorastack, peft forward", False), ("lorastack", True)]
 # (gradient checkpointing, batch) measured on each path
 PLAN = {
-    "peft eager": [(True, 1)],
-    "fused eager": [(True, 1), (False, 1)],
-    "lorastack": [(True, 1), (False, 1), (True, 4), (False, 2)],
+    "lorastack, peft forward": [(True, 1)],
+    "lorastack": [(True, 1), (False, 1), (True, 4)],
 }
 
 
@@ -123,12 +119,12 @@ def set_checkpointing(model: Any, on: bool) -> None:
         layer.gradient_checkpointing = on
 
 
-def load(shape: str, seq: int, fused: bool, compile: str) -> Any:
+def load(shape: str, seq: int, fused: bool) -> Any:
     from trainer.modeling import load_model
 
     gc.collect()
     torch.cuda.empty_cache()
-    config = run_config(1, seq, True, fused, compile)
+    config = run_config(1, seq, True, fused)
     model = load_model(Path(f"/tmp/rand-{shape}"), config, torch.device("cuda", 0))
     model.train()
     return model
@@ -137,8 +133,8 @@ def load(shape: str, seq: int, fused: bool, compile: str) -> Any:
 def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     results = []
-    for label, fused, compile in PATHS:
-        model = load(shape, seq, fused, compile)
+    for label, fused in PATHS:
+        model = load(shape, seq, fused)
         for ckpt, batch in PLAN[label]:
             set_checkpointing(model, ckpt)
             try:
@@ -151,39 +147,6 @@ def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
             print(json.dumps(row), flush=True)
         del model
     return results
-
-
-def gradient_check(shape: str, seq: int) -> dict[str, Any]:
-    """One step's LoRA gradients with compiled vs eager layers: same model, data, weights."""
-    from trainer.modeling import loss_sum
-
-    model = load(shape, seq, True, "auto")
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero: make every gradient non-trivial
-            p.data.normal_(0, 0.01)
-    set_checkpointing(model, False)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    vocab = model.get_base_model().config.vocab_size
-    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
-    grads = []
-    for training in (False, True):  # compiled layers run in training mode only
-        for layer in model.get_base_model().get_decoder().layers:
-            layer.train(training)
-        loss = loss_sum(model, ids, torch.ones_like(ids), ids) / (seq - 1)
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-        model.zero_grad(set_to_none=True)
-    eager, compiled = grads
-    rel = sorted(float((compiled[k] - g).norm() / g.norm()) for k, g in eager.items())
-    del model
-    return {
-        "shape": shape,
-        "compare": "LoRA gradients of one step, compiled vs eager layers (|dg| / |g| per tensor)",
-        "tensors": len(rel),
-        "median": round(rel[len(rel) // 2], 5),
-        "max": round(rel[-1], 5),
-    }
 
 
 def plain_model(shape: str) -> Any:
@@ -225,7 +188,7 @@ def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
             model = plain_model(shape)
             curves[side] = steps(model, 1, seq, vocab, n, plain_loss_sum)["losses"]
         else:
-            model = load(shape, seq, True, "auto")
+            model = load(shape, seq, True)
             set_checkpointing(model, False)
             curves[side] = steps(model, 1, seq, vocab, n)["losses"]
         del model
@@ -265,7 +228,6 @@ def main() -> int:
         for b, r in base.items():
             print(json.dumps({"shape": shape, "side": "baseline", "batch": b, **r}), flush=True)
         ours = trainer_side(shape, args.seq, args.steps)
-        print(json.dumps(gradient_check(shape, args.seq)), flush=True)
         b1 = base[1].get("tokens_per_s")
         for r in ours:
             if b1 and "tokens_per_s" in r:

@@ -97,9 +97,6 @@ class RunConfig(_Strict):
     seed: int = Field(0, ge=0, description="LoRA init, dropout and batch order")
     loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     gradient_checkpointing: bool = False
-    compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile each decoder layer for training; auto = on CUDA only"
-    )
     fused_lora: bool = Field(
         True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"
     )

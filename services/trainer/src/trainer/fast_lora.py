@@ -26,11 +26,9 @@ from typing import Any
 import torch
 
 # (packed weight, absmax, nested absmax, nested code, nested offset) and
-# (blocksize, quant type, shape, dtype, nested blocksize): plain tensors and constants, so
-# that torch.compile sees graph inputs rather than bitsandbytes objects.
+# (blocksize, quant type, shape, dtype, nested blocksize), read once per layer
 QuantTensors = tuple[torch.Tensor, torch.Tensor, Any, Any, Any]
 QuantMeta = tuple[int, str, list[int], torch.dtype, int]
-QUANT_BUFFERS = ("packed", "absmax", "nested_absmax", "nested_code", "offset")
 
 
 def quant_parts(base: torch.nn.Module) -> tuple[QuantTensors, QuantMeta] | None:
@@ -97,18 +95,13 @@ class LoraLinearFunction(torch.autograd.Function):
         y.addmm_(xa, b.t(), alpha=scale)
         if bias is not None:
             y += bias.to(dtype)
-        # every tensor backward reads goes through save_for_backward, the frozen weight too:
-        # tensors kept as ctx attributes were baked into the one compiled backward graph
-        # as the first layer's (seen on torch 2.11, CUDA: wrong gradients in all others)
-        ctx.save_for_backward(xd2, xa, a, b, weight, *(quant or (None,) * len(QUANT_BUFFERS)))
+        ctx.save_for_backward(xd2, xa, a, b, weight, *(quant or (None,) * 5))
         ctx.scale, ctx.meta = scale, meta
         ctx.same_input = x_dropped is x
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        # dx is computed even where the input needs none (the first layer): a branch on
-        # ctx.needs_input_grad would be frozen into the one compiled graph all layers share
         xd2, xa, a, b, weight, *quant = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
         g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
@@ -141,10 +134,7 @@ def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     name = active[0]
     dropout = self.lora_dropout[name]
     x_dropped = dropout(x) if isinstance(dropout, torch.nn.Dropout) and self.training else x
-    meta = self._fused_meta
-    quant = None
-    if meta is not None:
-        quant = tuple(getattr(self, f"_fused_{k}") for k in QUANT_BUFFERS)
+    quant, meta = self._fused_quant or (None, None)
     out: torch.Tensor = LoraLinearFunction.apply(
         x,
         x_dropped,
@@ -175,12 +165,7 @@ def install(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) in (LoraLinear, *linear4bit) and not hasattr(module, "_peft_forward"):
             module._peft_forward = module.forward
-            parts = quant_parts(module.base_layer)
-            module._fused_meta = parts[1] if parts else None
-            for key, tensor in zip(QUANT_BUFFERS, parts[0] if parts else (), strict=False):
-                # buffers, not attributes: torch.compile treats them as inputs of one graph
-                # shared by all layers; non-persistent: never in a state dict
-                module.register_buffer(f"_fused_{key}", tensor, persistent=False)
+            module._fused_quant = quant_parts(module.base_layer)
             module.forward = types.MethodType(_fast_forward, module)
             count += 1
     return count

@@ -118,31 +118,7 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
                 module.cast_input_dtype_enabled = False  # type: ignore[assignment]
     if config.fused_lora:
         fast_lora.install(peft_model)
-    if config.compile == "on" or (config.compile == "auto" and device.type == "cuda"):
-        compile_decoder_layers(peft_model)
     return peft_model
-
-
-def compile_decoder_layers(model: Any) -> None:
-    """torch.compile each decoder layer's forward, used in training mode only (evaluation
-    and generation, with their caches and one-token shapes, stay eager). All layers share
-    one compiled graph: the fused RMSNorm/RoPE/SwiGLU elementwise work and the fewer
-    launches are what take the 8B step at batch 1 from host-bound to GPU-bound."""
-    import torch._inductor.config
-
-    # dropout through torch's own RNG ops: the same masks as eager, and checkpointing's
-    # saved RNG state replays them in the recompute
-    torch._inductor.config.fallback_random = True
-    for layer in getattr(model.get_base_model().get_decoder(), "layers", []):
-        eager = layer.forward
-        compiled = torch.compile(eager)
-
-        def forward(
-            *args: Any, _layer: Any = layer, _c: Any = compiled, _e: Any = eager, **kw: Any
-        ) -> Any:
-            return (_c if _layer.training else _e)(*args, **kw)
-
-        layer.forward = forward
 
 
 def loss_sum(
