@@ -7,7 +7,15 @@ uvloop; no SDK overhead in the numbers). For each concurrency it measures TTFT (
 first SSE event) and end-to-end time, direct and through the gateway, and prints JSON.
 
     .venv/bin/python bench/gateway_latency.py --tokenizer DIR [--duration 10] \
-        [--concurrency 1 16 64 256] [--soak 600] > bench/results/gateway-latency.json
+        [--concurrency 1 16 64 256] [--soak 600] [--lockstep] \
+        [--pin-gateway 0 --pin-upstream 1 --pin-client 1] > bench/results/gateway-latency.json
+
+Arrivals: each point is a closed loop of N workers; by default their first requests are
+staggered over one stream's length, so requests arrive steadily; `--lockstep` starts them
+together, and as every stream lasts the same they stay in bursts of N. `--pin-*` put the
+three processes on CPUs of their own (taskset list syntax), so that the client and the
+fake do not steal the gateway's core. `cpu_ms_per_request` is the gateway's and the
+fake's CPU time (user + system) per request at 16 streams.
 
 Soak: streams through the gateway for --soak seconds, a random fraction of which the
 client abandons mid-stream; before and after (and after a short settle) it records the

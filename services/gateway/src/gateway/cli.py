@@ -34,6 +34,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         create_app(settings),
         host=settings.host,
         port=settings.port,
+        loop="uvloop",  # named, not "auto": a missing package fails here instead of
+        http="httptools",  # silently falling back to asyncio + h11 (several times slower)
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=10,
