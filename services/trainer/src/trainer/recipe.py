@@ -12,6 +12,7 @@ compares the checkpoint's run manifest with this run's and refuses on a differen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -399,7 +400,9 @@ class Recipe:
             for j, b in enumerate(mine):
                 batch = {k: v.to(self.device) for k, v in collate(b, self.pad).items()}
                 sync_ctx = (
-                    self.model.no_sync() if world > 1 and j < len(mine) - 1 else _nullcontext()
+                    self.model.no_sync()
+                    if world > 1 and j < len(mine) - 1
+                    else contextlib.nullcontext()
                 )
                 with sync_ctx:
                     loss = loss_sum(self.model, **batch) / n_sup * world
@@ -743,14 +746,6 @@ class Recipe:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _duration(seconds: float) -> str:
