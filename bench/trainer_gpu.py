@@ -29,7 +29,9 @@ import torch
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def run_config(batch: int, seq: int, checkpointing: bool, fused: bool = True) -> Any:
+def run_config(
+    batch: int, seq: int, checkpointing: bool, fused: bool = True, compile: bool = False
+) -> Any:
     from trainer.config import RunConfig
 
     return RunConfig.model_validate(
@@ -40,6 +42,7 @@ def run_config(batch: int, seq: int, checkpointing: bool, fused: bool = True) ->
             "micro_batch": batch,
             "gradient_checkpointing": checkpointing,
             "fused_lora": fused,
+            "compile": compile,
             "device": "cuda",
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ALL_LINEAR},
         }
@@ -105,12 +108,18 @@ def steps(
     }
 
 
-# (label, fused_lora): the trainer's path; with peft's own LoRA forward to attribute the gain
-PATHS = [("lorastack, peft forward", False), ("lorastack", True)]
+# (label, fused_lora, compile): the trainer's default path, the same with peft's own LoRA
+# forward (to attribute the fused layer's gain), and with compile=true
+PATHS = [
+    ("lorastack, peft forward", False, False),
+    ("lorastack", True, False),
+    ("lorastack, compile", True, True),
+]
 # (gradient checkpointing, batch) measured on each path
 PLAN = {
     "lorastack, peft forward": [(True, 1)],
     "lorastack": [(True, 1), (False, 1), (True, 4)],
+    "lorastack, compile": [(True, 1), (False, 1), (True, 4)],
 }
 
 
@@ -120,12 +129,12 @@ def set_checkpointing(model: Any, on: bool) -> None:
         layer.gradient_checkpointing = on
 
 
-def load(shape: str, seq: int, fused: bool) -> Any:
+def load(shape: str, seq: int, fused: bool, compile: bool = False) -> Any:
     from trainer.modeling import load_model
 
     gc.collect()
     torch.cuda.empty_cache()
-    config = run_config(1, seq, True, fused)
+    config = run_config(1, seq, True, fused, compile)
     model = load_model(Path(f"/tmp/rand-{shape}"), config, torch.device("cuda", 0))
     model.train()
     return model
@@ -134,8 +143,8 @@ def load(shape: str, seq: int, fused: bool) -> Any:
 def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     results = []
-    for label, fused in PATHS:
-        model = load(shape, seq, fused)
+    for label, fused, compile in PATHS:
+        model = load(shape, seq, fused, compile)
         for ckpt, batch in PLAN[label]:
             set_checkpointing(model, ckpt)
             try:
@@ -148,6 +157,40 @@ def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
             print(json.dumps(row), flush=True)
         del model
     return results
+
+
+def gradient_check(shape: str, seq: int) -> dict[str, Any]:
+    """One step's LoRA gradients through compiled vs eager layers: same model, data and
+    weights (compiled layers run in training mode only, eager ones in eval mode)."""
+    from trainer.modeling import loss_sum
+
+    model = load(shape, seq, True, True)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: make every gradient non-trivial
+            p.data.normal_(0, 0.01)
+    set_checkpointing(model, False)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    vocab = model.get_base_model().config.vocab_size
+    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
+    grads = []
+    for training in (False, True):
+        for layer in model.get_base_model().get_decoder().layers:
+            layer.train(training)
+        loss = loss_sum(model, ids, torch.ones_like(ids), ids) / (seq - 1)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        model.zero_grad(set_to_none=True)
+    eager, compiled = grads
+    rel = sorted(float((compiled[k] - g).norm() / g.norm()) for k, g in eager.items())
+    del model
+    return {
+        "shape": shape,
+        "compare": "LoRA gradients of one step, compiled vs eager layers (|dg| / |g| per tensor)",
+        "tensors": len(rel),
+        "median": round(rel[len(rel) // 2], 5),
+        "max": round(rel[-1], 5),
+    }
 
 
 def plain_model(shape: str) -> Any:
@@ -233,6 +276,7 @@ def main() -> int:
         for b, r in base.items():
             print(json.dumps({"shape": shape, "side": "baseline", "batch": b, **r}), flush=True)
         ours = trainer_side(shape, args.seq, args.steps)
+        print(json.dumps(gradient_check(shape, args.seq)), flush=True)
         b1 = base[1].get("tokens_per_s")
         for r in ours:
             if b1 and "tokens_per_s" in r:

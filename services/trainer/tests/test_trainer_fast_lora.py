@@ -105,3 +105,18 @@ def test_disabled_adapter_falls_back_to_peft(tiny_llama: Path) -> None:
         zero_b = model(input_ids=ids).logits
     assert not torch.allclose(adapted, base)
     torch.testing.assert_close(base, zero_b)
+
+
+def test_compiled_layers_give_the_eager_gradients(tiny_llama: Path) -> None:
+    """compile=true trains through torch.compile'd decoder layers: the eager loss and LoRA
+    gradients (dropout and checkpointing included); evaluation runs the eager forward."""
+    fields = {"quantization": "nf4", "gradient_checkpointing": True, "lora": {"dropout": 0.1}}
+    loss_e, grads_e = loss_and_grads(build(tiny_llama, True, **fields))
+    model = build(tiny_llama, True, compile=True, **fields)
+    loss_c, grads_c = loss_and_grads(model)
+    assert loss_c == pytest.approx(loss_e, rel=1e-6)
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 96, (1, 5)))  # eager: no compile for eval shapes

@@ -97,6 +97,9 @@ class RunConfig(_Strict):
     seed: int = Field(0, ge=0, description="LoRA init, dropout and batch order")
     loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     gradient_checkpointing: bool = False
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer for training (see trainer.modeling)"
+    )
     fused_lora: bool = Field(
         True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"
     )

@@ -73,10 +73,10 @@ class LoraLinearFunction(torch.autograd.Function):
     """Autograd of the frozen-base LoRA linear; see the module docstring."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
-        x_dropped: torch.Tensor,
+        x_dropped: torch.Tensor | None,
         lora_a: torch.Tensor,
         lora_b: torch.Tensor,
         scale: float,
@@ -87,7 +87,7 @@ class LoraLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        xd2 = x_dropped.reshape(-1, x.shape[-1])
+        xd2 = x2 if x_dropped is None else x_dropped.reshape(-1, x.shape[-1])
         a = lora_a.to(dtype)
         b = lora_b.to(dtype)
         y = x2 @ dense_weight(weight, quant, meta, dtype).t()
@@ -95,18 +95,22 @@ class LoraLinearFunction(torch.autograd.Function):
         y.addmm_(xa, b.t(), alpha=scale)
         if bias is not None:
             y += bias.to(dtype)
-        ctx.save_for_backward(xd2, xa, a, b, weight, *(quant or (None,) * 5))
+        frozen = (weight,) if quant is None else quant
+        ctx.present = tuple(t is not None for t in frozen)  # save_for_backward gets no None
+        ctx.save_for_backward(xd2, xa, a, b, *(t for t in frozen if t is not None))
         ctx.scale, ctx.meta = scale, meta
-        ctx.same_input = x_dropped is x
+        ctx.same_input = x_dropped is None
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        xd2, xa, a, b, weight, *quant = ctx.saved_tensors
+        xd2, xa, a, b, *kept = ctx.saved_tensors
+        found = iter(kept)
+        frozen = tuple(next(found) if p else None for p in ctx.present)
         dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
         g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
-        parts = tuple(quant) if ctx.meta is not None else None
-        dx = dy2 @ dense_weight(weight, parts, ctx.meta, dy2.dtype)  # type: ignore[arg-type]
+        weight, quant = (frozen[0], None) if ctx.meta is None else (None, frozen)
+        dx = dy2 @ dense_weight(weight, quant, ctx.meta, dy2.dtype)  # type: ignore[arg-type]
         dxd = None
         if ctx.same_input:
             dx.addmm_(g, a)
@@ -130,10 +134,12 @@ def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
         or active[0] in self.lora_variant
         or self.lora_B[active[0]].bias is not None
     ):
-        return self._peft_forward(x, *args, **kwargs)  # type: ignore[no-any-return]
+        return self._peft_forward(x, *args, **kwargs)
     name = active[0]
     dropout = self.lora_dropout[name]
-    x_dropped = dropout(x) if isinstance(dropout, torch.nn.Dropout) and self.training else x
+    # None, not x itself, when no dropout applies: torch.compile (2.11) merges a tensor
+    # passed twice into one input and kept only the second one's gradient (None here)
+    x_dropped = dropout(x) if isinstance(dropout, torch.nn.Dropout) and self.training else None
     quant, meta = self._fused_quant or (None, None)
     out: torch.Tensor = LoraLinearFunction.apply(
         x,
@@ -162,11 +168,12 @@ def install(model: torch.nn.Module) -> int:
         linear4bit = (Linear4bit,)
     except ImportError:  # bitsandbytes absent: plain LoRA only
         pass
-    for module in model.modules():
-        if type(module) in (LoraLinear, *linear4bit) and not hasattr(module, "_peft_forward"):
-            module._peft_forward = module.forward
-            module._fused_quant = quant_parts(module.base_layer)
-            module.forward = types.MethodType(_fast_forward, module)
+    layer: Any
+    for layer in model.modules():
+        if type(layer) in (LoraLinear, *linear4bit) and not hasattr(layer, "_peft_forward"):
+            layer._peft_forward = layer.forward
+            layer._fused_quant = quant_parts(layer.base_layer)
+            layer.forward = types.MethodType(_fast_forward, layer)
             count += 1
     return count
 

@@ -118,7 +118,33 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
                 module.cast_input_dtype_enabled = False  # type: ignore[assignment]
     if config.fused_lora:
         fast_lora.install(peft_model)
+    if config.compile:
+        compile_decoder_layers(peft_model)
     return peft_model
+
+
+def compile_decoder_layers(model: Any) -> None:
+    """torch.compile each decoder layer's forward, used in training mode only (evaluation
+    and generation, with their caches and one-token shapes, stay eager).
+
+    Off by default: on CPU (torch 2.11 and 2.13) the compiled layers give the eager loss and
+    LoRA gradients (tests); on CUDA a first try gave wrong gradients, traced to torch 2.11
+    merging a tensor passed twice into the fused LoRA function (fixed in trainer.fast_lora),
+    and the corrected version is not yet measured on a GPU (bench/trainer_gpu.py)."""
+    import torch._inductor.config
+
+    # dropout through torch's own RNG ops: the eager masks, replayed by checkpointing
+    torch._inductor.config.fallback_random = True
+    for layer in getattr(model.get_base_model().get_decoder(), "layers", []):
+        eager = layer.forward
+        compiled = torch.compile(eager)
+
+        def forward(
+            *args: Any, _layer: Any = layer, _c: Any = compiled, _e: Any = eager, **kw: Any
+        ) -> Any:
+            return (_c if _layer.training else _e)(*args, **kw)
+
+        layer.forward = forward
 
 
 def loss_sum(
