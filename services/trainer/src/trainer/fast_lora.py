@@ -37,9 +37,8 @@ def quant_parts(base: torch.nn.Module) -> tuple[QuantTensors, QuantMeta] | None:
     if qs is None:
         return None
     nested = (qs.state2.absmax, qs.state2.code, qs.offset) if qs.nested else (None, None, None)
-    meta = (qs.blocksize, qs.quant_type, list(qs.shape), qs.dtype, 0)
-    if qs.nested:
-        meta = (*meta[:4], qs.state2.blocksize)
+    nested_blocksize = qs.state2.blocksize if qs.nested else 0
+    meta = (qs.blocksize, qs.quant_type, list(qs.shape), qs.dtype, nested_blocksize)
     return (base.weight.data, qs.absmax, *nested), meta
 
 
