@@ -3,7 +3,7 @@
 each request with its own synthetic prompt (no prefix reuse), the same payload shape.
 Alternation cancels the drift of a busy shared machine that separate runs suffer from.
 
-    .venv/bin/python bench/results/loadtest-vllm-cpu/ab_clients.py PORT MODEL_DIR PAIRS OUT_JSON [SEED [C]]
+    .venv/bin/python bench/loadtest_vllm_cpu/ab_clients.py PORT MODEL_DIR PAIRS OUT_JSON [SEED [C]]
 
 With C > 1 each turn is a wave of C concurrent requests from one client (the load of
 `--concurrency C` / `--max-concurrency C` with fixed output lengths), waves alternating.

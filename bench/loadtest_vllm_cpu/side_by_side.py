@@ -1,6 +1,6 @@
 """Build the side-by-side table of `lorastack loadtest` vs `vllm bench serve` results.
 
-    .venv/bin/python bench/results/loadtest-vllm-cpu/side_by_side.py DIR:TAG [DIR:TAG ...]
+    .venv/bin/python bench/loadtest_vllm_cpu/side_by_side.py DIR:TAG [DIR:TAG ...]
 
 Per run: each tool's own medians. Pooled: medians over all requests of all TAGs of one
 concurrency (lorastack from samples.jsonl, vllm from its --save-detailed lists), which

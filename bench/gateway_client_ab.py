@@ -1,6 +1,6 @@
 """A/B of the two HTTP clients for the gateway's upstream calls: CPU per streamed request.
 
-Run from the repo root: .venv/bin/python bench/results/gateway-client-ab.py
+Run from the repo root: .venv/bin/python bench/gateway_client_ab.py
 Streams 640 chat completions (16 chunks each, no pacing) from the fake upstream with
 httpx and with aiohttp, at 1 and 64 concurrent streams, and prints the client's CPU
 time per request (process_time: other processes' load inflates it less than latency).
