@@ -109,6 +109,8 @@ class LoraLinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
         g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
         weight, quant = (frozen[0], None) if ctx.meta is None else (None, frozen)
+        # dx also where the input needs none (first layer, 1/32 of the work): no branch on
+        # needs_input_grad, so one compiled graph serves every layer
         dx = dy2 @ dense_weight(weight, quant, ctx.meta, dy2.dtype)  # type: ignore[arg-type]
         dxd = None
         if ctx.same_input:
