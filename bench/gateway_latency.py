@@ -230,8 +230,9 @@ async def soak(
 
     await asyncio.gather(sampler(), *(worker() for _ in range(concurrency)))
     during = gateway_state(proc, gw_port)
-    # aiohttp closes expired keep-alive connections (5 s): wait, send one request so the
-    # pool is used again, then read the state again
+    # the gateway's pool closes keep-alive connections idle for 4 s (h1client.KEEPALIVE_S;
+    # aiohttp before it: 5 s): wait, send one request so the pool is used again, then read
+    # the state again
     await asyncio.sleep(6)
     await stream_once(gw_port, body)
     await asyncio.sleep(1)

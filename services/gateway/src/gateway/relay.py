@@ -81,12 +81,15 @@ class SseRelay(Response):
     async def _relay(self, send: Send, scanner: EventScanner) -> StreamEnd:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         try:
-            async for chunk in self._call.chunks():
-                if self._ttft is None:
-                    self._ttft = time.perf_counter() - self._t0
+            read = self._call.read
+            chunk = await read()
+            if chunk:
+                self._ttft = time.perf_counter() - self._t0
+            while chunk:
                 ready = scanner.feed(chunk)
                 if ready:
                     await send({"type": "http.response.body", "body": ready, "more_body": True})
+                chunk = await read()
             if not scanner.done:
                 raise UpstreamBroken(
                     f"the backend {self._call.backend} ended the stream without [DONE]"

@@ -1,17 +1,20 @@
 """All HTTP to the backends' inference routes: open a request with retries, then read it.
 
 Retries (tenacity) happen only before the first byte reached the client: on connection
-errors and on 502/503 answers, capped at `retry_attempts` with jittered exponential
+errors (refused, connect timeout, a keep-alive connection the backend closed before
+answering) and on 502/503 answers, capped at `retry_attempts` with jittered exponential
 backoff, each attempt on a backend not tried yet when routing has one. A 4xx, a timeout
 waiting for the first byte and anything after the response started are never retried.
 
-Timeouts: connect, first byte (headers and first body chunk), idle gap (between two body
-chunks). A caller that stops iterating (client disconnect) must `aclose()` the
-`UpstreamCall`: an unfinished response closes its connection, and vLLM aborts the request.
+Timeouts: connect (`h1client.py`), first byte (the response head, then the first body
+chunk), idle gap (between two body chunks): one timer per response (`_SilenceWatch`). A
+caller that stops reading (client disconnect) must `aclose()` the `UpstreamCall`: an
+unfinished response closes its connection (never back to the pool), and vLLM aborts the
+request.
 
-The client is aiohttp, not httpx: on the fake upstream httpx cost 2.5 ms of CPU per
-16-chunk stream at 1 stream and 5.4-6.8 ms at 64 (its pool rescans every connection per
-request); aiohttp cost 0.7 ms at both (bench/results/gateway-latency.md).
+The client is `h1client.py` (asyncio Protocol + httptools), not aiohttp: it cost less
+CPU per request and per chunk on the fake upstream (bench/results/gateway-latency.md);
+aiohttp cost 4-10x less than httpx before that.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-import aiohttp
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -30,6 +32,8 @@ from tenacity import (
 )
 
 from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from gateway.h1client import Connection, H1Client, Pool
+from gateway.h1wire import H1Error, request_bytes
 from gateway.metrics import GatewayMetrics
 from gateway.routing import InflightCounter
 from gateway.settings import GatewaySettings
@@ -43,61 +47,61 @@ class _Retryable(Exception):
         super().__init__(f"{backend}: {why}")
 
 
-@dataclass
+@dataclass(slots=True)
 class UpstreamCall:
-    """One open upstream response; iterate `chunks()` once, then `aclose()`."""
+    """One open upstream response; `read()` (or iterate `chunks()`) to b"", then `aclose()`."""
 
     backend: str
-    response: aiohttp.ClientResponse
+    status: int
+    headers: dict[str, str]
+    conn: Connection
+    pool: Pool
+    watch: _SilenceWatch
     settings: GatewaySettings
     inflight: InflightCounter
     closed: bool = field(default=False)
     complete: bool = field(default=False)  # the body was read to its end
 
     @property
-    def status(self) -> int:
-        return self.response.status
-
-    @property
     def content_type(self) -> str:
-        return self.response.headers.get("content-type", "application/json")
+        return self.headers.get("content-type", "application/json")
+
+    async def read(self) -> bytes:
+        """Body bytes as they arrive, b"" at the end; raises UpstreamTimeout or UpstreamBroken."""
+        watch = self.watch
+        watch.reading()
+        try:
+            chunk = await self.conn.read()
+        except _Silence as e:
+            raise UpstreamTimeout(
+                f"{self.backend} sent nothing for {e.seconds:g} s",
+                "raise LORASTACK_IDLE_TIMEOUT_S / LORASTACK_FIRST_BYTE_TIMEOUT_S",
+            ) from None
+        except H1Error as e:
+            raise UpstreamBroken(
+                f"the backend {self.backend} broke the response: {e}", "retry the request"
+            ) from None
+        if chunk:
+            watch.got(self.settings.idle_timeout_s)
+        else:
+            self.complete = True
+            watch.stop()
+        return chunk
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive; raises UpstreamTimeout or UpstreamBroken."""
-        reader = self.response.content
-        s = self.settings
-        watch = _SilenceWatch(reader, s.first_byte_timeout_s)
-        try:
-            while True:
-                watch.reading()
-                try:
-                    chunk = await reader.readany()
-                except _Silence as e:
-                    raise UpstreamTimeout(
-                        f"{self.backend} sent nothing for {e.seconds:g} s",
-                        "raise LORASTACK_IDLE_TIMEOUT_S / LORASTACK_FIRST_BYTE_TIMEOUT_S",
-                    ) from None
-                except aiohttp.ClientError as e:
-                    raise UpstreamBroken(
-                        f"the backend {self.backend} broke the response: {type(e).__name__}",
-                        "retry the request",
-                    ) from None
-                if not chunk:
-                    self.complete = True
-                    return
-                watch.got(s.idle_timeout_s)
-                yield chunk
-        finally:
-            watch.stop()
+        """`read()` as an iterator."""
+        while chunk := await self.read():
+            yield chunk
 
     async def aclose(self) -> None:
         if not self.closed:
             self.closed = True
+            self.watch.stop()
             self.inflight.add(self.backend, -1)
             if self.complete:
-                self.response.release()  # back to the keep-alive pool
+                self.pool.release(self.conn)  # back to the keep-alive pool
             else:
-                self.response.close()  # drop the connection: vLLM aborts the request
+                self.conn.close()  # drop the connection: vLLM aborts the request
 
 
 class _Silence(Exception):
@@ -109,42 +113,49 @@ class _Silence(Exception):
 class _SilenceWatch:
     """The first-byte and idle timeouts of one response, with one timer per response.
 
-    A timeout context per chunk (asyncio.timeout) costs a timer per chunk; here each chunk
+    A timeout context per read (asyncio.timeout) costs a timer per chunk; here each read
     only notes the time, and the timer, when due, re-arms itself from the last read
-    unless the reader has really waited `limit` seconds: then it fails the reader with
-    `_Silence`, which the pending `readany()` raises. Only time spent waiting for the
-    backend counts: while the caller is busy (e.g. a slow client holds the send), the
-    watch is paused.
+    unless the reader has really waited `limit` seconds: then it fails the connection
+    with `_Silence`, which the pending `head()`/`read()` raises. Only time spent waiting
+    for the backend counts: while the caller is busy (e.g. a slow client holds the
+    send), the watch is paused. The first-byte limit applies to the wait for the head
+    and to the wait for the first body chunk; from then on the idle limit.
     """
 
-    __slots__ = ("_handle", "_limit", "_loop", "_reader", "_since")
+    __slots__ = ("_conn", "_handle", "_limit", "_loop", "_since")
 
-    def __init__(self, reader: aiohttp.StreamReader, limit: float) -> None:
+    def __init__(self, conn: Connection, limit: float) -> None:
         self._loop = asyncio.get_running_loop()
-        self._reader = reader
+        self._conn = conn
         self._limit = limit
         self._since: float | None = None  # when the current read began; None: not reading
-        self._handle = self._loop.call_later(limit, self._check)
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(limit, self._check)
 
     def reading(self) -> None:
         self._since = self._loop.time()
 
+    def pause(self) -> None:
+        self._since = None
+
     def got(self, next_limit: float) -> None:
         """A chunk arrived; from now on the limit is `next_limit` (the idle gap)."""
         self._since = None
-        if next_limit != self._limit:  # once per response: first byte -> idle
+        if next_limit != self._limit and self._handle is not None:  # once: first byte -> idle
             self._limit = next_limit
             self._handle.cancel()
             self._handle = self._loop.call_later(next_limit, self._check)
 
     def stop(self) -> None:
-        self._handle.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
     def _check(self) -> None:
         now = self._loop.time()
         due = now + self._limit if self._since is None else self._since + self._limit
         if now >= due:
-            self._reader.set_exception(_Silence(self._limit))
+            self._handle = None
+            self._conn.set_exception(_Silence(self._limit))
         else:
             self._handle = self._loop.call_at(due, self._check)
 
@@ -156,7 +167,7 @@ class Upstream:
         self.settings = settings
         self.metrics = metrics
         self.inflight = inflight
-        self._session: aiohttp.ClientSession | None = None
+        self._client = H1Client(connect_timeout_s=settings.connect_timeout_s)
         # the retry policy, built once (per request only the AsyncRetrying loop is new)
         self._stop = stop_after_attempt(settings.retry_attempts)
         self._wait = wait_exponential_jitter(
@@ -166,55 +177,67 @@ class Upstream:
         )
         self._retry = retry_if_exception_type(_Retryable)
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:  # made on first use, inside the running event loop
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0),
-                cookie_jar=aiohttp.DummyCookieJar(),  # a backend's cookies are not ours to keep
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=self.settings.connect_timeout_s, sock_read=None
-                ),
-            )
-        return self._session
-
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        self._client.close()
 
     async def _attempt(
         self, backend: str, path: str, body: bytes, headers: dict[str, str]
     ) -> UpstreamCall:
+        s = self.settings
+        pool = self._client.pool(backend)
         self.inflight.add(backend, 1)
+        conn: Connection | None = None
+        watch: _SilenceWatch | None = None
         try:
             try:
-                async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                    response = await self._client().post(backend + path, data=body, headers=headers)
-            except TimeoutError:
+                conn = await pool.acquire()
+                watch = _SilenceWatch(conn, s.first_byte_timeout_s)
+                conn.send(
+                    request_bytes("POST", pool.host_header, pool.prefix + path, body, headers)
+                )
+                watch.reading()
+                head = await conn.head()
+                watch.pause()
+            except _Silence:
                 self.metrics.upstream_errors.labels(backend, "timeout").inc()
                 raise UpstreamTimeout(
-                    f"{backend} did not answer within {self.settings.first_byte_timeout_s:g} s",
+                    f"{backend} did not answer within {s.first_byte_timeout_s:g} s",
                     "raise LORASTACK_FIRST_BYTE_TIMEOUT_S or check the backend",
                 ) from None
-            except aiohttp.ClientError as e:
-                # refused, reset, or a keep-alive connection the backend closed as it was
-                # reused: no response byte has arrived, so another attempt is safe
+            except H1Error as e:
+                # refused, connect timeout, or a keep-alive connection the backend closed
+                # as it was reused: no response byte has arrived, so another attempt is safe
                 self.metrics.upstream_errors.labels(backend, "connect").inc()
                 raise _Retryable(backend, f"{type(e).__name__}: {e}") from None
-            if response.status >= 400:
+            call = UpstreamCall(
+                backend, head.status, head.headers, conn, pool, watch, s, self.inflight
+            )
+            if head.status >= 400:
+                raw = b""
                 try:
-                    raw = await response.content.read(MAX_ERROR_BODY)
-                except aiohttp.ClientError:
-                    raw = b""
-                response.close()
-                if response.status >= 500:
+                    while len(raw) < MAX_ERROR_BODY and (chunk := await call.read()):
+                        raw += chunk
+                except (UpstreamTimeout, UpstreamBroken):
+                    pass
+                call.closed = True  # the in-flight count is given back below
+                watch.stop()
+                if call.complete:
+                    pool.release(conn)
+                else:
+                    conn.close()
+                if head.status >= 500:
                     self.metrics.upstream_errors.labels(backend, "status_5xx").inc()
-                if response.status in RETRY_STATUSES:
-                    raise _Retryable(backend, f"HTTP {response.status}")
-                raise UpstreamRejected(response.status, raw)
+                if head.status in RETRY_STATUSES:
+                    raise _Retryable(backend, f"HTTP {head.status}")
+                raise UpstreamRejected(head.status, raw[:MAX_ERROR_BODY])
         except BaseException:
             self.inflight.add(backend, -1)
+            if watch is not None:
+                watch.stop()
+            if conn is not None and not conn.closed and conn.parser is not None:
+                conn.close()  # an exchange left unfinished (cancelled, timed out)
             raise
-        return UpstreamCall(backend, response, self.settings, self.inflight)
+        return call
 
     async def open(
         self,

@@ -1,0 +1,514 @@
+"""The hot path's HTTP/1.1 client: parsing (pure), pooling, timeouts, disconnects.
+
+Against the fake upstream (uvicorn in a thread) and, where a test needs bytes the fake
+never sends (a response split at every byte, a keep-alive socket closed by the server),
+against a raw asyncio server in the test's own loop. Every scenario runs on uvloop, as
+the gateway does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from gateway import h1client
+from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from gateway.h1client import Connection, H1Client, Pool
+from gateway.h1wire import BadResponse, ConnectFailed, Disconnected, ResponseParser, request_bytes
+from gateway.metrics import GatewayMetrics
+from gateway.routing import InflightCounter
+from gateway.settings import GatewaySettings
+from gateway.upstream import Upstream
+
+CHAT = "/v1/chat/completions"
+JSON = {"content-type": "application/json"}
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def chat_body(stream: bool = True, **extra: Any) -> bytes:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return json.dumps({**body, **extra}).encode()
+
+
+async def exchange(pool: Pool, body: bytes) -> tuple[Connection, int, bytes]:
+    conn = await pool.acquire()
+    conn.send(request_bytes("POST", pool.host_header, CHAT, body, JSON))
+    head = await conn.head()
+    raw = b""
+    while chunk := await conn.read():
+        raw += chunk
+    return conn, head.status, raw
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+# --- h1wire: pure parsing ---------------------------------------------------------------
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"d\r\ndata: first\n\n\r\n"
+    b"e\r\ndata: second\n\n\r\n"
+    b"0\r\n\r\n"
+)
+
+
+def test_chunked_body_split_at_every_byte_decodes_the_same() -> None:
+    for cut in range(1, len(CHUNKED)):
+        p = ResponseParser()
+        p.feed(CHUNKED[:cut])
+        got = p.take()
+        p.feed(CHUNKED[cut:])
+        got += p.take()
+        assert got == b"data: first\n\ndata: second\n\n", cut
+        assert p.complete and p.keep_alive and p.status == 200
+        assert p.headers["content-type"] == "text/event-stream"
+    p = ResponseParser()  # one byte per feed
+    got = b""
+    for i in range(len(CHUNKED)):
+        p.feed(CHUNKED[i : i + 1])
+        got += p.take()
+    assert got == b"data: first\n\ndata: second\n\n" and p.complete
+
+
+def test_content_length_eof_and_connection_close() -> None:
+    p = ResponseParser()
+    p.feed(b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\nConnection: close\r\n\r\nno")
+    assert p.head_done and p.status == 404 and not p.complete
+    p.feed(b"pe!")
+    assert p.take() == b"nope!" and p.complete and not p.keep_alive
+    # no length, not chunked: the body ends with the connection
+    p = ResponseParser()
+    p.feed(b"HTTP/1.1 200 OK\r\n\r\npartial")
+    assert not p.complete and p.take() == b"partial"
+    assert p.eof() and p.complete and not p.keep_alive
+    # a content-length body cut short is not complete at EOF
+    p = ResponseParser()
+    p.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+    assert not p.eof()
+
+
+def test_interim_1xx_then_the_response_and_bad_bytes() -> None:
+    p = ResponseParser()
+    p.feed(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert not p.head_done
+    p.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert p.status == 200 and p.take() == b"ok" and p.complete
+    with pytest.raises(BadResponse):
+        p.feed(b"HTTP/1.1 200 OK\r\n")  # nothing may follow a complete response
+    with pytest.raises(BadResponse):
+        ResponseParser().feed(b"SMTP ready\r\n\r\n")
+
+
+def test_request_bytes() -> None:
+    raw = request_bytes("POST", "h:8000", "/v1/completions", b"{}", JSON)
+    assert raw == (
+        b"POST /v1/completions HTTP/1.1\r\nHost: h:8000\r\nContent-Length: 2\r\n"
+        b"content-type: application/json\r\n\r\n{}"
+    )
+
+
+# --- h1client against the fake upstream --------------------------------------------------
+def test_keep_alive_reuses_one_connection(fake) -> None:
+    url, state = fake
+
+    async def scenario() -> None:
+        client = H1Client(connect_timeout_s=2)
+        pool = client.pool(url)
+        ports = set()
+        for stream in (True, False, True):
+            conn, status, raw = await exchange(pool, chat_body(stream))
+            assert status == 200
+            if stream:
+                assert raw.endswith(b"data: [DONE]\n\n")
+            else:
+                assert json.loads(raw)["choices"][0]["message"]["content"] == "Hello, world! Bye."
+            ports.add(conn.transport.get_extra_info("sockname")[1])  # type: ignore[union-attr]
+            pool.release(conn)
+            assert pool.idle == [conn]
+        assert len(ports) == 1  # three exchanges, one TCP connection
+        client.close()
+        assert conn.closed
+
+    run(scenario())
+    assert len(state.calls()) == 3
+
+
+def test_two_at_once_open_two_connections_and_both_return(fake) -> None:
+    url, _ = fake
+
+    async def scenario() -> None:
+        pool = H1Client(connect_timeout_s=2).pool(url)
+        (a, sa, _), (b, sb, _) = await asyncio.gather(
+            exchange(pool, chat_body()), exchange(pool, chat_body())
+        )
+        assert a is not b and sa == sb == 200
+        pool.release(a)
+        pool.release(b)
+        assert len(pool.idle) == 2
+        assert await pool.acquire() is b  # the newest first
+        pool.close()
+
+    run(scenario())
+
+
+def test_backend_dying_mid_stream_raises_disconnected(fake) -> None:
+    url, state = fake
+    state.die_after_tokens = 2
+    state.pace_s = 0.01
+
+    async def scenario() -> bytes:
+        pool = H1Client(connect_timeout_s=2).pool(url)
+        conn = await pool.acquire()
+        conn.send(request_bytes("POST", pool.host_header, CHAT, chat_body(), JSON))
+        assert (await conn.head()).status == 200
+        got = b""
+        with pytest.raises(Disconnected, match="mid-response"):
+            while True:
+                chunk = await conn.read()
+                assert chunk, "a broken stream must not look complete"
+                got += chunk
+        assert conn.closed and not conn.reusable()
+        pool.release(conn)  # not reusable: closed, not pooled
+        assert pool.idle == []
+        return got
+
+    got = run(scenario())
+    assert got.count(b"data: ") == 3  # the role event and two tokens, then the break
+
+
+def test_cancelled_read_closes_the_connection_and_never_pools_it(fake) -> None:
+    url, state = fake
+    state.pace_s = 0.2
+
+    async def scenario() -> None:
+        settings = GatewaySettings(backends=[url], retry_backoff_s=0.01)
+        up = Upstream(settings, GatewayMetrics(), InflightCounter())
+        call = await up.open(lambda tried: url, CHAT, chat_body(), JSON)
+        assert await call.read()  # the first events
+        reader = asyncio.ensure_future(call.read())  # waits for the next (paced) token
+        await asyncio.sleep(0.05)
+        reader.cancel()  # the client hung up
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await call.aclose()
+        assert call.conn.closed and up.inflight.counts[url] == 0
+        assert up._client.pools[url].idle == []  # never back to the pool
+        # the next request opens a new connection and works
+        again = await up.open(lambda tried: url, CHAT, chat_body(), JSON)
+        assert again.conn is not call.conn
+        await again.aclose()
+        await up.aclose()
+
+    run(scenario())
+    # the backend saw both unfinished streams go (vLLM aborts them)
+    wait_for(lambda: state.cancelled == 2 and state.completed == 0)
+
+
+def test_complete_stream_goes_back_to_the_pool_through_upstream(fake) -> None:
+    url, _ = fake
+
+    async def scenario() -> None:
+        up = Upstream(GatewaySettings(backends=[url]), GatewayMetrics(), InflightCounter())
+        call = await up.open(lambda tried: url, CHAT, chat_body(), JSON)
+        assert call.status == 200 and call.content_type.startswith("text/event-stream")
+        raw = b"".join([c async for c in call.chunks()])
+        assert raw.endswith(b"data: [DONE]\n\n")
+        await call.aclose()
+        assert up._client.pools[url].idle == [call.conn] and up.inflight.counts[url] == 0
+        await up.aclose()
+
+    run(scenario())
+
+
+def test_first_byte_and_idle_timeouts(fake) -> None:
+    url, state = fake
+
+    async def scenario() -> None:
+        settings = GatewaySettings(
+            backends=[url], first_byte_timeout_s=0.1, idle_timeout_s=0.1, retry_backoff_s=0.01
+        )
+        metrics = GatewayMetrics()
+        up = Upstream(settings, metrics, InflightCounter())
+        # no head within the first-byte limit: 504-type error, not retried
+        state.first_byte_delay_s = 0.4
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout, match=r"did not answer within 0\.1 s"):
+            await up.open(lambda tried: url, CHAT, chat_body(), JSON)
+        assert time.monotonic() - t0 < 0.35
+        assert len(state.calls()) == 1 and up.inflight.counts[url] == 0
+        assert up._client.pools[url].idle == []  # the timed-out connection was closed
+        # the head came, then a gap longer than the idle limit
+        state.first_byte_delay_s = 0.0
+        state.pace_s = 0.4
+        call = await up.open(lambda tried: url, CHAT, chat_body(), JSON)
+        assert await call.read()
+        with pytest.raises(UpstreamTimeout, match=r"sent nothing for 0\.1 s"):
+            await call.read()
+        await call.aclose()
+        assert call.conn.closed and up._client.pools[url].idle == []
+        await up.aclose()
+
+    run(scenario())
+
+
+def test_connect_refused_and_connect_timeout() -> None:
+    port = _closed_port()
+
+    async def refused() -> None:
+        pool = Pool(f"http://127.0.0.1:{port}", connect_timeout_s=1)
+        with pytest.raises(ConnectFailed, match="ConnectionRefused"):
+            await pool.acquire()
+
+    run(refused())
+    # a listener that never accepts and whose queue is full: the SYN goes unanswered
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    fill = []
+    try:
+        for _ in range(8):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(srv.getsockname())
+            fill.append(s)
+        time.sleep(0.05)
+
+        async def timeout() -> None:
+            pool = Pool(f"http://127.0.0.1:{srv.getsockname()[1]}", connect_timeout_s=0.2)
+            t0 = time.monotonic()
+            with pytest.raises(ConnectFailed, match=r"connect timed out after 0\.2 s"):
+                await pool.acquire()
+            assert time.monotonic() - t0 < 1.0
+
+        run(timeout())
+    finally:
+        for s in fill:
+            s.close()
+        srv.close()
+
+
+def test_connect_errors_are_retried_then_unavailable() -> None:
+    backend = f"http://127.0.0.1:{_closed_port()}"
+
+    async def scenario() -> None:
+        settings = GatewaySettings(backends=[backend], retry_attempts=3, retry_backoff_s=0.001)
+        metrics = GatewayMetrics()
+        up = Upstream(settings, metrics, InflightCounter())
+        with pytest.raises(UpstreamUnavailable, match="after 3 attempts"):
+            await up.open(lambda tried: backend, CHAT, chat_body(), JSON)
+        assert metrics.upstream_errors.labels(backend, "connect")._value.get() == 3
+        assert metrics.retries._value.get() == 2 and up.inflight.counts[backend] == 0
+        await up.aclose()
+
+    run(scenario())
+
+
+def test_error_statuses_retry_503_and_pass_4xx(fake) -> None:
+    url, state = fake
+
+    async def scenario() -> None:
+        settings = GatewaySettings(backends=[url], retry_attempts=3, retry_backoff_s=0.001)
+        up = Upstream(settings, GatewayMetrics(), InflightCounter())
+        state.fail_status, state.fail_count = 503, 1
+        call = await up.open(lambda tried: url, CHAT, chat_body(stream=False), JSON)
+        assert call.status == 200 and json.loads(b"".join([c async for c in call.chunks()]))
+        await call.aclose()
+        with pytest.raises(UpstreamRejected) as e:
+            await up.open(lambda tried: url, CHAT, chat_body(model="nope"), JSON)
+        assert e.value.status == 404 and b"does not exist" in e.value.raw
+        assert up.inflight.counts[url] == 0
+        assert len(up._client.pools[url].idle) == 1  # error bodies read to the end: reused
+        await up.aclose()
+
+    run(scenario())
+    assert len(state.calls()) == 3
+
+
+# --- raw servers: bytes the fake never sends ----------------------------------------------
+async def raw_server(
+    handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return await reader.readexactly(length)
+
+
+def test_chunked_stream_split_across_socket_reads() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        for i in range(0, len(CHUNKED), 7):  # 7-byte writes, each flushed on its own
+            writer.write(CHUNKED[i : i + 7])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.5)
+        writer.close()
+
+    async def scenario() -> None:
+        server, url = await raw_server(handler)
+        pool = H1Client(connect_timeout_s=1).pool(url)
+        conn, status, raw = await exchange(pool, b"{}")
+        assert status == 200 and raw == b"data: first\n\ndata: second\n\n"
+        assert conn.reusable()
+        pool.release(conn)
+        server.close()
+
+    run(scenario())
+
+
+def test_keep_alive_connection_closed_by_the_backend_is_not_reused() -> None:
+    served = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        served.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # keep-alive announced, then closed (what an idle timeout does)
+
+    async def scenario() -> None:
+        server, url = await raw_server(handler)
+        pool = H1Client(connect_timeout_s=1).pool(url)
+        first, status, raw = await exchange(pool, b"{}")
+        assert (status, raw) == (200, b"ok")
+        pool.release(first)
+        await asyncio.sleep(0.1)  # the backend's FIN arrives while the connection is idle
+        assert first.closed
+        second, status, _ = await exchange(pool, b"{}")
+        assert second is not first and status == 200
+        server.close()
+
+    run(scenario())
+    assert len(served) == 2
+
+
+def test_a_reused_connection_that_dies_before_the_head_is_retried() -> None:
+    count = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal count
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            count += 1
+            if count == 2:  # the second request, on the kept connection: hang up unanswered
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def scenario() -> None:
+        server, url = await raw_server(handler)
+        settings = GatewaySettings(backends=[url], retry_backoff_s=0.001)
+        metrics = GatewayMetrics()
+        up = Upstream(settings, metrics, InflightCounter())
+        for _ in range(2):
+            call = await up.open(lambda tried: url, CHAT, b"{}", JSON)
+            assert b"".join([c async for c in call.chunks()]) == b"ok"
+            await call.aclose()
+        assert metrics.retries._value.get() == 1  # the dead keep-alive connection, retried
+        await up.aclose()
+        server.close()
+
+    run(scenario())
+    assert count == 3
+
+
+def test_backend_bytes_that_are_not_http_break_the_response() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"ZZZ\r\n")  # after the head: no retry, the response broke
+        await writer.drain()
+        await asyncio.sleep(1)
+        writer.close()
+
+    async def scenario() -> None:
+        server, url = await raw_server(handler)
+        up = Upstream(GatewaySettings(backends=[url]), GatewayMetrics(), InflightCounter())
+        call = await up.open(lambda tried: url, CHAT, b"{}", JSON)
+        assert await call.read() == b"hello"
+        with pytest.raises(UpstreamBroken, match=r"invalid HTTP/1\.1"):
+            await call.read()
+        await call.aclose()
+        assert call.conn.closed and up._client.pools[url].idle == []
+        await up.aclose()
+        server.close()
+
+    run(scenario())
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_idle_connections_expire_and_the_sweeper_closes_them(fake, monkeypatch) -> None:
+    url, _ = fake
+    monkeypatch.setattr(h1client, "KEEPALIVE_S", 0.3)
+
+    async def scenario() -> None:
+        pool = Pool(url, connect_timeout_s=1)
+        (a, _, _), (b, _, _) = await asyncio.gather(
+            exchange(pool, chat_body()), exchange(pool, chat_body())
+        )
+        pool.release(a)
+        await asyncio.sleep(0.15)
+        pool.release(b)
+        await asyncio.sleep(0.225)  # a is past its 0.3 s, b is not
+        assert a.closed and not b.closed and pool.idle == [b]
+        await asyncio.sleep(0.3)
+        assert b.closed and pool.idle == []  # nothing left for a request to find
+
+    run(scenario())
+
+
+def test_a_reader_that_falls_behind_pauses_the_connection() -> None:
+    big = b"x" * (h1client.HIGH_WATER * 4)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big) + big)
+        await writer.drain()
+        await asyncio.sleep(1)
+        writer.close()
+
+    async def scenario() -> None:
+        server, url = await raw_server(handler)
+        pool = Pool(url, connect_timeout_s=1)
+        conn = await pool.acquire()
+        conn.send(request_bytes("POST", pool.host_header, CHAT, b"{}", JSON))
+        p = await conn.head()
+        await asyncio.sleep(0.2)  # the backend sends everything; nobody reads
+        assert conn._paused and p.body_bytes <= h1client.HIGH_WATER + 2**18
+        got = b""
+        while chunk := await conn.read():
+            got += chunk
+        assert got == big and conn.reusable()
+        server.close()
+
+    run(scenario())
