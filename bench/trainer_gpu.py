@@ -9,7 +9,9 @@ Prints one JSON object per measurement and a summary line.
 
 usage (on a CUDA machine, repo root):
   PYTHONPATH=libs/lorastack/src:services/trainer/src python3 bench/trainer_gpu.py \
-      --baseline PATH/hf_peft_baseline.py [--shapes 8b,1b] [--steps 12]
+      --baseline PATH/hf_peft_baseline.py [--shapes 8b,1b] [--steps 12] [--quick]
+The whole-decoder path compiles for minutes: under a 10-minute limit, run one shape per
+call.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ from typing import Any
 
 import torch
 
+DEVICE = torch.device("cuda", 0)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def run_config(
-    batch: int, seq: int, checkpointing: bool, fused: bool = True, compile: bool = False
-) -> Any:
+def run_config(batch: int, seq: int, checkpointing: bool, **fields: Any) -> Any:
     from trainer.config import RunConfig
 
     return RunConfig.model_validate(
@@ -41,10 +42,9 @@ def run_config(
             "max_seq_len": seq,
             "micro_batch": batch,
             "gradient_checkpointing": checkpointing,
-            "fused_lora": fused,
-            "compile": compile,
-            "device": "cuda",
+            "device": DEVICE.type,
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ALL_LINEAR},
+            **fields,
         }
     )
 
@@ -80,8 +80,8 @@ def steps(
     loss_fn = loss_fn or loss_sum
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-4)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=gen)
     mask = torch.ones_like(ids)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -95,11 +95,12 @@ def steps(
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-        losses.append(round(float(loss), 5))
+        losses.append(round(float(loss.detach()), 5))
     steady = sorted(times[3:])[len(times[3:]) // 2]
     return {
         "batch": batch,
         "seq": seq,
+        "first_step_s": round(times[0], 2),
         "step_s_median": round(steady, 4),
         "tokens_per_s": round(batch * seq / steady),
         "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -108,18 +109,25 @@ def steps(
     }
 
 
-# (label, fused_lora, compile): the trainer's default path, the same with peft's own LoRA
-# forward (to attribute the fused layer's gain), and with compile=true
-PATHS = [
-    ("lorastack, peft forward", False, False),
-    ("lorastack", True, False),
-    ("lorastack, compile", True, True),
+# (label, config fields): the trainer's default path on CUDA (compile=auto: compiled
+# decoder layers with checkpointing, eager without), the same eager (compile=false),
+# eager with peft's own LoRA forward (to attribute the fused layer's gain), the whole
+# decoder as one graph (compile_scope=decoder), and compile=true without checkpointing
+# (why auto leaves that case eager: memory)
+PATHS: list[tuple[str, dict[str, Any]]] = [
+    ("lorastack, eager, peft forward", {"fused_lora": False, "compile": False}),
+    ("lorastack, eager", {"compile": False}),
+    ("lorastack", {}),
+    ("lorastack, compile_scope=decoder", {"compile_scope": "decoder"}),
+    ("lorastack, compile=true", {"compile": True}),
 ]
-# (gradient checkpointing, batch) measured on each path
+# (gradient checkpointing, batch) measured on each path; --quick keeps the first of each
 PLAN = {
-    "lorastack, peft forward": [(True, 1)],
-    "lorastack": [(True, 1), (False, 1), (True, 4)],
-    "lorastack, compile": [(True, 1), (False, 1), (True, 4)],
+    "lorastack, eager, peft forward": [(True, 1)],
+    "lorastack, eager": [(True, 1), (False, 1), (True, 4)],
+    "lorastack": [(True, 1), (True, 4)],
+    "lorastack, compile_scope=decoder": [(True, 1), (True, 4)],
+    "lorastack, compile=true": [(False, 1)],
 }
 
 
@@ -129,23 +137,26 @@ def set_checkpointing(model: Any, on: bool) -> None:
         layer.gradient_checkpointing = on
 
 
-def load(shape: str, seq: int, fused: bool, compile: bool = False) -> Any:
+def load(shape: str, seq: int, **fields: Any) -> Any:
     from trainer.modeling import load_model
 
     gc.collect()
     torch.cuda.empty_cache()
-    config = run_config(1, seq, True, fused, compile)
-    model = load_model(Path(f"/tmp/rand-{shape}"), config, torch.device("cuda", 0))
+    config = run_config(1, seq, True, **fields)
+    model = load_model(Path(f"/tmp/rand-{shape}"), config, DEVICE)
     model.train()
     return model
 
 
-def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
+def trainer_side(shape: str, seq: int, n: int, quick: bool) -> list[dict[str, Any]]:
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     results = []
-    for label, fused, compile in PATHS:
-        model = load(shape, seq, fused, compile)
-        for ckpt, batch in PLAN[label]:
+    for label, fields in PATHS[1:] if quick else PATHS:
+        model = load(shape, seq, **fields)
+        plan = PLAN[label]
+        if quick:
+            plan = plan if label.startswith("lorastack, compile_scope") else plan[:1]
+        for ckpt, batch in plan:
             set_checkpointing(model, ckpt)
             try:
                 r = steps(model, batch, seq, vocab, n)
@@ -159,37 +170,103 @@ def trainer_side(shape: str, seq: int, n: int) -> list[dict[str, Any]]:
     return results
 
 
-def gradient_check(shape: str, seq: int) -> dict[str, Any]:
-    """One step's LoRA gradients through compiled vs eager layers: same model, data and
-    weights (compiled layers run in training mode only, eager ones in eval mode)."""
+def lora_grads(model: Any, ids: Any) -> dict[str, Any]:
     from trainer.modeling import loss_sum
 
-    model = load(shape, seq, True, True)
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero: make every gradient non-trivial
-            p.data.normal_(0, 0.01)
-    set_checkpointing(model, False)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    vocab = model.get_base_model().config.vocab_size
-    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=gen)
-    grads = []
-    for training in (False, True):
-        for layer in model.get_base_model().get_decoder().layers:
-            layer.train(training)
-        loss = loss_sum(model, ids, torch.ones_like(ids), ids) / (seq - 1)
+    loss = loss_sum(model, ids, torch.ones_like(ids), ids) / (ids.numel() - 1)
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def gradient_check(shape: str, seq: int) -> dict[str, Any]:
+    """One step's LoRA gradients, bf16 compiled layers and bf16 eager ones, each against an
+    fp32 eager reference: same nf4 weights, LoRA weights and tokens. Compiled is right when
+    it lands as close to fp32 as eager does (a deep random-weight model amplifies bf16
+    rounding, so compiled vs eager alone cannot tell a bug from rounding)."""
+    from unittest import mock
+
+    import trainer.modeling
+
+    def prepared(model: Any) -> Any:
+        set_checkpointing(model, False)
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: make every gradient non-trivial
+                p.data.normal_(0, 0.01)
+        return model
+
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    ids = torch.randint(0, 1000, (1, seq), device=DEVICE, generator=gen)
+    with mock.patch.object(trainer.modeling, "compute_dtype", lambda d: torch.float32):
+        model = prepared(load(shape, seq, compile=False))
+    grads = {"fp32 eager": lora_grads(model, ids)}
+    del model
+    model = prepared(load(shape, seq))
+    for label, training in (("bf16 eager", False), ("bf16 compiled", True)):
+        model.get_base_model().get_decoder().train(training)  # compiled: training mode
+        grads[label] = lora_grads(model, ids)
+    del model
+
+    def rel(a: str, b: str) -> dict[str, float]:
+        r = sorted(float((grads[a][k] - g).norm() / g.norm()) for k, g in grads[b].items())
+        return {"median": round(r[len(r) // 2], 5), "max": round(r[-1], 5)}
+
+    return {
+        "shape": shape,
+        "compare": "LoRA gradients of one step, |dg| / |g| per tensor",
+        "tensors": len(grads["fp32 eager"]),
+        "bf16 eager vs fp32 eager": rel("bf16 eager", "fp32 eager"),
+        "bf16 compiled vs fp32 eager": rel("bf16 compiled", "fp32 eager"),
+        "bf16 compiled vs bf16 eager": rel("bf16 compiled", "bf16 eager"),
+    }
+
+
+def varied_widths(shape: str) -> dict[str, Any]:
+    """The trainer's batches change width from step to step (right-padded to the longest
+    sample): per step, the compiled layers' loss against the eager layers' on the same
+    batch, the step time, and how many graphs dynamo compiled in all."""
+    from torch._dynamo.utils import counters
+
+    from trainer.modeling import loss_sum
+
+    before = dict(counters["stats"])
+    model = load(shape, 2048)
+    set_checkpointing(model, True)
+    decoder = model.get_base_model().get_decoder()
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    rows = []
+    for batch, width in [(1, 2048), (1, 1536), (4, 1024), (1, 700), (4, 2048), (2, 333), (1, 2048)]:
+        ids = torch.randint(0, 1000, (batch, width), device=DEVICE, generator=gen)
+        mask = torch.ones_like(ids)
+        for i in range(1, batch):  # row 0 is the longest; the others end earlier
+            mask[i, width - width * i // (batch + 1) :] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        decoder.train(False)
+        with torch.no_grad():
+            eager = float(loss_sum(model, ids, mask, labels))
+        decoder.train(True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = loss_sum(model, ids, mask, labels)
         loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        torch.cuda.synchronize()
+        rows.append(
+            {
+                "batch": batch,
+                "width": width,
+                "step_s": round(time.perf_counter() - t, 3),
+                "loss_rel_diff": round(abs(float(loss.detach()) - eager) / eager, 5),
+            }
+        )
         model.zero_grad(set_to_none=True)
-    eager, compiled = grads
-    rel = sorted(float((compiled[k] - g).norm() / g.norm()) for k, g in eager.items())
     del model
     return {
         "shape": shape,
-        "compare": "LoRA gradients of one step, compiled vs eager layers (|dg| / |g| per tensor)",
-        "tensors": len(rel),
-        "median": round(rel[len(rel) // 2], 5),
-        "max": round(rel[-1], 5),
+        "compare": "compiled vs eager layers on batches of varying width (forward+backward)",
+        "steps": rows,
+        "dynamo_stats": {k: v - before.get(k, 0) for k, v in counters["stats"].items()},
     }
 
 
@@ -225,14 +302,14 @@ def plain_model(shape: str) -> Any:
 def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
     """Loss curves of the plain path and the trainer's path on the same data and seed."""
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
-    curves = {}
+    curves: dict[str, Any] = {}
     for side in ("plain", "lorastack"):
         torch.cuda.empty_cache()
         if side == "plain":
             model = plain_model(shape)
             curves[side] = steps(model, 1, seq, vocab, n, plain_loss_sum)["losses"]
         else:
-            model = load(shape, seq, True)
+            model = load(shape, seq)
             set_checkpointing(model, False)
             curves[side] = steps(model, 1, seq, vocab, n)["losses"]
         del model
@@ -256,6 +333,13 @@ def main() -> int:
     ap.add_argument("--shapes", default="8b,1b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="baseline at batch 1 only, no peft-forward path, the first plan row of each other "
+        "path (both of the whole-decoder one), the gradient check; no varying widths, no loss "
+        "curve",
+    )
     args = ap.parse_args()
     import bitsandbytes
     import peft
@@ -272,11 +356,15 @@ def main() -> int:
     print(json.dumps({"environment": env}), flush=True)
     summary = []
     for shape in args.shapes.split(","):
-        base = {b: baseline(args.baseline, shape, args.seq, b) for b in (1, 2)}
+        base = {
+            b: baseline(args.baseline, shape, args.seq, b) for b in ((1,) if args.quick else (1, 2))
+        }
         for b, r in base.items():
             print(json.dumps({"shape": shape, "side": "baseline", "batch": b, **r}), flush=True)
-        ours = trainer_side(shape, args.seq, args.steps)
+        ours = trainer_side(shape, args.seq, args.steps, args.quick)
         print(json.dumps(gradient_check(shape, args.seq)), flush=True)
+        if shape == "1b" and not args.quick:
+            print(json.dumps(varied_widths(shape)), flush=True)
         b1 = base[1].get("tokens_per_s")
         for r in ours:
             if b1 and "tokens_per_s" in r:
@@ -291,8 +379,8 @@ def main() -> int:
                         "peak_alloc_gib": r["peak_alloc_gib"],
                     }
                 )
-    curve = same_curve(args.shapes.split(",")[-1], args.seq, 20)
-    print(json.dumps(curve), flush=True)
+    if not args.quick:
+        print(json.dumps(same_curve(args.shapes.split(",")[-1], args.seq, 20)), flush=True)
     print(json.dumps({"summary": summary}), flush=True)
     return 0
 

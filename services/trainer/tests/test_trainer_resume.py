@@ -75,6 +75,10 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_exact(
     a = read_series(runs / "full" / "metrics", "metrics", "loss")
     b = read_series(runs / "cut" / "metrics", "metrics", "loss")
     assert list(a) == [1, 2, 3, 4, 5, 6] and a == b  # float equality: bit for bit
+    # --resume of a finished run (a second `lorastack demo`) trains nothing and succeeds
+    again = _train(str(cut_cfg), "--resume")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert read_series(runs / "cut" / "metrics", "metrics", "loss") == b
     assert read_series(runs / "full" / "metrics", "eval", "val_loss") == read_series(
         runs / "cut" / "metrics", "eval", "val_loss"
     )

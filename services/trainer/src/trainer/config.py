@@ -97,8 +97,16 @@ class RunConfig(_Strict):
     seed: int = Field(0, ge=0, description="LoRA init, dropout and batch order")
     loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     gradient_checkpointing: bool = False
-    compile: bool = Field(
-        False, description="torch.compile each decoder layer for training (see trainer.modeling)"
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile each decoder layer for training; auto = on CUDA with "
+        "gradient checkpointing when a C compiler is found (Triton needs one), else eager "
+        "(trainer.modeling.use_compile)",
+    )
+    compile_scope: Literal["layers", "decoder"] = Field(
+        "layers",
+        description="what one compiled graph holds: a decoder layer, or the whole decoder "
+        "(faster on the 1B shape, longer first compile; trainer.modeling.compile_decoder)",
     )
     fused_lora: bool = Field(
         True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"

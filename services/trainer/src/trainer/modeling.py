@@ -21,6 +21,8 @@ one place the loss is computed. Both are the fast path, on CPU and CUDA alike
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -118,33 +120,71 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
                 module.cast_input_dtype_enabled = False  # type: ignore[assignment]
     if config.fused_lora:
         fast_lora.install(peft_model)
-    if config.compile:
-        compile_decoder_layers(peft_model)
+    if use_compile(config, device):
+        compile_decoder(peft_model, config.compile_scope)
     return peft_model
 
 
-def compile_decoder_layers(model: Any) -> None:
-    """torch.compile each decoder layer's forward, used in training mode only (evaluation
-    and generation, with their caches and one-token shapes, stay eager).
+def use_compile(config: RunConfig, device: torch.device) -> bool:
+    """Whether the run compiles its decoder layers (config `compile`: true, false, auto).
 
-    Off by default: on CPU (torch 2.11 and 2.13) the compiled layers give the eager loss and
-    LoRA gradients (tests); on CUDA a first try gave wrong gradients, traced to torch 2.11
-    merging a tensor passed twice into the fused LoRA function (fixed in trainer.fast_lora),
-    and the corrected version is not yet measured on a GPU (bench/trainer_gpu.py)."""
+    auto = on CUDA with gradient checkpointing, where it was measured (bench/trainer_gpu.py,
+    H200, 8B shape, batch 1: 1.4-2.0x the eager step at the same 7.9 GiB peak, LoRA
+    gradients as close to an fp32 reference as eager bf16's). Off without checkpointing:
+    there AOT autograd's CSE merges the forward's and backward's nf4 dequantisation and
+    keeps the weights for backward (8B: 29.0 GiB against eager's 18.8). Off on CPU (a
+    long first compile for little gain). Both need a compiler (Triton builds its launcher
+    with a C compiler; inductor's CPU code is C++): auto without one stays eager, true
+    without one is a ConfigError."""
+    choice = config.compile
+    auto_off = device.type != "cuda" or not config.gradient_checkpointing
+    if choice is False or (choice == "auto" and auto_off):
+        return False
+    env, *names = ("CC", "gcc", "clang") if device.type == "cuda" else ("CXX", "g++", "clang++")
+    found = any(shutil.which(n) for n in (os.environ.get(env), *names) if n)
+    if not found and choice is True:
+        raise ConfigError(
+            f"compile=true on {device.type} needs a compiler ({' or '.join(names)}, or "
+            f"${env}) and none is on PATH",
+            f"install {names[0]}, or set compile=false",
+        )
+    return found
+
+
+def compile_decoder(model: Any, scope: str) -> None:
+    """torch.compile the decoder for training (evaluation and generation, with their
+    caches and one-token shapes, stay eager). Batches of a new width cost one recompile
+    (about 10 s on the 1B shape), after which dynamo treats the width as dynamic.
+
+    scope "layers" (the default): one graph per decoder layer, shared by all layers and
+    called inside the per-layer checkpointing. scope "decoder": the whole decoder as one
+    graph, checkpointing inside it, compiled with AOT autograd's CSE off (with it, the
+    8B shape peaked at 25.7 GiB instead of 7.9: see use_compile); on an H200 it ran the
+    1B shape 1.6x faster than per-layer graphs at 4.1 GiB after an 82 s compile, not
+    yet measured on 8B (bench/results/trainer-gpu-2026-11-30-session3.json)."""
+    import torch._functorch.config
     import torch._inductor.config
 
     # dropout through torch's own RNG ops: the eager masks, replayed by checkpointing
     torch._inductor.config.fallback_random = True
-    for layer in getattr(model.get_base_model().get_decoder(), "layers", []):
-        eager = layer.forward
+    decoder = model.get_base_model().get_decoder()
+    modules = [decoder] if scope == "decoder" else list(getattr(decoder, "layers", []))
+    for module in modules:
+        eager = module.forward
         compiled = torch.compile(eager)
 
         def forward(
-            *args: Any, _layer: Any = layer, _c: Any = compiled, _e: Any = eager, **kw: Any
+            *args: Any, _m: Any = module, _c: Any = compiled, _e: Any = eager, **kw: Any
         ) -> Any:
-            return (_c if _layer.training else _e)(*args, **kw)
+            if not _m.training:
+                return _e(*args, **kw)
+            if scope != "decoder":
+                return _c(*args, **kw)
+            # the joint graph is partitioned at the forward's compile: CSE off from there
+            with torch._functorch.config.patch(cse=False):
+                return _c(*args, **kw)
 
-        layer.forward = forward
+        module.forward = forward
 
 
 def loss_sum(

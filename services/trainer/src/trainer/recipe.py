@@ -60,7 +60,7 @@ from trainer.metrics import (
     write_json,
     write_support_bundle,
 )
-from trainer.modeling import compute_dtype, load_model, loss_sum, resolve_device
+from trainer.modeling import compute_dtype, load_model, loss_sum, resolve_device, use_compile
 from trainer.preflight import PreflightReport, refuse_unless_ok
 from trainer.prepare import prepare
 from trainer.samples import Sample, end_of_turn_id, prompt_ids, template_hash
@@ -237,7 +237,8 @@ class Recipe:
         self.say(
             f"training {self.trainable:,} LoRA parameters on {self.device} "
             f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
-            f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size})",
+            f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
+            f"{', compiled decoder layers' if use_compile(cfg, self.device) else ''})",
         )
 
     def _select(self, train: list[Sample], val: list[Sample]) -> tuple[list[Sample], list[Sample]]:
