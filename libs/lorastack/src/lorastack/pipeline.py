@@ -145,7 +145,9 @@ def run_demo(settings: CommonSettings, max_steps: int | None, keep_running: bool
     stages.run("write the demo task (written date -> ISO date)", "data", "make-demo", str(data))
     stages.run("check the dataset", "data", "check", str(config), *overrides)
     stages.run("smoke test", "train", str(config), "--smoke", *overrides)
-    stages.run("train", "train", str(config), *overrides)
+    # a second demo continues the first run's checkpoints (or, finished, re-publishes it)
+    again = ["--resume"] if open_store(settings).versions(f"{RUN}/checkpoints") else []
+    stages.run("train", "train", str(config), *overrides, *again)
     stages.run("merge into the base and verify", "merge", f"{RUN}/adapter", "--dtype", "float32")
     adapter = open_store(settings).resolve(f"{RUN}/adapter")
     serve_yaml = work / "serve.yaml"
