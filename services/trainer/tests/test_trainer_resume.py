@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lorastack.chat_data import load_jsonl, write_jsonl
+from lorastack.store import open_store
 from trainer.config import load_config
 from trainer.errors import ResumeRefused
 from trainer.metrics import read_series
@@ -75,9 +76,15 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_exact(
     a = read_series(runs / "full" / "metrics", "metrics", "loss")
     b = read_series(runs / "cut" / "metrics", "metrics", "loss")
     assert list(a) == [1, 2, 3, 4, 5, 6] and a == b  # float equality: bit for bit
-    # --resume of a finished run (a second `lorastack demo`) trains nothing and succeeds
+    # --resume of a finished run (a second `lorastack demo`) trains nothing, succeeds and
+    # keeps the published adapter and the completion record as they were
+    completed = (runs / "cut" / "training-complete.json").read_text()
+    adapters = open_store(trainer_env).versions("cut/adapter")
     again = _train(str(cut_cfg), "--resume")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "had already finished at step 6; keeping cut/adapter:1" in again.stdout
+    assert open_store(trainer_env).versions("cut/adapter") == adapters == ["1"]
+    assert (runs / "cut" / "training-complete.json").read_text() == completed
     assert read_series(runs / "cut" / "metrics", "metrics", "loss") == b
     assert read_series(runs / "full" / "metrics", "eval", "val_loss") == read_series(
         runs / "cut" / "metrics", "eval", "val_loss"

@@ -13,6 +13,7 @@ compares the checkpoint's run manifest with this run's and refuses on a differen
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -118,6 +119,7 @@ class Recipe:
         self.val_losses: dict[int, float] = {}
         self.tokens_seen = 0  # input tokens (not padding) in finished steps
         self.wall_before = 0.0  # seconds spent in earlier sessions of a resumed run
+        self.resumed_at: int | None = None  # the step a resumed run started from
         self.start_time = time.monotonic()
         self.last_checkpoint: Path | None = None
         self.data_manifest: Manifest | None = None
@@ -232,6 +234,7 @@ class Recipe:
             self.wall_before = float(state.get("wall_s", 0.0))
             self.val_losses = {int(k): float(v) for k, v in state.get("val_losses", {}).items()}
             checkpoint.set_rng_states(checkpoint.load_rng(resume_from))
+            self.resumed_at = self.step
             self.say(f"resumed from {resume_from} at step {self.step}")
         self._install_signal_handlers()
         self.say(
@@ -564,6 +567,9 @@ class Recipe:
 
     def finish(self) -> TrainResult:
         cfg = self.config
+        done = self._already_finished()
+        if done is not None:
+            return done
         if self.val_samples and self.step not in self.val_losses and self.step > 0:
             self._evaluate()
         if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
@@ -628,6 +634,39 @@ class Recipe:
                 self.say(f"  {c}")
         return result
 
+    def _already_finished(self) -> TrainResult | None:
+        """A --resume of a run that had finished and published: nothing was trained, so the
+        published adapter and the run's completion record stay as they are (no new version
+        with this no-op session's wall time, memory and an empty final loss)."""
+        if self.mode != "train" or self.resumed_at is None or self.step != self.resumed_at:
+            return None
+        path = self.run_dir / "training-complete.json"
+        try:
+            completion = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        name = f"{self.config.output}/adapter"
+        if completion.get("steps") != self.step or not completion.get("adapter_digest"):
+            return None
+        for version in reversed(self.store.versions(name)):
+            m = self.store.manifest(name, version)
+            if m.digest == completion["adapter_digest"]:
+                self.say(f"the run had already finished at step {self.step}; keeping {m.ref}")
+                result = TrainResult(
+                    self.mode,
+                    self.run_dir,
+                    self.step,
+                    dict(self.losses),
+                    dict(self.val_losses),
+                    data=self.data_manifest,
+                    test=self.test_manifest,
+                    completion=completion,
+                    preflight=self.report,
+                )
+                result.adapter = m
+                return result
+        return None
+
     def _smoke_verdict(self, series: dict[int, float]) -> dict[str, Any]:
         checks, ok = [], True
         first, last = self.losses.get(1, float("nan")), self.losses.get(self.step, float("nan"))
@@ -685,8 +724,6 @@ class Recipe:
         shutil.rmtree(folder, ignore_errors=True)
         self.peft.save_pretrained(folder)
         adapter_cfg = folder / "adapter_config.json"
-        import json
-
         data = json.loads(adapter_cfg.read_text())
         data["base_model_name_or_path"] = (
             self.base.ref
