@@ -603,17 +603,7 @@ class Recipe:
             f"memory: estimated {human(self.memory_estimate.get('total', 0))}, measured peak "
             f"{human(peak)} ({'torch allocated' if self.device.type == 'cuda' else 'process RSS'})",
         )
-        result = TrainResult(
-            self.mode,
-            self.run_dir,
-            self.step,
-            dict(self.losses),
-            dict(self.val_losses),
-            data=self.data_manifest,
-            test=self.test_manifest,
-            completion=completion,
-            preflight=self.report,
-        )
+        result = self._result(completion)
         if self.mode == "smoke":
             result.verdict = self._smoke_verdict(train_series)
         elif self.mode == "overfit":
@@ -634,6 +624,19 @@ class Recipe:
                 self.say(f"  {c}")
         return result
 
+    def _result(self, completion: dict[str, Any]) -> TrainResult:
+        return TrainResult(
+            self.mode,
+            self.run_dir,
+            self.step,
+            dict(self.losses),
+            dict(self.val_losses),
+            data=self.data_manifest,
+            test=self.test_manifest,
+            completion=completion,
+            preflight=self.report,
+        )
+
     def _already_finished(self) -> TrainResult | None:
         """A --resume of a run that had finished and published: nothing was trained, so the
         published adapter and the run's completion record stay as they are (no new version
@@ -652,17 +655,7 @@ class Recipe:
             m = self.store.manifest(name, version)
             if m.digest == completion["adapter_digest"]:
                 self.say(f"the run had already finished at step {self.step}; keeping {m.ref}")
-                result = TrainResult(
-                    self.mode,
-                    self.run_dir,
-                    self.step,
-                    dict(self.losses),
-                    dict(self.val_losses),
-                    data=self.data_manifest,
-                    test=self.test_manifest,
-                    completion=completion,
-                    preflight=self.report,
-                )
+                result = self._result(completion)
                 result.adapter = m
                 return result
         return None
