@@ -648,17 +648,15 @@ class Recipe:
             completion = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        name = f"{self.config.output}/adapter"
         if completion.get("steps") != self.step or not completion.get("adapter_digest"):
             return None
-        for version in reversed(self.store.versions(name)):
-            m = self.store.manifest(name, version)
-            if m.digest == completion["adapter_digest"]:
-                self.say(f"the run had already finished at step {self.step}; keeping {m.ref}")
-                result = self._result(completion)
-                result.adapter = m
-                return result
-        return None
+        m = self.store.find(f"{self.config.output}/adapter", completion["adapter_digest"])
+        if m is None:
+            return None
+        self.say(f"the run had already finished at step {self.step}; keeping {m.ref}")
+        result = self._result(completion)
+        result.adapter = m
+        return result
 
     def _smoke_verdict(self, series: dict[int, float]) -> dict[str, Any]:
         checks, ok = [], True

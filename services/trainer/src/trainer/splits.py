@@ -144,9 +144,7 @@ def publish_once(
     store: ArtifactStore, folder: Path, name: str, metadata: dict[str, object]
 ) -> Manifest:
     """Publish `folder` as a dataset unless a version with the same digest exists."""
-    digest = folder_digest(folder)
-    for version in reversed(store.versions(name)):
-        m = store.manifest(name, version)
-        if m.digest == digest:
-            return m
+    found = store.find(name, folder_digest(folder))
+    if found is not None:
+        return found
     return store.publish(folder, kind="dataset", name=name, service="trainer", metadata=metadata)

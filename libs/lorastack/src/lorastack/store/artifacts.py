@@ -124,6 +124,14 @@ class ArtifactStore:
         validate_version(version)
         return Manifest.from_json(self.backend.get_manifest(name, version))
 
+    def find(self, name: str, digest: str) -> Manifest | None:
+        """The newest version of `name` whose content digest is `digest`, if any."""
+        for version in reversed(self.versions(name)):
+            m = self.manifest(name, version)
+            if m.digest == digest:
+                return m
+        return None
+
     def resolve(self, ref: str) -> Manifest:
         """Look up 'NAME[:VERSION]'."""
         name, _, version = ref.partition(":")
