@@ -148,10 +148,13 @@ def load(shape: str, seq: int, **fields: Any) -> Any:
     return model
 
 
-def trainer_side(shape: str, seq: int, n: int, quick: bool) -> list[dict[str, Any]]:
+def trainer_side(
+    shape: str, seq: int, n: int, quick: bool, only: list[str] | None = None
+) -> list[dict[str, Any]]:
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     results = []
-    for label, fields in PATHS[1:] if quick else PATHS:
+    paths = PATHS[1:] if quick else PATHS
+    for label, fields in [p for p in paths if only is None or p[0] in only]:
         model = load(shape, seq, **fields)
         plan = PLAN[label]
         if quick:
@@ -299,8 +302,9 @@ def plain_model(shape: str) -> Any:
     return get_peft_model(model, lcfg)
 
 
-def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
-    """Loss curves of the plain path and the trainer's path on the same data and seed."""
+def same_curve(shape: str, seq: int, n: int, **fields: Any) -> dict[str, Any]:
+    """Loss curves of the plain path and the trainer's path (config `fields`, checkpointing
+    on with a compile scope, else off) on the same data and seed."""
     vocab = json.loads(Path(f"/tmp/rand-{shape}/config.json").read_text())["vocab_size"]
     curves: dict[str, Any] = {}
     for side in ("plain", "lorastack"):
@@ -309,8 +313,8 @@ def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
             model = plain_model(shape)
             curves[side] = steps(model, 1, seq, vocab, n, plain_loss_sum)["losses"]
         else:
-            model = load(shape, seq)
-            set_checkpointing(model, False)
+            model = load(shape, seq, **fields)
+            set_checkpointing(model, "compile_scope" in fields)
             curves[side] = steps(model, 1, seq, vocab, n)["losses"]
         del model
     # a non-finite loss must show as a divergence: max() over NaNs answers anything
@@ -322,6 +326,7 @@ def same_curve(shape: str, seq: int, n: int) -> dict[str, Any]:
         "shape": shape,
         "compare": "loss curve, same data and seed",
         "steps": n,
+        "trainer_fields": fields,
         "max_relative_difference": round(max(diffs), 5),
         **curves,
     }
@@ -340,6 +345,16 @@ def main() -> int:
         "path (both of the whole-decoder one), the gradient check; no varying widths, no loss "
         "curve",
     )
+    ap.add_argument(
+        "--paths", nargs="+", help="measure only these trainer paths (labels as in PATHS)"
+    )
+    ap.add_argument("--no-gradient-check", action="store_true")
+    ap.add_argument(
+        "--curve-only",
+        metavar="JSON",
+        help="only the loss-curve comparison on the last shape, the trainer with these config "
+        'fields, e.g. \'{"compile_scope": "decoder"}\'',
+    )
     args = ap.parse_args()
     import bitsandbytes
     import peft
@@ -354,6 +369,12 @@ def main() -> int:
         "bitsandbytes": bitsandbytes.__version__,
     }
     print(json.dumps({"environment": env}), flush=True)
+    if args.curve_only:
+        shape = args.shapes.split(",")[-1]
+        baseline(args.baseline, shape, args.seq, 1)  # writes the random-weight model
+        fields = json.loads(args.curve_only)
+        print(json.dumps(same_curve(shape, args.seq, 20, **fields)), flush=True)
+        return 0
     summary = []
     for shape in args.shapes.split(","):
         base = {
@@ -361,8 +382,9 @@ def main() -> int:
         }
         for b, r in base.items():
             print(json.dumps({"shape": shape, "side": "baseline", "batch": b, **r}), flush=True)
-        ours = trainer_side(shape, args.seq, args.steps, args.quick)
-        print(json.dumps(gradient_check(shape, args.seq)), flush=True)
+        ours = trainer_side(shape, args.seq, args.steps, args.quick, args.paths)
+        if not args.no_gradient_check:
+            print(json.dumps(gradient_check(shape, args.seq)), flush=True)
         if shape == "1b" and not args.quick:
             print(json.dumps(varied_widths(shape)), flush=True)
         b1 = base[1].get("tokens_per_s")

@@ -180,8 +180,8 @@ def compile_decoder(model: Any, scope: str) -> None:
                 return _e(*args, **kw)
             if scope != "decoder":
                 return _c(*args, **kw)
-            # the joint graph is partitioned at the forward's compile: CSE off from there
-            with torch._functorch.config.patch(cse=False):
+            # the joint graph is partitioned at the forward's compile: settings from there
+            with torch._functorch.config.patch(cse=False, activation_memory_budget=0.5):
                 return _c(*args, **kw)
 
         module.forward = forward
