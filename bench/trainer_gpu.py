@@ -109,24 +109,25 @@ def steps(
     }
 
 
-# (label, config fields): the trainer's default path on CUDA (compile=auto: compiled
-# decoder layers with checkpointing, eager without), the same eager (compile=false),
-# eager with peft's own LoRA forward (to attribute the fused layer's gain), the whole
-# decoder as one graph (compile_scope=decoder), and compile=true without checkpointing
-# (why auto leaves that case eager: memory)
+# (label, config fields): eager with peft's own LoRA forward (to attribute the fused
+# layer's gain), eager (compile=false), compiled decoder layers, the trainer's default on
+# CUDA (compile=auto with checkpointing: the whole decoder as one graph), and compiled
+# layers without checkpointing (why auto leaves that case eager: memory)
+DEFAULT = "lorastack, compile_scope=decoder"
 PATHS: list[tuple[str, dict[str, Any]]] = [
     ("lorastack, eager, peft forward", {"fused_lora": False, "compile": False}),
     ("lorastack, eager", {"compile": False}),
-    ("lorastack", {}),
-    ("lorastack, compile_scope=decoder", {"compile_scope": "decoder"}),
-    ("lorastack, compile=true", {"compile": True}),
+    ("lorastack, compile_scope=layers", {"compile_scope": "layers"}),
+    (DEFAULT, {"compile_scope": "decoder"}),
+    ("lorastack, compile=true", {"compile": True, "compile_scope": "layers"}),
 ]
 # (gradient checkpointing, batch) measured on each path; --quick keeps the first of each
+# but the default's
 PLAN = {
     "lorastack, eager, peft forward": [(True, 1)],
     "lorastack, eager": [(True, 1), (False, 1), (True, 4)],
-    "lorastack": [(True, 1), (True, 4)],
-    "lorastack, compile_scope=decoder": [(True, 1), (True, 4)],
+    "lorastack, compile_scope=layers": [(True, 1), (True, 4)],
+    DEFAULT: [(True, 1), (True, 4)],
     "lorastack, compile=true": [(False, 1)],
 }
 
@@ -158,7 +159,7 @@ def trainer_side(
         model = load(shape, seq, **fields)
         plan = PLAN[label]
         if quick:
-            plan = plan if label.startswith("lorastack, compile_scope") else plan[:1]
+            plan = plan if label == DEFAULT else plan[:1]
         for ckpt, batch in plan:
             set_checkpointing(model, ckpt)
             try:
@@ -206,7 +207,7 @@ def gradient_check(shape: str, seq: int) -> dict[str, Any]:
         model = prepared(load(shape, seq, compile=False))
     grads = {"fp32 eager": lora_grads(model, ids)}
     del model
-    model = prepared(load(shape, seq))
+    model = prepared(load(shape, seq, compile_scope="layers"))
     for label, training in (("bf16 eager", False), ("bf16 compiled", True)):
         model.get_base_model().get_decoder().train(training)  # compiled: training mode
         grads[label] = lora_grads(model, ids)
@@ -235,7 +236,7 @@ def varied_widths(shape: str) -> dict[str, Any]:
     from trainer.modeling import loss_sum
 
     before = dict(counters["stats"])
-    model = load(shape, 2048)
+    model = load(shape, 2048, compile_scope="layers")
     set_checkpointing(model, True)
     decoder = model.get_base_model().get_decoder()
     gen = torch.Generator(device=DEVICE).manual_seed(3)

@@ -129,8 +129,9 @@ def use_compile(config: RunConfig, device: torch.device) -> bool:
     """Whether the run compiles its decoder layers (config `compile`: true, false, auto).
 
     auto = on CUDA with gradient checkpointing, where it was measured (bench/trainer_gpu.py,
-    H200, 8B shape, batch 1: 1.4-2.0x the eager step at the same 7.9 GiB peak, LoRA
-    gradients as close to an fp32 reference as eager bf16's). Off without checkpointing:
+    H200, 8B shape, batch 1: 2.5x the plain path's tokens/s at 10.2 GiB with the whole
+    decoder compiled, see compile_decoder; LoRA gradients as close to an fp32 reference
+    as eager bf16's). Off without checkpointing:
     there AOT autograd's CSE merges the forward's and backward's nf4 dequantisation and
     keeps the weights for backward (8B: 29.0 GiB against eager's 18.8). Off on CPU (a
     long first compile for little gain). Both need a compiler (Triton builds its launcher
@@ -151,17 +152,27 @@ def use_compile(config: RunConfig, device: torch.device) -> bool:
     return found
 
 
+# AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
+# (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
+# k/v-sized) rather than recompute them, 12.7 GiB on the 8B shape; 0.5 kept 10.2 GiB at
+# 2.5x the baseline (bench/trainer_gpu_saved.py, bench/results/trainer-gpu-2026-12-01.json)
+DECODER_ACTIVATION_BUDGET = 0.5
+
+
 def compile_decoder(model: Any, scope: str) -> None:
     """torch.compile the decoder for training (evaluation and generation, with their
-    caches and one-token shapes, stay eager). Batches of a new width cost one recompile
-    (about 10 s on the 1B shape), after which dynamo treats the width as dynamic.
+    caches and one-token shapes, stay eager). A batch of a new width costs one recompile,
+    after which dynamo treats the width as dynamic.
 
-    scope "layers" (the default): one graph per decoder layer, shared by all layers and
-    called inside the per-layer checkpointing. scope "decoder": the whole decoder as one
-    graph, checkpointing inside it, compiled with AOT autograd's CSE off (with it, the
-    8B shape peaked at 25.7 GiB instead of 7.9: see use_compile); on an H200 it ran the
-    1B shape 1.6x faster than per-layer graphs at 4.1 GiB after an 82 s compile, not
-    yet measured on 8B (bench/results/trainer-gpu-2026-11-30-session3.json)."""
+    scope "decoder" (the default): the whole decoder as one graph, checkpointing inside
+    it, compiled with AOT autograd's CSE off (with it, the forward's and backward's nf4
+    dequantisations merged and the 8B shape peaked at 25.7 GiB) and an activation budget
+    of DECODER_ACTIVATION_BUDGET. On an H200, 8B shape, batch 1: 9,066 tokens/s (2.51x
+    the plain path) at 10.2 GiB, after a 172 s first compile and a 235 s recompile at the
+    next width; 1B: 16,453 tokens/s after 75 s. scope "layers": one graph per decoder
+    layer, shared by all layers, called inside the per-layer checkpointing: 15 s to
+    compile, 7.9 GiB, 1.65-2.41x on 8B (bound by the host, so it varies by machine)
+    (bench/results/trainer-gpu-2026-12-01.json, -2026-11-30-session3.json)."""
     import torch._functorch.config
     import torch._inductor.config
 
@@ -181,7 +192,8 @@ def compile_decoder(model: Any, scope: str) -> None:
             if scope != "decoder":
                 return _c(*args, **kw)
             # the joint graph is partitioned at the forward's compile: settings from there
-            with torch._functorch.config.patch(cse=False, activation_memory_budget=0.5):
+            budget = DECODER_ACTIVATION_BUDGET
+            with torch._functorch.config.patch(cse=False, activation_memory_budget=budget):
                 return _c(*args, **kw)
 
         module.forward = forward

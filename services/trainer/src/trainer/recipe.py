@@ -93,6 +93,13 @@ class TrainResult:
     preflight: PreflightReport | None = None
 
 
+# what the start line says of a compiled run, by compile_scope
+COMPILED = {
+    "decoder": ", whole decoder compiled: the first step and the first of a new width take minutes",
+    "layers": ", compiled decoder layers",
+}
+
+
 class Recipe:
     def __init__(
         self,
@@ -241,7 +248,7 @@ class Recipe:
             f"training {self.trainable:,} LoRA parameters on {self.device} "
             f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
             f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
-            f"{', compiled decoder layers' if use_compile(cfg, self.device) else ''})",
+            f"{COMPILED[cfg.compile_scope] if use_compile(cfg, self.device) else ''})",
         )
 
     def _select(self, train: list[Sample], val: list[Sample]) -> tuple[list[Sample], list[Sample]]:
