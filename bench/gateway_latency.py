@@ -121,24 +121,36 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def load(
-    port: int, body: bytes, concurrency: int, duration: float, spread: float = 0.0
+    port: int,
+    body: bytes,
+    concurrency: int,
+    duration: float,
+    spread: float = 0.0,
+    long: tuple[int, bytes] = (0, b""),
 ) -> dict[str, Any]:
     """Closed loop: `concurrency` workers, each streaming one request after the other.
 
     `spread` > 0 staggers the workers' first requests evenly over that many seconds (one
     stream's length): arrivals are then steady. With 0 all start at once and, as every
     stream lasts the same, stay in lockstep: bursts of `concurrency` simultaneous requests.
+    `long` = (n, body): the first n workers send that body instead; the latencies are
+    the other workers' (what a long prompt costs everyone else).
     """
     ttfts: list[float] = []
     e2es: list[float] = []
     errors = 0
+    long_done = 0
     stop = time.perf_counter() + duration
 
     async def worker(i: int) -> None:
-        nonlocal errors
+        nonlocal errors, long_done
         await asyncio.sleep(spread * i / concurrency)
         while time.perf_counter() < stop:
             try:
+                if i < long[0]:
+                    await stream_once(port, long[1])
+                    long_done += 1
+                    continue
                 ttft, e2e = await stream_once(port, body)
                 ttfts.append(ttft)
                 e2es.append(e2e)
@@ -151,6 +163,7 @@ async def load(
     ms = 1000.0
     return {
         "requests": len(e2es),
+        **({"long_prompt_requests": long_done} if long[0] else {}),
         "errors": errors,
         "requests_per_s": round(len(e2es) / wall, 1),
         "ttft_p50_ms": round(pct(ttfts, 50) * ms, 3),
@@ -161,10 +174,15 @@ async def load(
 
 
 async def load_with_excerpt(
-    port: int, body: bytes, concurrency: int, duration: float, spread: float
+    port: int,
+    body: bytes,
+    concurrency: int,
+    duration: float,
+    spread: float,
+    long: tuple[int, bytes] = (0, b""),
 ) -> tuple[dict[str, Any], str]:
     """`load`, with the gateway's /metrics read half-way through."""
-    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread))
+    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread, long))
     await asyncio.sleep(duration / 2)
     text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
     return await task, text
@@ -286,6 +304,14 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     p.add_argument("--tokens", type=int, default=16, help="tokens per answer")
     p.add_argument("--pace", type=float, default=0.01, help="seconds between tokens (fake)")
+    p.add_argument(
+        "--long-prompt-streams",
+        type=int,
+        default=0,
+        help="of each point's streams, this many send a long prompt (--long-prompt-chars); "
+        "the latencies reported are the other streams'",
+    )
+    p.add_argument("--long-prompt-chars", type=int, default=20000)
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
     p.add_argument("--soak-concurrency", type=int, default=32)
     for who in ("gateway", "upstream", "client"):
@@ -356,6 +382,17 @@ def main() -> None:
                 "stream": True,
             }
         ).encode()
+        sentence = "The quick brown fox jumps over the lazy dog, naïve café 東京. "
+        long_text = (sentence * (a.long_prompt_chars // len(sentence) + 1))[: a.long_prompt_chars]
+        long_body = json.dumps(
+            {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": long_text}],
+                "max_tokens": 16,
+                "stream": True,
+            }
+        ).encode()
+        long = (a.long_prompt_streams, long_body)
         results: dict[str, Any] = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": {
@@ -375,6 +412,8 @@ def main() -> None:
                 "duration_s_per_point": a.duration,
                 "arrivals": "lockstep bursts" if a.lockstep else f"staggered over {spread:g} s",
                 "stream": True,
+                "long_prompt_streams": a.long_prompt_streams,
+                "long_prompt_chars": a.long_prompt_chars if a.long_prompt_streams else 0,
             },
             "points": [],
         }
@@ -383,14 +422,14 @@ def main() -> None:
         loop.run_until_complete(load(gw_port, body, 4, 2.0))  # warm-up both paths
         loop.run_until_complete(load(fake_port, body, 4, 2.0))
         for c in a.concurrency:
-            direct = loop.run_until_complete(load(fake_port, body, c, a.duration, spread))
+            direct = loop.run_until_complete(load(fake_port, body, c, a.duration, spread, long))
             if c == 64:
                 via, text = loop.run_until_complete(
-                    load_with_excerpt(gw_port, body, c, a.duration, spread)
+                    load_with_excerpt(gw_port, body, c, a.duration, spread, long)
                 )
                 results["metrics_excerpt_during_64_streams"] = text
             else:
-                via = loop.run_until_complete(load(gw_port, body, c, a.duration, spread))
+                via = loop.run_until_complete(load(gw_port, body, c, a.duration, spread, long))
             added = {
                 k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3)
                 for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")

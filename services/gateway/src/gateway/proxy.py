@@ -16,6 +16,7 @@ connection, which makes vLLM abort the request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,7 +24,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -41,7 +41,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay import SseRelay, StreamEnd
 from gateway.routing import RouteRequest, Thresholds, pick_backend
 from gateway.settings import GatewaySettings
-from gateway.tokens import CountingTokenizer
+from gateway.tokens import LONG_COUNTS, CountingTokenizer
 from gateway.upstream import Upstream, UpstreamCall
 from gateway.validation import (
     ChatRequest,
@@ -153,7 +153,7 @@ class Proxy:
             size = len(str(req.prompt))
             fn = lambda: tok.count_completion(req)  # noqa: E731
         if size > LONG_INPUT_CHARS:
-            return list(await anyio.to_thread.run_sync(fn))
+            return list(await asyncio.get_running_loop().run_in_executor(LONG_COUNTS, fn))
         return list(fn())
 
     async def _prepare(self, request: Request, route: str) -> Prepared:

@@ -15,9 +15,12 @@ Does not own: which model uses which tokenizer source (`backends.py` decides).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,18 @@ from lorastack.settings import CommonSettings
 _LOOPS_OVER_CONTENT = re.compile(
     r"for\s+\w+\s+in\s+(?:message|msg|m)(?:\[\s*['\"]content['\"]\s*\]|\.content)"
 )
+
+
+def _lower_priority() -> None:
+    """Counting threads run 10 nice levels below the process (Linux sets it per thread): a
+    long prompt then waits for the CPU, not the event loop relaying everyone else's streams."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + 10, 19))
+
+
+# long prompts are counted here, off the event loop (encode_batch_fast releases the GIL)
+LONG_COUNTS = ThreadPoolExecutor(2, thread_name_prefix="count", initializer=_lower_priority)
 
 
 class CountingTokenizer:
@@ -80,7 +95,13 @@ class CountingTokenizer:
             )
         except Exception as e:  # the template itself rejects the input (jinja raise_exception)
             raise BadRequest(f"the chat template rejected the messages: {e}") from None
-        return len(self.fast.encode(text, add_special_tokens=req.add_special_tokens).ids)
+        return self._lengths([text], req.add_special_tokens)[0]
+
+    def _lengths(self, texts: list[str], special: bool) -> list[int]:
+        """Token counts of texts. encode_batch_fast skips the offsets (0.049 against 0.058 ms
+        for a 31-token chat, 15 against 25 ms for 11k tokens) and releases the GIL while it
+        runs, so a long prompt counted in a worker thread leaves the event loop free."""
+        return [len(e.ids) for e in self.fast.encode_batch_fast(texts, add_special_tokens=special)]
 
     def count_completion(self, req: CompletionRequest) -> list[int]:
         """Prompt tokens of each prompt in a completions request."""
@@ -91,14 +112,9 @@ class CountingTokenizer:
             return [len(p)]
         else:
             prompts = list(p)
-        counts = []
-        for item in prompts:
-            if isinstance(item, str):
-                enc = self.fast.encode(item, add_special_tokens=req.add_special_tokens)
-                counts.append(len(enc.ids))
-            else:
-                counts.append(len(item))
-        return counts
+        texts = [item for item in prompts if isinstance(item, str)]
+        lengths = iter(self._lengths(texts, req.add_special_tokens) if texts else [])
+        return [next(lengths) if isinstance(item, str) else len(item) for item in prompts]
 
 
 _KEPT_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content")
