@@ -61,6 +61,11 @@ def test_float32_merge_verifies_and_publishes(
     card = (folder / "README.md").read_text()
     assert adapter.digest in card and "run1/data:1" in card and "run config" in card
 
+    # the same adapter and settings again: the verified merge is kept, nothing republished
+    assert main(["merge", adapter.ref, "--probes", "2"]) == 0
+    assert "already merged with these settings: run1/merged:1" in capsys.readouterr().out
+    assert store.versions("run1/merged") == ["1"]
+
 
 @pytest.mark.slow
 def test_bfloat16_merge_reports_numbers_against_thresholds(

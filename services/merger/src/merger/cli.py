@@ -88,7 +88,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
             f"published. Report: {result.folder / 'merge-report.json'}",
             " or ".join(result.report["advice"]),
         )
-    print(f"published {result.manifest.ref} ({result.manifest.digest[:19]}) from {result.folder}")
+    m = result.manifest
+    if result.reused:
+        print(
+            f"{args.ref} was already merged with these settings: {m.ref} ({m.digest[:19]}), "
+            "verified when it was published; nothing to do (--name NEW to merge again)"
+        )
+    else:
+        print(f"published {m.ref} ({m.digest[:19]}) from {result.folder}")
     return 0
 
 

@@ -46,6 +46,7 @@ class MergeResult:
     manifest: Manifest | None  # the published merged model; None when verification failed
     report: dict[str, Any]  # what merge-report.json holds
     folder: Path  # the local merged folder (kept either way, for inspection)
+    reused: bool = False  # an earlier merge of this adapter with these settings was returned
 
 
 @dataclass
@@ -322,6 +323,18 @@ def merge_adapter(
     clock = _Clock()
     inputs = resolve_inputs(settings, adapter_ref)
     out_name = validate_name(name or default_name(inputs.adapter.name))
+    config = {
+        "dtype": dtype,
+        "probes": probes,
+        "new_tokens": settings.merge_probe_new_tokens,
+        "max_shard_size": settings.merge_max_shard_size,
+    }
+    store = open_store(settings)
+    earlier = already_merged(store.ls(out_name), out_name, inputs.adapter, config)
+    if earlier is not None:
+        kept = store.fetch(earlier)
+        record = json.loads((kept / "merge-report.json").read_text())
+        return MergeResult(manifest=earlier, report=record, folder=kept, reused=True)
     probing = prepare_probes(settings, inputs, probes)
     clock.lap("fetch")
 
@@ -391,18 +404,13 @@ def merge_adapter(
     if not verdict.passed:
         log.warning("verification failed, nothing published: %s", "; ".join(verdict.failures))
         return MergeResult(manifest=None, report=report, folder=folder)
-    published = open_store(settings).publish(
+    published = store.publish(
         folder,
         kind="merged-model",
         name=out_name,
         service="merger",
         parents=[inputs.base.as_parent("base"), inputs.adapter.as_parent("adapter")],
-        config={
-            "dtype": dtype,
-            "probes": probes,
-            "new_tokens": settings.merge_probe_new_tokens,
-            "max_shard_size": settings.merge_max_shard_size,
-        },
+        config=config,
         metadata={
             "verification": {
                 k: report["merged"][k]
@@ -414,6 +422,19 @@ def merge_adapter(
     )
     log.info("published %s (%s)", published.ref, published.digest[:19])
     return MergeResult(manifest=published, report=report, folder=folder)
+
+
+def already_merged(
+    published: list[Manifest], name: str, adapter: Manifest, config: dict[str, Any]
+) -> Manifest | None:
+    """The newest merged model `name` made from this very adapter (digest) with the same
+    settings: merging again would only repeat minutes of work and publish a new version
+    whose files differ by the report's timings."""
+    for m in reversed(published):  # ArtifactStore.ls: oldest version first
+        made_from = any(p.role == "adapter" and p.digest == adapter.digest for p in m.parents)
+        if m.name == name and m.kind == "merged-model" and made_from and m.config == config:
+            return m
+    return None
 
 
 class _Clock:
