@@ -7,7 +7,8 @@ uvloop; no SDK overhead in the numbers). For each concurrency it measures TTFT (
 first SSE event) and end-to-end time, direct and through the gateway, and prints JSON.
 
     .venv/bin/python bench/gateway_latency.py --tokenizer DIR [--duration 10] \
-        [--concurrency 1 16 64 256] [--soak 600] [--lockstep] \
+        [--concurrency 1 16 64 256] [--soak 600] [--lockstep] [--keep-alive] \
+        [--long-prompt-streams 2] \
         [--pin-gateway 0 --pin-upstream 1 --pin-client 1] > bench/results/gateway-latency.json
 
 Arrivals: each point is a closed loop of N workers; by default their first requests are
@@ -82,15 +83,26 @@ def wait_http(port: int, path: str, timeout: float = 120.0) -> None:
 
 
 async def stream_once(
-    port: int, body: bytes, abandon_after: int | None = None
+    port: int,
+    body: bytes,
+    abandon_after: int | None = None,
+    pool: dict[str, Any] | None = None,
 ) -> tuple[float, float]:
-    """One streaming POST; returns (ttft, e2e) in seconds. Reads the chunked body raw."""
+    """One streaming POST; returns (ttft, e2e) in seconds. Reads the chunked body raw.
+
+    With a `pool` (a worker's own dict) the connection is kept alive and reused by the
+    worker's next request, as the openai SDK's connection pool does; without one, every
+    request opens its own connection and closes it."""
     t0 = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reused = pool.pop("rw", None) if pool is not None else None
+    reader, writer = reused or await asyncio.open_connection("127.0.0.1", port)
+    keep = pool is not None and abandon_after is None
+    finished = False
     try:
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n".encode()
+            + (b"\r\n" if keep else b"Connection: close\r\n\r\n")
             + body
         )
         head = await reader.readuntil(b"\r\n\r\n")
@@ -102,6 +114,7 @@ async def stream_once(
             size_line = await reader.readuntil(b"\r\n")
             size = int(size_line.strip(), 16)
             if size == 0:
+                await reader.readexactly(2)  # the empty trailer section's CRLF
                 break
             data = await reader.readexactly(size + 2)
             if ttft is None:
@@ -110,9 +123,13 @@ async def stream_once(
             if abandon_after is not None and events >= abandon_after:
                 return ttft, time.perf_counter() - t0  # hang up mid-stream
         assert ttft is not None
+        finished = True
         return ttft, time.perf_counter() - t0
     finally:
-        writer.close()
+        if keep and finished and pool is not None:
+            pool["rw"] = (reader, writer)
+        else:
+            writer.close()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -127,8 +144,10 @@ async def load(
     duration: float,
     spread: float = 0.0,
     long: tuple[int, bytes] = (0, b""),
+    keep_alive: bool = False,
 ) -> dict[str, Any]:
-    """Closed loop: `concurrency` workers, each streaming one request after the other.
+    """Closed loop: `concurrency` workers, each streaming one request after the other
+    (each on a connection of its own that it keeps alive, with `keep_alive`).
 
     `spread` > 0 staggers the workers' first requests evenly over that many seconds (one
     stream's length): arrivals are then steady. With 0 all start at once and, as every
@@ -144,14 +163,15 @@ async def load(
 
     async def worker(i: int) -> None:
         nonlocal errors, long_done
+        pool: dict[str, Any] | None = {} if keep_alive else None
         await asyncio.sleep(spread * i / concurrency)
         while time.perf_counter() < stop:
             try:
                 if i < long[0]:
-                    await stream_once(port, long[1])
+                    await stream_once(port, long[1], pool=pool)
                     long_done += 1
                     continue
-                ttft, e2e = await stream_once(port, body)
+                ttft, e2e = await stream_once(port, body, pool=pool)
                 ttfts.append(ttft)
                 e2es.append(e2e)
             except (OSError, RuntimeError, asyncio.IncompleteReadError):
@@ -180,9 +200,10 @@ async def load_with_excerpt(
     duration: float,
     spread: float,
     long: tuple[int, bytes] = (0, b""),
+    keep_alive: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """`load`, with the gateway's /metrics read half-way through."""
-    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread, long))
+    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread, long, keep_alive))
     await asyncio.sleep(duration / 2)
     text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
     return await task, text
@@ -312,6 +333,12 @@ def main() -> None:
         "the latencies reported are the other streams'",
     )
     p.add_argument("--long-prompt-chars", type=int, default=20000)
+    p.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="each client worker reuses its connection (as the openai SDK's pool does) "
+        "instead of one connection per request",
+    )
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
     p.add_argument("--soak-concurrency", type=int, default=32)
     for who in ("gateway", "upstream", "client"):
@@ -412,6 +439,9 @@ def main() -> None:
                 "duration_s_per_point": a.duration,
                 "arrivals": "lockstep bursts" if a.lockstep else f"staggered over {spread:g} s",
                 "stream": True,
+                "client_connections": "kept alive per worker"
+                if a.keep_alive
+                else "one per request",
                 "long_prompt_streams": a.long_prompt_streams,
                 "long_prompt_chars": a.long_prompt_chars if a.long_prompt_streams else 0,
             },
