@@ -452,14 +452,13 @@ def main() -> None:
         loop.run_until_complete(load(gw_port, body, 4, 2.0))  # warm-up both paths
         loop.run_until_complete(load(fake_port, body, 4, 2.0))
         for c in a.concurrency:
-            direct = loop.run_until_complete(load(fake_port, body, c, a.duration, spread, long))
+            point = (body, c, a.duration, spread, long, a.keep_alive)
+            direct = loop.run_until_complete(load(fake_port, *point))
             if c == 64:
-                via, text = loop.run_until_complete(
-                    load_with_excerpt(gw_port, body, c, a.duration, spread, long)
-                )
+                via, text = loop.run_until_complete(load_with_excerpt(gw_port, *point))
                 results["metrics_excerpt_during_64_streams"] = text
             else:
-                via = loop.run_until_complete(load(gw_port, body, c, a.duration, spread, long))
+                via = loop.run_until_complete(load(gw_port, *point))
             added = {
                 k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3)
                 for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
