@@ -18,6 +18,11 @@ three processes on CPUs of their own (taskset list syntax), so that the client a
 fake do not steal the gateway's core. `cpu_ms_per_request` is the gateway's and the
 fake's CPU time (user + system) per request at 16 streams.
 
+Peer: `--peer-nginx` also measures every point through nginx (one worker process, pinned
+like the gateway, `proxy_buffering off`, kept-alive upstream connections): the cost of a
+reverse-proxy hop written in C, which does no parsing, counting or routing, on the same
+machine in the same run. It needs `nginx` on PATH (Debian: `apt-get install nginx`).
+
 Soak: streams through the gateway for --soak seconds, a random fraction of which the
 client abandons mid-stream; before and after (and after a short settle) it records the
 gateway's RSS, its open TCP connections and its in-flight gauge.
@@ -32,9 +37,11 @@ import os
 import platform
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +67,42 @@ def pinned(spec: str | None) -> Any:
         return None
     cpus = cpu_set(spec)
     return lambda: os.sched_setaffinity(0, cpus)
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {tmp}/nginx.pid;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    upstream fake {{ server 127.0.0.1:{upstream}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://fake;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(upstream: int, port: int, pin: str | None) -> subprocess.Popen[bytes]:
+    """nginx as a plain streaming reverse proxy to the fake (the `--peer-nginx` peer)."""
+    exe = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
+    if exe is None:
+        sys.exit("--peer-nginx needs nginx on PATH (Debian: apt-get install nginx)")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
+    (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, upstream=upstream, port=port))
+    cmd = [exe, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-e", str(tmp / "error.log")]
+    return subprocess.Popen([*cmd, "-g", "daemon off;"], preexec_fn=pinned(pin))
 
 
 def free_port() -> int:
@@ -130,6 +173,12 @@ async def stream_once(
             pool["rw"] = (reader, writer)
         else:
             writer.close()
+
+
+def added(via: dict[str, Any], direct: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """What a path adds to the direct one: `<prefix>ttft_p50_added_ms` and so on."""
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+    return {prefix + k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3) for k in keys}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -339,6 +388,12 @@ def main() -> None:
         help="each client worker reuses its connection (as the openai SDK's pool does) "
         "instead of one connection per request",
     )
+    p.add_argument(
+        "--peer-nginx",
+        action="store_true",
+        help="also measure every point through nginx (a C reverse proxy, pinned like the "
+        "gateway): the cost of the extra hop alone",
+    )
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
     p.add_argument("--soak-concurrency", type=int, default=32)
     for who in ("gateway", "upstream", "client"):
@@ -394,9 +449,15 @@ def main() -> None:
         env=gw_env,
         preexec_fn=pinned(a.pin_gateway),
     )
+    peers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    if a.peer_nginx:
+        nginx_port = free_port()
+        peers["nginx"] = (nginx_port, start_nginx(fake_port, nginx_port, a.pin_gateway))
     try:
         wait_http(fake_port, "/v1/models")
         wait_http(gw_port, "/ready")
+        for port, _ in peers.values():
+            wait_http(port, "/v1/models")
         gw_proc = psutil.Process(gw.pid)
         body = json.dumps(
             {
@@ -451,6 +512,8 @@ def main() -> None:
         asyncio.set_event_loop(loop)
         loop.run_until_complete(load(gw_port, body, 4, 2.0))  # warm-up both paths
         loop.run_until_complete(load(fake_port, body, 4, 2.0))
+        for port, _ in peers.values():
+            loop.run_until_complete(load(port, body, 4, 2.0))
         for c in a.concurrency:
             point = (body, c, a.duration, spread, long, a.keep_alive)
             direct = loop.run_until_complete(load(fake_port, *point))
@@ -459,11 +522,12 @@ def main() -> None:
                 results["metrics_excerpt_during_64_streams"] = text
             else:
                 via = loop.run_until_complete(load(gw_port, *point))
-            added = {
-                k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3)
-                for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
-            }
-            results["points"].append({"concurrency": c, "direct": direct, "gateway": via, **added})
+            row: dict[str, Any] = {"concurrency": c, "direct": direct, "gateway": via}
+            row.update(added(via, direct))
+            for name, (port, _) in peers.items():
+                row[name] = loop.run_until_complete(load(port, *point))
+                row.update(added(row[name], direct, f"{name}_"))
+            results["points"].append(row)
             print(json.dumps(results["points"][-1]), file=sys.stderr)
         results["cpu_ms_per_request"] = cpu_per_request(
             loop, gw_port, body, gw_proc, fake.pid, a.duration, spread
@@ -475,7 +539,7 @@ def main() -> None:
         results["machine"]["load_avg_at_end"] = os.getloadavg()
         print(json.dumps(results, indent=2))
     finally:
-        for proc in (gw, fake):
+        for proc in (gw, fake, *(proc for _, proc in peers.values())):
             proc.terminate()
             try:
                 proc.wait(15)

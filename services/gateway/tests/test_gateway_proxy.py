@@ -70,6 +70,13 @@ def test_overflow_is_400_and_upstream_never_called(make_gateway, fake) -> None:
         assert r.status_code == 200, r.text
         assert r.headers["x-lorastack-prompt-tokens"] == str(prompt)
         assert len(state.calls()) == 1
+        # small enough for the upper bound to settle the check: forwarded at once and
+        # counted while the backend works; the count is the same exact one
+        for stream in (False, True):
+            r = httpx.post(f"{gw}/v1/chat/completions", json=chat(max_tokens=16, stream=stream))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-lorastack-prompt-tokens"] == str(prompt)
+        assert len(state.calls()) == 3
 
 
 def test_clamp_mode_by_header_and_by_setting(make_gateway, fake) -> None:

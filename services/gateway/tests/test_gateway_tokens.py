@@ -34,6 +34,34 @@ def test_counts_equal_the_tokenizers_own(embedded_model: Path) -> None:
         assert tok.count_chat(chat) == expected
 
 
+def test_upper_bound_is_never_below_the_exact_count(embedded_model: Path) -> None:
+    hf = AutoTokenizer.from_pretrained(embedded_model)
+    tok = CountingTokenizer(hf, str(embedded_model))
+    texts = [
+        *TEXTS,
+        "",
+        " ",
+        "<|im_start|>user<|im_end|><|im_start|>",  # special tokens written in the text
+        "🙂🙃" * 50 + "\u0958\ufdfa\u212b",  # emoji, and characters normalisers expand
+        "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+        "a" * 500 + " " * 37 + "\n" * 9,
+    ]
+    for special in (False, True):
+        exact = tok.count(list(texts), special)
+        bound = tok.upper_bound(list(texts), special)
+        assert all(b >= e for b, e in zip(bound, exact, strict=True)), (bound, exact)
+    # token-id prompts are their own count; a chat's input is its rendered template
+    ids = parse_completion({"model": "m", "prompt": [[5, 6, 7], [8]]})
+    assert tok.inputs(ids) == ([3, 1], True) and tok.upper_bound([3, 1], True) == [3, 1]
+    texts_req = parse_completion({"model": "m", "prompt": ["hi there", "x"]})
+    inputs, special = tok.inputs(texts_req)
+    assert inputs == ["hi there", "x"] and special is True
+    assert tok.count(inputs, special) == tok.count_completion(texts_req) == [2, 1]
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, 8)
+    (rendered,), special = tok.inputs(chat)
+    assert rendered.endswith("<|im_start|>assistant\n") and special is False
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_long_prompts_are_counted_at_lower_priority() -> None:
     here = os.getpriority(os.PRIO_PROCESS, 0)
