@@ -8,7 +8,7 @@ first SSE event) and end-to-end time, direct and through the gateway, and prints
 
     .venv/bin/python bench/gateway_latency.py --tokenizer DIR [--duration 10] \
         [--concurrency 1 16 64 256] [--soak 600] [--lockstep] [--keep-alive] \
-        [--long-prompt-streams 2] \
+        [--long-prompt-streams 2] [--peer-nginx] \
         [--pin-gateway 0 --pin-upstream 1 --pin-client 1] > bench/results/gateway-latency.json
 
 Arrivals: each point is a closed loop of N workers; by default their first requests are
