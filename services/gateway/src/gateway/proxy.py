@@ -81,8 +81,8 @@ class Prepared:
     reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
-    # set when the bound proved the fit: the exact counts (and their length check), to run
-    # after forwarding
+    # set when upper bounds proved the fit (prompt_tokens is then the bound until it runs):
+    # the exact counts and their length check, run after forwarding
     count_later: Callable[[], list[int]] | None = None
 
 
@@ -154,14 +154,18 @@ class Proxy:
             raise BadRequest("the body must be a JSON object", "send a JSON object")
         return body, raw
 
-    async def _count_or_bound(
+    async def _count(
         self,
         tok: CountingTokenizer,
         req: ChatRequest | CompletionRequest,
-        fits: Callable[[list[int]], bool],
-    ) -> tuple[list[int], tuple[list[str | int], bool] | None]:
-        """The exact counts, or, when `fits(upper bounds)`, the bounds and what to count
-        later. Long inputs are counted exactly, on a worker thread."""
+        requested: int | None,
+        max_len: int,
+        param: str,
+    ) -> tuple[list[int], Callable[[], list[int]] | None]:
+        """The exact counts; or, when upper bounds prove that prompt + output fits and no
+        tokens-per-minute limit needs the exact number, the bounds and a function that
+        counts exactly later (and checks the length again: a formality after the bound).
+        Long inputs are counted exactly, on a worker thread."""
         if isinstance(req, ChatRequest):
             size = sum(len(str(m.content or "")) for m in req.messages)
         else:
@@ -171,9 +175,16 @@ class Proxy:
             return await asyncio.get_running_loop().run_in_executor(LONG_COUNTS, fn), None
         inputs, special = tok.inputs(req)
         bounds = tok.upper_bound(inputs, special)
-        if fits(bounds):
-            return bounds, (inputs, special)
-        return tok.count(inputs, special), None
+        if self.auth.tokens_per_min or any(b + (requested or 1) > max_len for b in bounds):
+            return tok.count(inputs, special), None
+
+        def exact() -> list[int]:
+            counts = tok.count(inputs, special)
+            for c in counts:
+                plan_tokens(c, requested, max_len, clamp=False, param=param)
+            return counts
+
+        return bounds, exact
 
     async def _prepare(self, request: Request, route: str) -> Prepared:
         key = self.auth.authenticate(request.headers.get("authorization"))
@@ -187,14 +198,7 @@ class Proxy:
         max_len = self.backends.max_model_len(info)
         tok = await self.backends.tokenizer_for(info)
         param, requested = requested_output(req)
-        counts, later = await self._count_or_bound(
-            tok,
-            req,
-            lambda bounds: (
-                not self.auth.tokens_per_min
-                and all(b + (requested or 1) <= max_len for b in bounds)
-            ),
-        )
+        counts, count_later = await self._count(tok, req, requested, max_len, param)
         clamp = self.settings.clamp_max_tokens or request.headers.get(CLAMP_HEADER, "").lower() in (
             "1",
             "true",
@@ -202,15 +206,7 @@ class Proxy:
         )
         plans = [plan_tokens(c, requested, max_len, clamp=clamp, param=param) for c in counts]
         out_tokens = min(p.max_tokens for p in plans)  # one value serves every prompt
-        headers = {} if later else {PROMPT_TOKENS_HEADER: ",".join(str(c) for c in counts)}
-
-        def count_later() -> list[int]:
-            assert later is not None
-            exact = tok.count(*later)
-            for c in exact:  # a formality after the bound; if it ever failed, the client learns
-                plan_tokens(c, requested, max_len, clamp=False, param=param)
-            return exact
-
+        headers = {} if count_later else {PROMPT_TOKENS_HEADER: ",".join(str(c) for c in counts)}
         changed = False
         if any(p.clamped_from is not None for p in plans):
             body[param] = out_tokens
@@ -235,7 +231,7 @@ class Proxy:
             reserved_tokens=reserved,
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
-            count_later=count_later if later else None,
+            count_later=count_later,
         )
 
     async def _open(self, prep: Prepared) -> UpstreamCall:
