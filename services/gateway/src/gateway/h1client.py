@@ -10,7 +10,7 @@ Does not own: parsing (`h1wire.py`), timeouts after the connect, retries, error 
 (`upstream.py`).
 
 Why not aiohttp: on the fake upstream its request path and StreamReader cost a large
-share of the gateway's CPU per request and per chunk (bench/results/gateway-latency.md);
+share of the gateway's CPU per request and per chunk (bench/gateway/history.md);
 this does only what the proxy needs.
 """
 

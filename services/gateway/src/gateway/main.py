@@ -2,7 +2,7 @@
 
 The two proxied routes (`PROXIED`) are dispatched before FastAPI: on the streaming hot
 path its middleware stack and router cost a send wrapper per chunk and routing work per
-request (bench/results/gateway-latency.md), and the proxy needs none of them (it maps
+request (bench/gateway/history.md), and the proxy needs none of them (it maps
 its own errors). Every other route is plain FastAPI.
 """
 

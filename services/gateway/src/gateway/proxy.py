@@ -9,7 +9,7 @@ Counting while the backend works: when an upper bound on the prompt's tokens
 fits, and no tokens-per-minute limit needs the exact number first, the request is
 forwarded at once and counted exactly while the gateway waits for the backend's answer
 (it is on the critical path of every request otherwise: 0.15-0.3 ms of the gateway's
-added latency, bench/results/gateway-latency.md). A request the bound cannot settle is
+added latency, bench/gateway/history.md). A request the bound cannot settle is
 counted first, as before: the backend never sees a request that does not fit.
 
 Streaming: the gateway always asks the backend for `stream_options.include_usage`, so

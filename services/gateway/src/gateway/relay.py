@@ -9,7 +9,7 @@ Does not own: SSE parsing (`sse.py`), timeouts (`upstream.py`), metrics (`proxy.
 
 Why not Starlette's StreamingResponse: per chunk it ran an async-generator chain and
 three send wrappers, per request a task group; this loop is what remains of that
-(bench/results/gateway-latency.md has the CPU per request before and after).
+(bench/gateway/history.md has the CPU per request before and after).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ unfinished response closes its connection (never back to the pool), and vLLM abo
 request.
 
 The client is `h1client.py` (asyncio Protocol + httptools), not aiohttp: it cost less
-CPU per request and per chunk on the fake upstream (bench/results/gateway-latency.md);
+CPU per request and per chunk on the fake upstream (bench/gateway/history.md);
 aiohttp cost 4-10x less than httpx before that.
 """
 

@@ -2,7 +2,7 @@
 
 peft builds and saves the adapters; this module only replaces the forward of each
 plain LoRA layer (frozen base, nf4 or dense) while training with one active adapter.
-Why (bench/results/trainer-gpu-*.json): at batch 1 on an H200 the step was bound by the
+Why (bench/trainer/results/): at batch 1 on an H200 the step was bound by the
 host, not the GPU: peft + bitsandbytes issue ~15 Python-level ops per linear (module
 calls, a defensive clone, a separate scale and add), 224 linears per 8B forward. Here:
 

@@ -1,0 +1,551 @@
+"""Added latency of the gateway versus calling the (fake) upstream directly; and a soak.
+
+Starts the fake vLLM (services/gateway/tests/fake_upstream.py) and the gateway
+(`lorastack gateway`, one uvicorn worker) as separate processes on 127.0.0.1, then drives
+streaming chat requests from this process with a minimal raw HTTP/1.1 client (asyncio +
+uvloop; no SDK overhead in the numbers). For each concurrency it measures TTFT (to the
+first SSE event) and end-to-end time, direct and through the gateway, and prints JSON.
+
+    .venv/bin/python bench/gateway/gateway_latency.py --tokenizer DIR [--duration 10] \
+        [--concurrency 1 16 64 256] [--soak 600] [--lockstep] [--keep-alive] \
+        [--long-prompt-streams 2] [--peer-nginx] \
+        [--pin-gateway 0 --pin-upstream 1 --pin-client 1] > bench/gateway/results/$(date +%F)-$(git rev-parse --short HEAD).json
+
+Arrivals: each point is a closed loop of N workers; by default their first requests are
+staggered over one stream's length, so requests arrive steadily; `--lockstep` starts them
+together, and as every stream lasts the same they stay in bursts of N. `--pin-*` put the
+three processes on CPUs of their own (taskset list syntax), so that the client and the
+fake do not steal the gateway's core. `cpu_ms_per_request` is the gateway's and the
+fake's CPU time (user + system) per request at 16 streams.
+
+Peer: `--peer-nginx` also measures every point through nginx (one worker process, pinned
+like the gateway, `proxy_buffering off`, kept-alive upstream connections): the cost of a
+reverse-proxy hop written in C, which does no parsing, counting or routing, on the same
+machine in the same run. It needs `nginx` on PATH (Debian: `apt-get install nginx`).
+
+Soak: streams through the gateway for --soak seconds, a random fraction of which the
+client abandons mid-stream; before and after (and after a short settle) it records the
+gateway's RSS, its open TCP connections and its in-flight gauge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = REPO / "services" / "gateway" / "tests" / "fake_upstream.py"
+
+
+def cpu_set(spec: str) -> set[int]:
+    """CPUs in taskset's list syntax ("2", "4-5", "0,6-7") as a set."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pinned(spec: str | None) -> Any:
+    """A `preexec_fn` that pins the child to `spec` before it runs (None: no pinning)."""
+    if spec is None:
+        return None
+    cpus = cpu_set(spec)
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {tmp}/nginx.pid;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    upstream fake {{ server 127.0.0.1:{upstream}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://fake;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(upstream: int, port: int, pin: str | None) -> subprocess.Popen[bytes]:
+    """nginx as a plain streaming reverse proxy to the fake (the `--peer-nginx` peer)."""
+    exe = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
+    if exe is None:
+        sys.exit("--peer-nginx needs nginx on PATH (Debian: apt-get install nginx)")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
+    (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, upstream=upstream, port=port))
+    cmd = [exe, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-e", str(tmp / "error.log")]
+    return subprocess.Popen([*cmd, "-g", "daemon off;"], preexec_fn=pinned(pin))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(port: int, path: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                if b" 200 " in s.recv(100):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing answered 200 on :{port}{path}")
+
+
+async def stream_once(
+    port: int,
+    body: bytes,
+    abandon_after: int | None = None,
+    pool: dict[str, Any] | None = None,
+) -> tuple[float, float]:
+    """One streaming POST; returns (ttft, e2e) in seconds. Reads the chunked body raw.
+
+    With a `pool` (a worker's own dict) the connection is kept alive and reused by the
+    worker's next request, as the openai SDK's connection pool does; without one, every
+    request opens its own connection and closes it."""
+    t0 = time.perf_counter()
+    reused = pool.pop("rw", None) if pool is not None else None
+    reader, writer = reused or await asyncio.open_connection("127.0.0.1", port)
+    keep = pool is not None and abandon_after is None
+    finished = False
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n".encode()
+            + (b"\r\n" if keep else b"Connection: close\r\n\r\n")
+            + body
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.split(b"\r\n")[0].decode())
+        ttft = None
+        events = 0
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            size = int(size_line.strip(), 16)
+            if size == 0:
+                await reader.readexactly(2)  # the empty trailer section's CRLF
+                break
+            data = await reader.readexactly(size + 2)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            events += data.count(b"data: ")
+            if abandon_after is not None and events >= abandon_after:
+                return ttft, time.perf_counter() - t0  # hang up mid-stream
+        assert ttft is not None
+        finished = True
+        return ttft, time.perf_counter() - t0
+    finally:
+        if keep and finished and pool is not None:
+            pool["rw"] = (reader, writer)
+        else:
+            writer.close()
+
+
+def added(via: dict[str, Any], direct: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """What a path adds to the direct one: `<prefix>ttft_p50_added_ms` and so on."""
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+    return {prefix + k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3) for k in keys}
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+async def load(
+    port: int,
+    body: bytes,
+    concurrency: int,
+    duration: float,
+    spread: float = 0.0,
+    long: tuple[int, bytes] = (0, b""),
+    keep_alive: bool = False,
+) -> dict[str, Any]:
+    """Closed loop: `concurrency` workers, each streaming one request after the other
+    (each on a connection of its own that it keeps alive, with `keep_alive`).
+
+    `spread` > 0 staggers the workers' first requests evenly over that many seconds (one
+    stream's length): arrivals are then steady. With 0 all start at once and, as every
+    stream lasts the same, stay in lockstep: bursts of `concurrency` simultaneous requests.
+    `long` = (n, body): the first n workers send that body instead; the latencies are
+    the other workers' (what a long prompt costs everyone else).
+    """
+    ttfts: list[float] = []
+    e2es: list[float] = []
+    errors = 0
+    long_done = 0
+    stop = time.perf_counter() + duration
+
+    async def worker(i: int) -> None:
+        nonlocal errors, long_done
+        pool: dict[str, Any] | None = {} if keep_alive else None
+        await asyncio.sleep(spread * i / concurrency)
+        while time.perf_counter() < stop:
+            try:
+                if i < long[0]:
+                    await stream_once(port, long[1], pool=pool)
+                    long_done += 1
+                    continue
+                ttft, e2e = await stream_once(port, body, pool=pool)
+                ttfts.append(ttft)
+                e2es.append(e2e)
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    wall = time.perf_counter() - t0
+    ms = 1000.0
+    return {
+        "requests": len(e2es),
+        **({"long_prompt_requests": long_done} if long[0] else {}),
+        "errors": errors,
+        "requests_per_s": round(len(e2es) / wall, 1),
+        "ttft_p50_ms": round(pct(ttfts, 50) * ms, 3),
+        "ttft_p99_ms": round(pct(ttfts, 99) * ms, 3),
+        "e2e_p50_ms": round(pct(e2es, 50) * ms, 3),
+        "e2e_p99_ms": round(pct(e2es, 99) * ms, 3),
+    }
+
+
+async def load_with_excerpt(
+    port: int,
+    body: bytes,
+    concurrency: int,
+    duration: float,
+    spread: float,
+    long: tuple[int, bytes] = (0, b""),
+    keep_alive: bool = False,
+) -> tuple[dict[str, Any], str]:
+    """`load`, with the gateway's /metrics read half-way through."""
+    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread, long, keep_alive))
+    await asyncio.sleep(duration / 2)
+    text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
+    return await task, text
+
+
+def gateway_state(proc: psutil.Process, port: int) -> dict[str, Any]:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    text = raw.decode()
+    m = re.search(r"^lorastack_gateway_inflight_requests (\S+)$", text, re.M)
+    conns = [c for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED]
+    return {
+        "rss_mib": round(proc.memory_info().rss / 2**20, 1),
+        "established_tcp": len(conns),
+        "inflight_gauge": float(m.group(1)) if m else None,
+        "open_fds": proc.num_fds(),
+    }
+
+
+def metrics_excerpt(port: int) -> str:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    keep = ("inflight", "backend_", "rejections_total", "_count", "_sum", "upstream_errors")
+    lines = raw.decode().split("\r\n\r\n", 1)[1].splitlines()
+    return "\n".join(ln for ln in lines if not ln.startswith("#") and any(k in ln for k in keep))
+
+
+async def soak(
+    gw_port: int, body: bytes, proc: psutil.Process, seconds: float, concurrency: int
+) -> dict[str, Any]:
+    before = gateway_state(proc, gw_port)
+    done = abandoned = errors = 0
+    stop = time.perf_counter() + seconds
+    samples = []
+    rng = random.Random(7)
+
+    async def worker() -> None:
+        nonlocal done, abandoned, errors
+        while time.perf_counter() < stop:
+            cut = rng.randint(1, 12) if rng.random() < 0.3 else None
+            try:
+                await stream_once(gw_port, body, abandon_after=cut)
+                done += cut is None
+                abandoned += cut is not None
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                errors += 1
+
+    async def sampler() -> None:
+        while time.perf_counter() < stop:
+            await asyncio.sleep(min(30.0, seconds / 10))
+            samples.append(
+                {
+                    "t_s": round(seconds - (stop - time.perf_counter())),
+                    **gateway_state(proc, gw_port),
+                }
+            )
+
+    await asyncio.gather(sampler(), *(worker() for _ in range(concurrency)))
+    during = gateway_state(proc, gw_port)
+    # the gateway's pool closes keep-alive connections idle for 4 s (h1client.KEEPALIVE_S;
+    # aiohttp before it: 5 s): wait, send one request so the pool is used again, then read
+    # the state again
+    await asyncio.sleep(6)
+    await stream_once(gw_port, body)
+    await asyncio.sleep(1)
+    after = gateway_state(proc, gw_port)
+    return {
+        "seconds": seconds,
+        "concurrency": concurrency,
+        "completed": done,
+        "abandoned_mid_stream": abandoned,
+        "errors": errors,
+        "before": before,
+        "samples": samples,
+        "right_after": during,
+        "after_settle": after,
+    }
+
+
+def cpu_per_request(
+    loop: asyncio.AbstractEventLoop,
+    gw_port: int,
+    body: bytes,
+    gw: psutil.Process,
+    fake_pid: int,
+    seconds: float,
+    spread: float,
+) -> dict[str, float]:
+    """CPU milliseconds (user + system, and system alone) the gateway and the fake spend
+    per request at 16 streams (less sensitive to other load on the machine than latency)."""
+    procs = {"gateway": gw, "fake_upstream": psutil.Process(fake_pid)}
+    before = {k: p.cpu_times() for k, p in procs.items()}
+    r = loop.run_until_complete(load(gw_port, body, 16, seconds, spread))
+    n = max(1, r["requests"])
+    out: dict[str, float] = {}
+    for k, p in procs.items():
+        t0, t1 = before[k], p.cpu_times()
+        out[k] = round((t1.user + t1.system - t0.user - t0.system) / n * 1000, 2)
+        out[f"{k}_system"] = round((t1.system - t0.system) / n * 1000, 2)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="HF folder of SmolLM2 (the gateway counts tokens with it)",
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per answer")
+    p.add_argument("--pace", type=float, default=0.01, help="seconds between tokens (fake)")
+    p.add_argument(
+        "--long-prompt-streams",
+        type=int,
+        default=0,
+        help="of each point's streams, this many send a long prompt (--long-prompt-chars); "
+        "the latencies reported are the other streams'",
+    )
+    p.add_argument("--long-prompt-chars", type=int, default=20000)
+    p.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="each client worker reuses its connection (as the openai SDK's pool does) "
+        "instead of one connection per request",
+    )
+    p.add_argument(
+        "--peer-nginx",
+        action="store_true",
+        help="also measure every point through nginx (a C reverse proxy, pinned like the "
+        "gateway): the cost of the extra hop alone",
+    )
+    p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
+    p.add_argument("--soak-concurrency", type=int, default=32)
+    for who in ("gateway", "upstream", "client"):
+        p.add_argument(
+            f"--pin-{who}",
+            metavar="CPUS",
+            help=f"run the {who} on these CPUs only (taskset list syntax: 2, 4-5, 0,6)",
+        )
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="start every stream of a point at once (bursts) instead of staggered",
+    )
+    a = p.parse_args()
+    spread = 0.0 if a.lockstep else a.tokens * a.pace
+    if a.pin_client is not None:
+        os.sched_setaffinity(0, cpu_set(a.pin_client))
+
+    import uvloop
+
+    fake_port, gw_port = free_port(), free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            str(FAKE),
+            "--port",
+            str(fake_port),
+            "--tokens",
+            str(a.tokens),
+            "--pace",
+            str(a.pace),
+        ],
+        env=env,
+        preexec_fn=pinned(a.pin_upstream),
+    )
+    gw_env = dict(
+        env,
+        LORASTACK_TOKENIZERS=json.dumps({"smollm2": a.tokenizer}),
+        LORASTACK_ADMIT_MAX_WAITING="100000",
+    )
+    gw = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lorastack.cli",
+            "gateway",
+            "--port",
+            str(gw_port),
+            "--backend",
+            f"http://127.0.0.1:{fake_port}",
+        ],
+        env=gw_env,
+        preexec_fn=pinned(a.pin_gateway),
+    )
+    peers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    if a.peer_nginx:
+        nginx_port = free_port()
+        peers["nginx"] = (nginx_port, start_nginx(fake_port, nginx_port, a.pin_gateway))
+    try:
+        wait_http(fake_port, "/v1/models")
+        wait_http(gw_port, "/ready")
+        for port, _ in peers.values():
+            wait_http(port, "/v1/models")
+        gw_proc = psutil.Process(gw.pid)
+        body = json.dumps(
+            {
+                "model": "smollm2",
+                "messages": [
+                    {"role": "system", "content": "You are a concise assistant."},
+                    {"role": "user", "content": "Explain in two sentences what a KV cache is."},
+                ],
+                "max_tokens": 64,
+                "stream": True,
+            }
+        ).encode()
+        sentence = "The quick brown fox jumps over the lazy dog, naïve café 東京. "
+        long_text = (sentence * (a.long_prompt_chars // len(sentence) + 1))[: a.long_prompt_chars]
+        long_body = json.dumps(
+            {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": long_text}],
+                "max_tokens": 16,
+                "stream": True,
+            }
+        ).encode()
+        long = (a.long_prompt_streams, long_body)
+        results: dict[str, Any] = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "cpu": platform.processor() or platform.machine(),
+                "python": platform.python_version(),
+                "pinned": {
+                    "gateway": a.pin_gateway,
+                    "upstream": a.pin_upstream,
+                    "client": a.pin_client,
+                },
+                "load_avg_at_start": os.getloadavg(),
+            },
+            "workload": {
+                "tokens_per_answer": a.tokens,
+                "pace_s": a.pace,
+                "duration_s_per_point": a.duration,
+                "arrivals": "lockstep bursts" if a.lockstep else f"staggered over {spread:g} s",
+                "stream": True,
+                "client_connections": "kept alive per worker"
+                if a.keep_alive
+                else "one per request",
+                "long_prompt_streams": a.long_prompt_streams,
+                "long_prompt_chars": a.long_prompt_chars if a.long_prompt_streams else 0,
+            },
+            "points": [],
+        }
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(load(gw_port, body, 4, 2.0))  # warm-up both paths
+        loop.run_until_complete(load(fake_port, body, 4, 2.0))
+        for port, _ in peers.values():
+            loop.run_until_complete(load(port, body, 4, 2.0))
+        for c in a.concurrency:
+            point = (body, c, a.duration, spread, long, a.keep_alive)
+            direct = loop.run_until_complete(load(fake_port, *point))
+            if c == 64:
+                via, text = loop.run_until_complete(load_with_excerpt(gw_port, *point))
+                results["metrics_excerpt_during_64_streams"] = text
+            else:
+                via = loop.run_until_complete(load(gw_port, *point))
+            row: dict[str, Any] = {"concurrency": c, "direct": direct, "gateway": via}
+            row.update(added(via, direct))
+            for name, (port, _) in peers.items():
+                row[name] = loop.run_until_complete(load(port, *point))
+                row.update(added(row[name], direct, f"{name}_"))
+            results["points"].append(row)
+            print(json.dumps(results["points"][-1]), file=sys.stderr)
+        results["cpu_ms_per_request"] = cpu_per_request(
+            loop, gw_port, body, gw_proc, fake.pid, a.duration, spread
+        )
+        if a.soak > 0:
+            results["soak"] = loop.run_until_complete(
+                soak(gw_port, body, gw_proc, a.soak, a.soak_concurrency)
+            )
+        results["machine"]["load_avg_at_end"] = os.getloadavg()
+        print(json.dumps(results, indent=2))
+    finally:
+        for proc in (gw, fake, *(proc for _, proc in peers.values())):
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
