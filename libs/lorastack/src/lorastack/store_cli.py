@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,59 @@ def cmd_import_default(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from lorastack.base_model import import_folder
+    from lorastack.base_model import import_folder, import_hub, is_repo_id
+    from lorastack.errors import ConfigError
+    from lorastack.hub import HubSettings
 
-    m = import_folder(CommonSettings(), Path(args.path), name=args.name)
+    if not is_repo_id(args.source):
+        if args.revision is not None:
+            raise ConfigError(
+                "--revision applies to a repo id, not to a local folder",
+                f"drop --revision, or check that {args.source!r} is the repo id you meant",
+            )
+        m = import_folder(CommonSettings(), Path(args.source), name=args.name)
+    else:
+        with _ProgressBars() as bars:
+            m = import_hub(
+                CommonSettings(), HubSettings(), args.source, args.name,
+                revision=args.revision or "main", progress=bars.update,
+            )  # fmt: skip
+        commit = str(m.metadata.get("source", "")).rpartition("@")[2]
+        if args.revision != commit:
+            print(f"pin this exact version next time: --revision {commit}", file=sys.stderr)
     _print_published(m.model_dump())
     return 0
+
+
+class _ProgressBars:
+    """One tqdm bar per file on stderr (a line per 10% where tqdm is not installed)."""
+
+    def __init__(self) -> None:
+        self._bars: dict[str, Any] = {}
+        self._said: dict[str, int] = {}
+
+    def __enter__(self) -> _ProgressBars:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for bar in self._bars.values():
+            bar.close()
+
+    def update(self, path: str, done: int, total: int) -> None:
+        try:
+            from tqdm import tqdm
+        except ModuleNotFoundError:
+            tenth = done * 10 // total if total else 0
+            if self._said.get(path) != tenth:
+                self._said[path] = tenth
+                print(f"{path}: {_human(done)} of {_human(total)}", file=sys.stderr)
+            return
+        bar = self._bars.get(path)
+        if bar is None:
+            bar = self._bars[path] = tqdm(
+                desc=path, total=total or None, unit="B", unit_scale=True, file=sys.stderr
+            )
+        bar.update(done - bar.n)
 
 
 def _print_published(m: dict[str, Any]) -> None:
@@ -87,7 +136,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--name", default="smollm2-135m-instruct")
     p.set_defaults(handler=cmd_import_default)
-    p = m.add_parser("import", help="publish a local Hugging Face model folder")
-    p.add_argument("path")
-    p.add_argument("--name", required=True)
+    p = m.add_parser(
+        "import",
+        help="publish a local Hugging Face model folder, or download a repo from a model hub",
+        description="SOURCE is a local folder or a repo id OWNER/NAME. A repo is downloaded "
+        "from HF_ENDPOINT (default: the public Hub) with HF_TOKEN for gated or private "
+        "repos: safetensors weights, configs and tokenizer only, never code; resumable "
+        "(run it again after an interruption).",
+    )
+    p.add_argument("source", metavar="SOURCE", help="FOLDER or OWNER/NAME")
+    p.add_argument("--name", required=True, help="artifact name in the store, e.g. llama31-8b")
+    p.add_argument(
+        "--revision", help="repo ids only: branch, tag or commit sha to pin (default: main)"
+    )
     p.set_defaults(handler=cmd_import)
