@@ -21,7 +21,16 @@ import uvloop
 from gateway import h1client
 from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from gateway.h1client import Connection, H1Client, Pool
-from gateway.h1wire import BadResponse, ConnectFailed, Disconnected, ResponseParser, request_bytes
+from gateway.h1wire import (
+    MAX_HEADER_BYTES,
+    MAX_HEADERS,
+    BadRequestHead,
+    BadResponse,
+    ConnectFailed,
+    Disconnected,
+    ResponseParser,
+    request_bytes,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.routing import InflightCounter
 from gateway.settings import GatewaySettings
@@ -119,6 +128,36 @@ def test_request_bytes() -> None:
         b"POST /v1/completions HTTP/1.1\r\nHost: h:8000\r\nContent-Length: 2\r\n"
         b"content-type: application/json\r\n\r\n{}"
     )
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "why"),
+    [
+        ("POST", "/v1/x", {"x-a": "1\r\nX-Injected: yes"}, "CR, LF or NUL"),
+        ("POST", "/v1/x", {"x-a": "1\nX-Injected: yes"}, "CR, LF or NUL"),
+        ("POST", "/v1/x", {"x-a\r\nx-b": "1"}, "CR, LF or NUL"),
+        ("POST", "/v1/x", {"x-a": "1\x00"}, "CR, LF or NUL"),
+        ("POST", "/v1/x HTTP/1.1\r\nX-Injected: yes\r\n\r\nGET /", {}, "CR, LF or NUL"),
+        ("POST", "/v1/x /y", {}, "not a valid method, path or field name"),
+        ("POST", "/v1/x", {"x a": "1"}, "not a valid method, path or field name"),
+        ("POST", "/v1/x", {"x:a": "1"}, "not a valid method, path or field name"),
+        ("POST", "/v1/x", {f"x-{i}": "1" for i in range(MAX_HEADERS + 1)}, "header fields"),
+        ("POST", "/v1/x", {"x-a": "v" * MAX_HEADER_BYTES}, "request head of"),
+        ("POST", "/v1/x", {"x-a": "\u2713"}, "outside latin-1"),
+    ],
+)
+def test_request_bytes_refuses_what_could_split_the_request(
+    method: str, path: str, headers: dict[str, str], why: str
+) -> None:
+    with pytest.raises(BadRequestHead, match=why):
+        request_bytes(method, "h:8000", path, b"{}", headers)
+
+
+def test_request_bytes_takes_the_largest_head_allowed() -> None:
+    many = {f"x-{i}": "1" for i in range(MAX_HEADERS)}
+    assert request_bytes("POST", "h", "/v1/x", b"", many).count(b"\r\n") == MAX_HEADERS + 4
+    pad = MAX_HEADER_BYTES - len(request_bytes("POST", "h", "/v1/x", b"", {"x-a": ""}))
+    assert len(request_bytes("POST", "h", "/v1/x", b"", {"x-a": "v" * pad})) == MAX_HEADER_BYTES
 
 
 # --- h1client against the fake upstream --------------------------------------------------
@@ -467,12 +506,15 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_idle_connections_expire_and_the_sweeper_closes_them(fake, monkeypatch) -> None:
+def test_idle_connections_expire_and_the_sweeper_closes_them(fake) -> None:
     url, _ = fake
-    monkeypatch.setattr(h1client, "KEEPALIVE_S", 0.3)
+    assert H1Client(connect_timeout_s=1, keepalive_s=0.3).pool(url).keepalive_s == 0.3
+    assert Pool(url, connect_timeout_s=1).keepalive_s == h1client.KEEPALIVE_S
+    with pytest.raises(ValueError, match="keepalive_s"):
+        Pool(url, connect_timeout_s=1, keepalive_s=0)
 
     async def scenario() -> None:
-        pool = Pool(url, connect_timeout_s=1)
+        pool = Pool(url, connect_timeout_s=1, keepalive_s=0.3)
         (a, _, _), (b, _, _) = await asyncio.gather(
             exchange(pool, chat_body()), exchange(pool, chat_body())
         )

@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 from gateway.h1wire import BadResponse, ConnectFailed, Disconnected, ResponseParser
 
 HIGH_WATER = 256 * 1024  # unread body bytes at which a connection stops reading
-# idle keep-alive connections are dropped after this: below uvicorn's (vLLM's) 5 s, so
-# the gateway, not the backend, usually closes them (fewer reuses of a closing socket)
+# default for `keepalive_s`, seconds an idle keep-alive connection is kept: below uvicorn's
+# (vLLM's) 5 s, so the gateway, not the backend, usually closes them (fewer reuses of a
+# closing socket); lower it for a backend that closes idle connections sooner
 KEEPALIVE_S = 4.0
 
 
@@ -152,7 +153,11 @@ class Connection(asyncio.Protocol):
 class Pool:
     """The keep-alive connections to one backend (`base_url`: http[s]://host[:port])."""
 
-    def __init__(self, base_url: str, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self, base_url: str, *, connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S
+    ) -> None:
+        if keepalive_s <= 0:
+            raise ValueError(f"keepalive_s must be > 0 seconds, not {keepalive_s!r}")
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -162,6 +167,7 @@ class Pool:
         self.prefix = u.path.rstrip("/")  # a base URL may carry a path
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
         self.idle: list[Connection] = []  # oldest first; reuse takes the newest
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -199,7 +205,7 @@ class Pool:
         conn.idle_since = loop.time()
         self.idle.append(conn)
         if self._sweeper is None:
-            self._sweeper = loop.call_later(KEEPALIVE_S, self._sweep)
+            self._sweeper = loop.call_later(self.keepalive_s, self._sweep)
 
     def close(self) -> None:
         if self._sweeper is not None:
@@ -212,7 +218,7 @@ class Pool:
     def _expire(self, now: float) -> None:
         idle = self.idle
         n = 0
-        while n < len(idle) and (idle[n].closed or now - idle[n].idle_since >= KEEPALIVE_S):
+        while n < len(idle) and (idle[n].closed or now - idle[n].idle_since >= self.keepalive_s):
             idle[n].close()
             n += 1
         if n:
@@ -223,21 +229,24 @@ class Pool:
         self._sweeper = None
         self._expire(loop.time())
         if self.idle:
-            due = self.idle[0].idle_since + KEEPALIVE_S
+            due = self.idle[0].idle_since + self.keepalive_s
             self._sweeper = loop.call_at(due, self._sweep)
 
 
 class H1Client:
     """One `Pool` per backend base URL, made on first use."""
 
-    def __init__(self, *, connect_timeout_s: float) -> None:
+    def __init__(self, *, connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s  # seconds an idle connection stays in its pool
         self.pools: dict[str, Pool] = {}
 
     def pool(self, base_url: str) -> Pool:
         pool = self.pools.get(base_url)
         if pool is None:
-            pool = self.pools[base_url] = Pool(base_url, connect_timeout_s=self.connect_timeout_s)
+            pool = self.pools[base_url] = Pool(
+                base_url, connect_timeout_s=self.connect_timeout_s, keepalive_s=self.keepalive_s
+            )
         return pool
 
     def close(self) -> None:

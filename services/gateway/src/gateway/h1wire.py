@@ -9,7 +9,16 @@ Does not own: sockets, waiting, timeouts, pooling (`h1client.py`).
 
 from __future__ import annotations
 
+import re
+
 import httptools
+
+MAX_HEADERS = 64  # request header fields, Host and Content-Length not counted
+MAX_HEADER_BYTES = 16 * 1024  # the request line and the header fields, encoded
+# A field name is an RFC 9110 token; nothing sent may hold CR, LF or NUL (a CR/LF in a
+# value forwarded from a client would end the header and start a request of its own).
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FORBIDDEN = re.compile(r"[\r\n\x00]")
 
 
 class H1Error(Exception):
@@ -28,16 +37,35 @@ class BadResponse(H1Error):
     """The backend's bytes are not a valid HTTP/1.1 response."""
 
 
+class BadRequestHead(ValueError):
+    """A request line or header the client refuses to write (never sent, not retried)."""
+
+
 def request_bytes(method: str, host: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
     """One request with a content-length body, ready to write. `host` is the Host header.
 
     No Accept-Encoding: the backend then answers uncompressed, and the relay forwards its
-    bytes as they are.
+    bytes as they are. Raises BadRequestHead for a CR, LF or NUL anywhere in the head, a
+    field name that is no token, a space in the method or path, more than MAX_HEADERS
+    fields or a head over MAX_HEADER_BYTES (one regex scan over the joined parts: this runs
+    for every proxied request).
     """
+    if len(headers) > MAX_HEADERS:
+        raise BadRequestHead(f"{len(headers)} header fields, at most {MAX_HEADERS} are sent")
+    if _FORBIDDEN.search("".join((method, host, path, *headers, *headers.values()))):
+        raise BadRequestHead("CR, LF or NUL in the request line or a header")
+    if " " in method or " " in path or not all(_TOKEN.fullmatch(k) for k in headers):
+        raise BadRequestHead(f"not a valid method, path or field name: {method} {path}")
     lines = [f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"]
     lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
     lines.append("\r\n")
-    return "".join(lines).encode("latin-1") + body
+    try:
+        head = "".join(lines).encode("latin-1")
+    except UnicodeEncodeError:
+        raise BadRequestHead("a header holds a character outside latin-1") from None
+    if len(head) > MAX_HEADER_BYTES:
+        raise BadRequestHead(f"request head of {len(head)} bytes, at most {MAX_HEADER_BYTES}")
+    return head + body
 
 
 class ResponseParser:
