@@ -2,8 +2,12 @@
 # Both build .venv/ first when the pinned requirement files changed.
 VENV := .venv
 STAMP := $(VENV)/.installed
-REQS := constraints.txt $(wildcard requirements/*.txt) $(wildcard services/*/requirements.txt) \
-        libs/lorastack/requirements.txt scripts/setup.sh
+# pyproject.toml too: the entry points that give `lorastack` its subcommands live there.
+REQS := constraints.txt scripts/setup.sh $(wildcard requirements/*.txt) \
+        $(wildcard libs/*/requirements.txt services/*/requirements.txt apps/*/requirements.txt \
+                   tools/*/requirements.txt) \
+        $(wildcard libs/*/pyproject.toml services/*/pyproject.toml apps/*/pyproject.toml \
+                   tools/*/pyproject.toml)
 
 .PHONY: setup demo test lint
 setup: $(STAMP)

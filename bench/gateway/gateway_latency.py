@@ -1,6 +1,6 @@
 """Added latency of the gateway versus calling the (fake) upstream directly; and a soak.
 
-Starts the fake vLLM (services/gateway/tests/fake_upstream.py) and the gateway
+Starts the fake vLLM of the tests (lorastack_testing.fake_vllm) and the gateway
 (`lorastack gateway`, one uvicorn worker) as separate processes on 127.0.0.1, then drives
 streaming chat requests from this process with a minimal raw HTTP/1.1 client (asyncio +
 uvloop; no SDK overhead in the numbers). For each concurrency it measures TTFT (to the
@@ -48,8 +48,11 @@ from typing import Any
 
 import psutil
 
+from lorastack_testing.net import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-FAKE = REPO / "services" / "gateway" / "tests" / "fake_upstream.py"
+# the fake vLLM of the tests, as a process of its own
+FAKE = [sys.executable, "-m", "lorastack_testing.fake_vllm"]
 
 
 def cpu_set(spec: str) -> set[int]:
@@ -103,12 +106,6 @@ def start_nginx(upstream: int, port: int, pin: str | None) -> subprocess.Popen[b
     (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, upstream=upstream, port=port))
     cmd = [exe, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-e", str(tmp / "error.log")]
     return subprocess.Popen([*cmd, "-g", "daemon off;"], preexec_fn=pinned(pin))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(port: int, path: str, timeout: float = 120.0) -> None:
@@ -418,8 +415,7 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
     fake = subprocess.Popen(
         [
-            sys.executable,
-            str(FAKE),
+            *FAKE,
             "--port",
             str(fake_port),
             "--tokens",

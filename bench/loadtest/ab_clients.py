@@ -31,9 +31,9 @@ async def main() -> None:
         async_request_openai_chat_completions,
     )
 
-    from lorastack.evaluation.loadtest_config import LoadtestConfig
-    from lorastack.evaluation.loadtest_prompts import load_tokenizer, synthetic_prompts
-    from lorastack.evaluation.loadtest_run import build_payload, send_streaming
+    from evaluation.loadtest_config import LoadtestConfig
+    from evaluation.loadtest_prompts import load_tokenizer, synthetic_prompts
+    from evaluation.loadtest_run import build_payload, send_streaming
 
     port, model_dir, pairs, out = (
         int(sys.argv[1]),

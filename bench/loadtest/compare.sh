@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side: `lorastack loadtest` then `vllm bench serve`, same endpoint, same load shape.
-# Usage (from the repo root; a server from serve_smollm2.py or fake_server.py on $PORT):
+# Usage (from the repo root; a server from serve_smollm2.py or `python -m lorastack_testing.fake_vllm` on $PORT):
 #   [PORT=8311] [OUT=DIR] bench/loadtest/compare.sh CONCURRENCY REQUESTS TAG
 # Same for both: chat endpoint, streaming, 128 random input tokens (SmolLM2 tokenizer),
 # 64 output tokens with ignore_eos, temperature 0, at most CONCURRENCY in flight, no rate limit.

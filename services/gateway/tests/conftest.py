@@ -1,4 +1,4 @@
-"""Gateway fixtures: the fake upstream on loopback and a real gateway (uvicorn) in front."""
+"""Gateway fixtures: the fake vLLM (lorastack_testing) on loopback, a real gateway in front."""
 
 from __future__ import annotations
 
@@ -12,25 +12,25 @@ from typing import Any
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # fake_upstream, also run as a script by bench/
-
-from fake_upstream import FakeState, FakeUpstream, free_port, serve_in_thread
+sys.path.insert(0, str(Path(__file__).parent))  # test modules share helpers (test_gateway_proxy)
 
 from gateway.main import create_app
 from gateway.settings import GatewaySettings
+from lorastack_testing.fake_vllm import FakeState, serve_fake
+from lorastack_testing.net import free_port, serve_in_thread
 
 
 @pytest.fixture
 def fake() -> Iterator[tuple[str, FakeState]]:
     state = FakeState()
-    with serve_in_thread(FakeUpstream(state), free_port()) as url:
+    with serve_fake(state) as url:
         yield url, state
 
 
 @pytest.fixture
 def second_fake() -> Iterator[tuple[str, FakeState]]:
     state = FakeState()
-    with serve_in_thread(FakeUpstream(state), free_port()) as url:
+    with serve_fake(state) as url:
         yield url, state
 
 

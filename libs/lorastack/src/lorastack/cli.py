@@ -1,25 +1,34 @@
-"""The `lorastack` command: argument parsing and the one place errors become exit codes.
+"""The `lorastack` command host: finds the subcommands, parses, maps errors to exit codes.
 
-Each service contributes its subcommands through `register(subparsers)` in its own
-`cli` module; a service that is not installed (the gateway image has no trainer) is
-simply absent. Handlers take the parsed arguments and return an exit code.
+The core owns no subcommand. Every package that has some (each service, the `lorastack`
+app, the evaluation tools) declares a `register(subparsers)` function under the entry-point
+group `lorastack.commands` in its pyproject.toml; a package that is not installed (the
+gateway image has no trainer) is simply absent. Handlers take the parsed arguments and
+return an exit code. The host stays in the core so that every image has the same
+`lorastack <command>` entry point and `python -m lorastack.cli` (torchrun) works.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 from lorastack.errors import LorastackError
 
-SERVICE_CLIS = ("lorastack.store_cli", "trainer.cli", "merger.cli", "inference.cli", "gateway.cli")
-OPTIONAL_CLIS = (
-    "lorastack.pipeline",
-    "lorastack.doctor",
-    "lorastack.local_stack",
-    "lorastack.evaluation.cli",
+GROUP = "lorastack.commands"
+# `lorastack --help` lists the commands in the order of the path; others follow by name
+ORDER = (
+    "store",
+    "trainer",
+    "merger",
+    "inference",
+    "gateway",
+    "demo",
+    "doctor",
+    "stack",
+    "evaluation",
 )
 
 
@@ -30,14 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in SERVICE_CLIS + OPTIONAL_CLIS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                continue  # that service is not installed in this image
-            raise
-        mod.register(sub)
+    found = {ep.name: ep for ep in entry_points(group=GROUP)}
+    rank = {name: i for i, name in enumerate(ORDER)}
+    for name in sorted(found, key=lambda n: (rank.get(n, len(ORDER)), n)):
+        found[name].load()(sub)
     return parser
 
 

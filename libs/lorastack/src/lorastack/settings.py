@@ -2,15 +2,20 @@
 
 Each service defines one settings class that inherits from `CommonSettings`; it is
 built once at start (from the environment, prefix `LORASTACK_`) and passed down.
-Nothing else in the code base reads the environment.
+Nothing else in the code base reads the environment. `child_env` goes the other way: the
+environment that gives a child process's settings class the values a parent chose.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lorastack.errors import ConfigError
 
 
 class CommonSettings(BaseSettings):
@@ -45,3 +50,39 @@ class CommonSettings(BaseSettings):
     @property
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or self.home / "cache"
+
+
+def child_env(settings_cls: type[BaseSettings], **values: Any) -> dict[str, str]:
+    """Environment variables that make `settings_cls()` in a child process hold `values`.
+
+    Names are the class's field names (a field renamed in a service fails here, in the
+    parent, not as a silently ignored variable in the child); each value is checked against
+    the field's type and limits. Lists and mappings are written as JSON, which every
+    settings class of lorastack reads."""
+    prefix = str(settings_cls.model_config.get("env_prefix", ""))
+    env: dict[str, str] = {}
+    for name, value in values.items():
+        field = settings_cls.model_fields.get(name)
+        if field is None:
+            raise ConfigError(
+                f"{settings_cls.__name__} has no setting {name!r}",
+                f"use one of: {', '.join(sorted(settings_cls.model_fields))}",
+            )
+        kind: Any = field.annotation
+        if field.metadata:
+            kind = Annotated[(kind, *field.metadata)]
+        try:
+            TypeAdapter(kind).validate_python(value)
+        except ValidationError as e:
+            raise ConfigError(
+                f"{settings_cls.__name__}.{name} = {value!r} is invalid: {e.errors()[0]['msg']}",
+                "pass a value the service accepts",
+            ) from e
+        if isinstance(value, str | Path):
+            text = str(value)
+        elif isinstance(value, SecretStr):
+            text = value.get_secret_value()
+        else:
+            text = json.dumps(value)
+        env[f"{prefix}{name}".upper()] = text
+    return env

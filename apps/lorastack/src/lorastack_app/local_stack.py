@@ -1,0 +1,252 @@
+"""`lorastack up | down | status`: the long-lived services as local processes.
+
+The same entry points as compose: `lorastack serve CONFIG` (the inference supervisor,
+which runs vLLM) and `lorastack gateway`, each configured through its environment, built
+from the service's own settings class (`child_env`), so a renamed or invalid setting fails
+here, before anything starts. Each process runs in its own session (so `down`
+stops vLLM's engine processes too), logs to HOME/logs/<name>.log and leaves its pid in
+HOME/run/<name>.pid. `up` returns once each service answers /ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.settings import GatewaySettings
+from inference.settings import InferenceSettings
+from lorastack.errors import NotFound, Refused
+from lorastack.settings import CommonSettings, child_env
+
+# the services' own defaults
+VLLM_PORT: int = InferenceSettings.model_fields["port"].default  # OpenAI API of vLLM
+# /ready /status /metrics /admin of the inference supervisor
+SUPERVISOR_PORT: int = InferenceSettings.model_fields["supervisor_port"].default
+GATEWAY_PORT: int = GatewaySettings.model_fields["port"].default
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    ready_url: str
+    urls: dict[str, str]
+
+
+def services(settings: CommonSettings, serve_config: Path, gateway_port: int) -> list[Service]:
+    common = child_env(
+        CommonSettings, home=settings.home, store_url=settings.resolved_store_url
+    ) | {"HF_HUB_OFFLINE": "1"}
+    cli = [sys.executable, "-m", "lorastack.cli"]
+    inference = Service(
+        name="inference",
+        argv=[*cli, "serve", str(serve_config)],
+        env=common | child_env(InferenceSettings, port=VLLM_PORT, supervisor_port=SUPERVISOR_PORT),
+        ready_url=f"http://127.0.0.1:{SUPERVISOR_PORT}/ready",
+        urls={
+            "vLLM OpenAI API": f"http://127.0.0.1:{VLLM_PORT}/v1",
+            "vLLM metrics": f"http://127.0.0.1:{VLLM_PORT}/metrics",
+            "supervisor status": f"http://127.0.0.1:{SUPERVISOR_PORT}/status",
+            "supervisor metrics": f"http://127.0.0.1:{SUPERVISOR_PORT}/metrics",
+        },
+    )
+    gateway = Service(
+        name="gateway",
+        argv=[*cli, "gateway"],
+        env=common
+        | child_env(GatewaySettings, port=gateway_port, backends=[f"http://127.0.0.1:{VLLM_PORT}"]),
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        urls={
+            "gateway (OpenAI API)": f"http://127.0.0.1:{gateway_port}/v1",
+            "gateway metrics": f"http://127.0.0.1:{gateway_port}/metrics",
+        },
+    )
+    return [inference, gateway]
+
+
+def _paths(settings: CommonSettings, name: str) -> tuple[Path, Path]:
+    return settings.home / "run" / f"{name}.pid", settings.home / "logs" / f"{name}.log"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def is_ready(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
+    pidfile, logfile = _paths(settings, svc.name)
+    if (pid := _read_pid(pidfile)) is not None:
+        if is_ready(svc.ready_url):
+            print(f"  {svc.name} already running (pid {pid})", flush=True)
+            return
+        raise Refused(
+            f"{svc.name} runs (pid {pid}) but is not ready",
+            f"wait, or 'lorastack down' first; log: {logfile}",
+        )
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORASTACK_")} | svc.env
+    with logfile.open("ab") as log:
+        proc = subprocess.Popen(
+            svc.argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    pidfile.write_text(str(proc.pid))
+    print(f"  {svc.name}: pid {proc.pid}, log {logfile}", flush=True)
+    started = time.monotonic()
+    last_note = started
+    while not is_ready(svc.ready_url):
+        if proc.poll() is not None:
+            pidfile.unlink(missing_ok=True)
+            raise Refused(
+                f"{svc.name} exited with code {proc.returncode} before it was ready:\n"
+                f"{tail(logfile)}",
+                f"the full log is {logfile}",
+            )
+        now = time.monotonic()
+        if now - started > timeout_s:
+            stop(settings, svc.name)
+            raise Refused(
+                f"{svc.name} was not ready after {timeout_s:.0f} s:\n{tail(logfile)}",
+                f"the full log is {logfile}",
+            )
+        if now - last_note >= 15:
+            print(f"  ... waiting for {svc.name} ({now - started:.0f} s)", flush=True)
+            last_note = now
+        time.sleep(1)
+    print(f"  {svc.name} ready after {time.monotonic() - started:.0f} s", flush=True)
+
+
+def stop(settings: CommonSettings, name: str, grace_s: float = 20.0) -> bool:
+    pidfile, _ = _paths(settings, name)
+    pid = _read_pid(pidfile)
+    pidfile.unlink(missing_ok=True)
+    if pid is None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    return True
+
+
+def up(
+    settings: CommonSettings,
+    serve_config: Path,
+    gateway_port: int = GATEWAY_PORT,
+    timeout_s: float = 900,
+) -> list[Service]:
+    if not serve_config.is_file():
+        raise NotFound(
+            f"serve config {serve_config} does not exist",
+            "give a serve YAML (services/inference/README.md), or run 'lorastack demo'",
+        )
+    svcs = services(settings, serve_config, gateway_port)
+    for svc in svcs:
+        start(settings, svc, timeout_s)
+    return svcs
+
+
+def status(settings: CommonSettings, gateway_port: int) -> list[dict[str, Any]]:
+    rows = []
+    for svc in services(settings, Path("-"), gateway_port):
+        pidfile, logfile = _paths(settings, svc.name)
+        pid = _read_pid(pidfile)
+        rows.append(
+            {
+                "service": svc.name,
+                "pid": pid,
+                "ready": pid is not None and is_ready(svc.ready_url),
+                "log": str(logfile),
+                "urls": svc.urls,
+            }
+        )
+    return rows
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    settings = CommonSettings()
+    config = Path(args.serve_config or settings.home / "demo" / "serve.yaml")
+    svcs = up(settings, config, args.gateway_port, args.timeout)
+    for svc in svcs:
+        for label, url in svc.urls.items():
+            print(f"  {label:22} {url}")
+    print("stop with: lorastack down")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    settings = CommonSettings()
+    for name in ("gateway", "inference"):
+        print(f"{name}: {'stopped' if stop(settings, name) else 'not running'}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    rows = status(CommonSettings(), args.gateway_port)
+    for r in rows:
+        state = "ready" if r["ready"] else ("starting/unready" if r["pid"] else "stopped")
+        print(f"{r['service']:10} {state:17} pid {r['pid'] or '-':>7}  log {r['log']}")
+        if r["pid"]:
+            for label, url in r["urls"].items():
+                print(f"{'':12}{label:22} {url}")
+    return 0 if all(r["ready"] for r in rows) else 1
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("up", help="start inference (vLLM) and the gateway as local processes")
+    p.add_argument("--serve-config", help="serve YAML; default HOME/demo/serve.yaml")
+    p.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each /ready")
+    p.set_defaults(handler=cmd_up)
+    p = sub.add_parser("down", help="stop the local services")
+    p.set_defaults(handler=cmd_down)
+    p = sub.add_parser("status", help="show the local services, their URLs and logs")
+    p.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
+    p.set_defaults(handler=cmd_status)

@@ -1,0 +1,278 @@
+"""`lorastack demo`: the main job on the embedded defaults, stage by stage.
+
+Every stage is a `lorastack` command run as a child process, printed before it runs, so
+each step can be repeated by hand and shows its own progress. In order: import the
+base model, write the demo task (written dates -> ISO dates), check it, smoke-test,
+train, merge with verification, start vLLM and the gateway (`lorastack up`), chat
+through the gateway (multi-turn and streaming), show base and LoRA answers side by
+side, evaluate base + prompt vs LoRA on the frozen test split, run a short load test,
+and print where everything is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from lorastack.errors import NotFound, Refused
+from lorastack.settings import CommonSettings
+from lorastack.sse import EventReader, chunk_text
+from lorastack.store import open_store
+from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
+
+RUN = "date-iso"  # artifact prefix of the demo run
+BASE = "smollm2-135m-instruct"
+SERVED_BASE = "smollm2"
+SYSTEM_PROMPT = "Convert the date to ISO 8601 (YYYY-MM-DD). Answer with the date only."
+FEW_SHOT = ["the fourth of July, 1999 => 1999-07-04", "March 3rd 2021 => 2021-03-03"]
+
+
+class Stages:
+    """Runs and times the stages; a failing command stops the demo with its exit code."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    def run(self, title: str, *args: str) -> None:
+        cmd = ["lorastack", *args]
+        print(f"\n== {title}\n$ {' '.join(cmd)}", flush=True)
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "lorastack.cli", *args], check=False)
+        self.timings[title] = time.monotonic() - start
+        if proc.returncode != 0:
+            raise Refused(
+                f"stage '{title}' failed (exit code {proc.returncode})",
+                f"re-run it alone: {' '.join(cmd)}",
+            )
+        print(f"   ({self.timings[title]:.0f} s)", flush=True)
+
+    @contextlib.contextmanager
+    def timed(self, title: str) -> Iterator[None]:
+        """Time an in-process stage (one that is no `lorastack` command)."""
+        print(f"\n== {title}", flush=True)
+        start = time.monotonic()
+        yield
+        self.timings[title] = time.monotonic() - start
+        print(f"   ({self.timings[title]:.0f} s)", flush=True)
+
+
+def demo_config() -> Path:
+    import trainer
+
+    path = Path(trainer.__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    if not path.is_file():
+        raise NotFound(f"{path} is missing", "reinstall the trainer service (make setup)")
+    return path
+
+
+def write_serve_config(path: Path, adapter_ref: str) -> None:
+    config = {
+        "model": BASE,
+        "served_model_name": SERVED_BASE,
+        "adapters": [adapter_ref],
+        "max_model_len": 2048,
+        "max_num_seqs": 8,
+        "kv_cache_gib": 1,
+        "max_lora_rank": 16,
+        "max_loras": 2,
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def chat(gateway: str, model: str, messages: list[dict[str, str]], max_tokens: int = 48) -> str:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def stream_chat(gateway: str, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        reader = EventReader()
+        for raw in r.iter_bytes():
+            for event in reader.feed(raw):
+                if piece := chunk_text(event):
+                    yield piece
+
+
+def served_models(gateway: str) -> tuple[str, str]:
+    """(base, adapter) served names, from the gateway's /v1/models."""
+    models = httpx.get(f"{gateway}/v1/models", timeout=30).json()["data"]
+    adapters = [m["id"] for m in models if m.get("parent")]
+    if not adapters:
+        raise Refused("the gateway lists no adapter", "check 'lorastack status' and its logs")
+    return SERVED_BASE, adapters[-1]
+
+
+def test_prompts(settings: CommonSettings, n: int) -> list[tuple[str, str]]:
+    store = open_store(settings)
+    folder = store.fetch(store.resolve(f"{RUN}/test"))
+    out = []
+    for line in (folder / "test.jsonl").read_text().splitlines()[:n]:
+        msgs = json.loads(line)["messages"]
+        user = next(m["content"] for m in reversed(msgs) if m["role"] == "user")
+        out.append((user, msgs[-1]["content"]))
+    return out
+
+
+def run_demo(settings: CommonSettings, max_steps: int | None, keep_running: bool) -> int:
+    stages = Stages()
+    work = settings.home / "demo"
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "demo-dates.jsonl"
+    config = demo_config()
+    overrides = [f"dataset.path={data}"] + ([f"max_steps={max_steps}"] if max_steps else [])
+    gateway = f"http://127.0.0.1:{GATEWAY_PORT}"
+
+    stages.run("import the default base model", "model", "import-default")
+    stages.run("write the demo task (written date -> ISO date)", "data", "make-demo", str(data))
+    stages.run("check the dataset", "data", "check", str(config), *overrides)
+    stages.run("smoke test", "train", str(config), "--smoke", *overrides)
+    # a second demo continues the first run's checkpoints (or, finished, re-publishes it)
+    again = ["--resume"] if open_store(settings).versions(f"{RUN}/checkpoints") else []
+    stages.run("train", "train", str(config), *overrides, *again)
+    stages.run("merge into the base and verify", "merge", f"{RUN}/adapter", "--dtype", "float32")
+    adapter = open_store(settings).resolve(f"{RUN}/adapter")
+    serve_yaml = work / "serve.yaml"
+    write_serve_config(serve_yaml, adapter.ref)
+    stages.run("start vLLM and the gateway", "up", "--serve-config", str(serve_yaml))
+    try:
+        base, lora = served_models(gateway)
+        with stages.timed("chat through the gateway"):
+            turns = [{"role": "user", "content": "Convert to ISO 8601: the ninth of May, 2013"}]
+            first = chat(gateway, lora, turns)
+            turns += [
+                {"role": "assistant", "content": first},
+                {"role": "user", "content": "And: December 25th, 1990"},
+            ]
+            print(f"   multi-turn ({lora}): {first!r} then {chat(gateway, lora, turns)!r}")
+            print(f"   streaming ({base}): ", end="", flush=True)
+            for piece in stream_chat(
+                gateway, base, [{"role": "user", "content": "Say hello in five words."}]
+            ):
+                print(piece, end="", flush=True)
+            print()
+        with stages.timed("base and LoRA side by side (frozen test split)"):
+            print(f"   {'prompt':44} {'expected':11} {'base + prompt':22} LoRA")
+            for user, expected in test_prompts(settings, 5):
+                b = chat(
+                    gateway,
+                    base,
+                    [
+                        {"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": user},
+                    ],
+                    16,
+                )
+                lo = chat(gateway, lora, [{"role": "user", "content": user}], 16)
+                b, lo = " ".join(b.split()), " ".join(lo.split())  # one line per row
+                print(f"   {user[:44]:44} {expected:11} {b[:22]:22} {lo[:22]}")
+        eval_args = [
+            "eval",
+            "--base-url",
+            gateway,
+            "--test",
+            f"{RUN}/test",
+            "--base-model",
+            base,
+            "--lora-model",
+            lora,
+            "--system-prompt",
+            SYSTEM_PROMPT,
+            "--adapter",
+            adapter.ref,
+            "--max-tokens",
+            "24",
+            "--out",
+            str(work / "eval"),
+        ]
+        for shot in FEW_SHOT:
+            eval_args += ["--few-shot", shot]
+        stages.run("evaluate base + prompt vs LoRA", *eval_args)
+        base_dir = open_store(settings).fetch(open_store(settings).resolve(BASE))
+        stages.run(
+            "short load test through the gateway",
+            "loadtest",
+            "--base-url",
+            gateway,
+            "--model",
+            lora,
+            "--concurrency",
+            "1,4",
+            "--requests",
+            "8",
+            "--input-len",
+            "64",
+            "--output-len",
+            "32",
+            "--tokenizer",
+            str(base_dir),
+            "--metrics-url",
+            f"http://127.0.0.1:{VLLM_PORT}/metrics",
+            "--out",
+            str(work / "loadtest"),
+        )
+    finally:
+        if not keep_running:
+            stages.run("stop the services", "down")
+    summary(settings, stages, work, keep_running)
+    return 0
+
+
+def summary(settings: CommonSettings, stages: Stages, work: Path, running: bool) -> None:
+    store = open_store(settings)
+    print(f"\n== where everything is\nstore: {store.url}")
+    for m in store.ls():
+        print(f"   {m.ref:34} {m.kind:13} {m.digest[7:19]}")
+    runs = (
+        sorted((settings.home / "runs").glob(f"{RUN}*"))
+        if (settings.home / "runs").is_dir()
+        else []
+    )
+    for run in runs[-1:]:
+        print(f"run folder: {run}")
+        for name in ("training-complete.json", "loss.png", "memory-estimate.json"):
+            if (run / name).exists():
+                print(f"   {run / name}")
+    print(f"eval report: {work / 'eval' / 'report.md'}")
+    print(f"load test: {work / 'loadtest'}")
+    if running:
+        print(f"gateway: http://127.0.0.1:{GATEWAY_PORT}/v1 (metrics: /metrics)")
+        print(
+            f"vLLM: http://127.0.0.1:{VLLM_PORT}/v1, supervisor: "
+            f"http://127.0.0.1:{SUPERVISOR_PORT}/status"
+        )
+        print("stop the services with: .venv/bin/lorastack down")
+    print("\n== timings (s)")
+    for k, v in stages.timings.items():
+        print(f"   {v:7.0f}  {k}")
+    print(f"   {sum(stages.timings.values()):7.0f}  total")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(CommonSettings(), args.max_steps, keep_running=not args.stop)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run the main job on the embedded defaults")
+    p.add_argument("--max-steps", type=int, help="stop training after N optimizer steps")
+    p.add_argument("--stop", action="store_true", help="stop vLLM and the gateway at the end")
+    p.set_defaults(handler=cmd_demo)

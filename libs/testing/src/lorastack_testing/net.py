@@ -1,0 +1,47 @@
+"""Loopback servers for tests and benchmarks: a free port, an ASGI app in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on at the moment (127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, port: int = 0) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on 127.0.0.1:port (0: any free one) in a thread;
+    yields its base URL and stops the server on exit."""
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="critical",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"server on port {port} did not start")
+        time.sleep(0.01)
+    bound = int(server.servers[0].sockets[0].getsockname()[1]) if port == 0 else port
+    try:
+        yield f"http://127.0.0.1:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -1,0 +1,77 @@
+"""Scorers: table tests of each built-in, the registry and config errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from evaluation.scorers import SCORERS, build_scorer, normalise, register_scorer
+from lorastack.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("spec", "output", "reference", "expected"),
+    [
+        ("exact", "2021-03-03", "2021-03-03", 1.0),
+        ("exact", " 2021-03-03\n", "2021-03-03", 1.0),
+        ("exact", "2021-03-03.", "2021-03-03", 0.0),
+        ("exact", "Paris", "paris", 0.0),
+        ("normalised", "  PARIS. ", "paris", 1.0),
+        ("normalised", "“Paris”", '"paris"', 0.0),  # curly quotes are not trimmed
+        ("normalised", "New   York", "new york", 1.0),
+        ("normalised", "ﬁne", "fine", 1.0),  # NFKC folds the ligature
+        ("normalised", "Paris, France", "paris", 0.0),
+        ("contains", "The answer is Paris, France.", "paris", 1.0),
+        ("contains", "The answer is Lyon.", "paris", 0.0),
+        ("contains", "anything", "  ", 0.0),  # an empty reference never matches
+        ("regex:^\\d{4}-\\d{2}-\\d{2}$", "2021-03-03", "", 1.0),
+        ("regex:^\\d{4}-\\d{2}-\\d{2}$", "on 2021-03-03", "", 0.0),
+        ({"name": "regex", "pattern": "\\d+"}, "abc 12", "", 1.0),
+        ("json_valid", '{"a": 1}', "", 1.0),
+        ("json_valid", '```json\n{"a": [1, 2]}\n```', "", 1.0),
+        ("json_valid", "{'a': 1}", "", 0.0),
+        ("json_valid", "", "", 0.0),
+    ],
+)
+def test_builtin_scorers(spec: object, output: str, reference: str, expected: float) -> None:
+    scorer = build_scorer(spec)  # type: ignore[arg-type]
+    assert scorer(output, reference) == expected
+
+
+def test_normalise() -> None:
+    assert normalise("  Hello,\tWORLD!! ") == "hello, world"
+
+
+def test_registry_takes_plugins() -> None:
+    @register_scorer("length_ok")
+    def length_ok(max_chars: int = 5):  # type: ignore[no-untyped-def]
+        return lambda output, reference: float(len(output) <= max_chars)
+
+    try:
+        s = build_scorer({"name": "length_ok", "max_chars": 3, "label": "short"})
+        assert s.name == "short"
+        assert s("abc", "") == 1.0 and s("abcd", "") == 0.0
+    finally:
+        SCORERS.pop("length_ok")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nope", "unknown scorer 'nope'"),
+        ("regex", "needs a pattern"),
+        ("regex:([", "invalid regex"),
+        ({"name": "exact", "pattern": "x"}, "options it does not take"),
+    ],
+)
+def test_bad_scorer_specs(spec: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        build_scorer(spec)  # type: ignore[arg-type]
+
+
+def test_out_of_range_score_is_refused() -> None:
+    register_scorer("bad")(lambda: lambda o, r: 2.0)
+    try:
+        with pytest.raises(ConfigError, match=r"returned 2\.0"):
+            build_scorer("bad")("x", "y")
+    finally:
+        SCORERS.pop("bad")
