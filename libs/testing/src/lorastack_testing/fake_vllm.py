@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from lorastack_testing.fake_metrics import metrics_text
 from lorastack_testing.net import serve_in_thread
 
 AnswerFn = Callable[[str, str], str]  # (model, prompt text) -> answer text
@@ -83,44 +83,6 @@ class FakeState:
 
     def calls(self, path: str = "") -> list[dict[str, Any]]:
         return [body for p, body in self.received if p.endswith(path)]
-
-
-def metrics_text(s: FakeState) -> bytes:
-    r = CollectorRegistry()
-    labels = {"model_name": s.models[0]["id"] if s.models else "none", "engine": "0"}
-    names = list(labels)
-    kv = min(1.0, s.generating * s.kv_per_request) if s.kv_per_request else s.kv_usage
-    kv_name = "vllm:gpu_cache_usage_perc" if s.old_kv_name else "vllm:kv_cache_usage_perc"
-    gauges = {
-        kv_name: ("KV-cache usage. 1 means 100 percent usage.", kv),
-        "vllm:num_requests_running": (
-            "Number of requests in model execution batches.",
-            s.running + s.generating,
-        ),
-        "vllm:num_requests_waiting": (
-            "Number of requests waiting to be processed.",
-            s.waiting + s.queued,
-        ),
-    }
-    for name, (doc, value) in gauges.items():
-        Gauge(name, doc, names, registry=r).labels(**labels).set(value)
-    Counter(
-        "vllm:num_preemptions",
-        "Cumulative number of preemption from the engine.",
-        names,
-        registry=r,
-    ).labels(**labels).inc(s.preemptions)
-    Gauge(
-        "vllm:lora_requests_info",
-        "Running stats on lora requests.",
-        ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-        registry=r,
-    ).labels(
-        max_lora=str(s.max_lora),
-        waiting_lora_adapters=",".join(s.waiting_adapters),
-        running_lora_adapters=",".join(s.running_adapters),
-    ).set(time.time())
-    return generate_latest(r)
 
 
 def _text(content: Any) -> str:

@@ -230,6 +230,7 @@ def _read_json(path: Path) -> Any:
 def cmd_cost_estimate(args: argparse.Namespace) -> int:
     from evaluation.cost import estimate_training, steps_for, time_warm_steps
     from lorastack.errors import ConfigError
+    from lorastack.run_record import read_steps
 
     if args.steps is None and args.examples is None:
         raise ConfigError("give --steps, or --examples with --batch-size and --epochs")
@@ -238,8 +239,8 @@ def cmd_cost_estimate(args: argparse.Namespace) -> int:
         sps, source = args.seconds_per_step, "given with --seconds-per-step"
     elif args.metrics:
         folder = Path(args.metrics)
-        files = sorted(folder.rglob("metrics-step-*.json"))
-        timing = time_warm_steps([_read_json(f) for f in files], args.warmup_steps)
+        records = [r.model_dump() for r in read_steps(folder)]
+        timing = time_warm_steps(records, args.warmup_steps)
         sps = timing.seconds_per_step
         source = (
             f"mean of {timing.warm_steps} warm steps in {folder} (median {timing.median_s:.4g} s; "

@@ -19,11 +19,10 @@ from pydantic import BaseModel
 from lorastack.chat_data import Conversation, load_jsonl
 from lorastack.errors import ConfigError, NotFound
 from lorastack.manifest import Manifest, sha256_file
+from lorastack.run_record import COMPLETE_FILE, step_files
 from lorastack.store import ArtifactStore
 
 TEST_FILE = "test.jsonl"
-_STEP_FILE = re.compile(r"metrics-step-(\d+)\.json$")  # the trainer's per-step numbers
-_EVAL_FILE = re.compile(r"eval-step-(\d+)\.json$")  # its validation passes
 _VAL_KEY = re.compile(r"(^|_)(val|valid|validation|eval)(_|$)")
 
 
@@ -115,12 +114,6 @@ def split_training_validation(numbers: dict[str, Any]) -> tuple[dict[str, Any], 
     return train, val
 
 
-def _numbered(folder: Path, pattern: re.Pattern[str]) -> list[Path]:
-    """Files matching `pattern` anywhere under `folder`, by their step number."""
-    found = [(int(m.group(1)), p) for p in folder.rglob("*.json") if (m := pattern.search(p.name))]
-    return [p for _, p in sorted(found)]
-
-
 def read_training_evidence(spec: str, store: ArtifactStore | None) -> TrainingEvidence:
     """Training and validation numbers of an adapter (store ref or local folder)."""
     manifest: Manifest | None = None
@@ -134,20 +127,20 @@ def read_training_evidence(spec: str, store: ArtifactStore | None) -> TrainingEv
         manifest = store.resolve(spec)
         folder = store.fetch(manifest)
         adapter = DataSource(role="adapter", ref=manifest.ref, digest=manifest.digest)
-    complete = folder / "training-complete.json"
+    complete = folder / COMPLETE_FILE
     training: dict[str, Any] = {}
     validation: dict[str, Any] = {}
     if complete.is_file():
         training, validation = split_training_validation(_load_json(complete))
     last_file = ""
-    steps = _numbered(folder, _STEP_FILE)
+    steps = step_files(folder, "metrics")  # the trainer's per-step numbers
     if steps:
         last = steps[-1]
         last_file = str(last.relative_to(folder))
         t, v = split_training_validation(_load_json(last))
         training.update({f"last_step.{k}": val for k, val in t.items()})
         validation.update({f"last_step.{k}": val for k, val in v.items()})
-    evals = _numbered(folder, _EVAL_FILE)  # the trainer's validation passes
+    evals = step_files(folder, "eval")  # the trainer's validation passes
     if evals:
         _, v = split_training_validation(_load_json(evals[-1]))
         validation.update({f"{evals[-1].stem}.{k}": val for k, val in v.items()})

@@ -1,0 +1,49 @@
+"""The fake vLLM's `/metrics` page: Prometheus text with vLLM 0.32's names."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+if TYPE_CHECKING:
+    from lorastack_testing.fake_vllm import FakeState
+
+
+def metrics_text(s: FakeState) -> bytes:
+    r = CollectorRegistry()
+    labels = {"model_name": s.models[0]["id"] if s.models else "none", "engine": "0"}
+    names = list(labels)
+    kv = min(1.0, s.generating * s.kv_per_request) if s.kv_per_request else s.kv_usage
+    kv_name = "vllm:gpu_cache_usage_perc" if s.old_kv_name else "vllm:kv_cache_usage_perc"
+    gauges = {
+        kv_name: ("KV-cache usage. 1 means 100 percent usage.", kv),
+        "vllm:num_requests_running": (
+            "Number of requests in model execution batches.",
+            s.running + s.generating,
+        ),
+        "vllm:num_requests_waiting": (
+            "Number of requests waiting to be processed.",
+            s.waiting + s.queued,
+        ),
+    }
+    for name, (doc, value) in gauges.items():
+        Gauge(name, doc, names, registry=r).labels(**labels).set(value)
+    Counter(
+        "vllm:num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        names,
+        registry=r,
+    ).labels(**labels).inc(s.preemptions)
+    Gauge(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        registry=r,
+    ).labels(
+        max_lora=str(s.max_lora),
+        waiting_lora_adapters=",".join(s.waiting_adapters),
+        running_lora_adapters=",".join(s.running_adapters),
+    ).set(time.time())
+    return generate_latest(r)
