@@ -18,11 +18,15 @@ from kustomize_lite import render
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+OVERRIDES = ("deploy/compose.gpu.yaml", "deploy/compose.cpu.yaml")
+COMPOSE_FILES = ("compose.yaml", *OVERRIDES)
 SECRET_WORDS = ("PASSWORD", "SECRET", "KEY", "TOKEN")
+OPTIONAL_SECRETS = {"HF_TOKEN"}  # only gated repos need one: ${HF_TOKEN:-} (empty), no value
 K8S_VERSION = "1.31.0"
 
 
-def test_compose_matches_the_compose_specification() -> None:
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES)
+def test_compose_matches_the_compose_specification(compose_file: str) -> None:
     out = subprocess.run(
         [
             sys.executable,
@@ -30,7 +34,7 @@ def test_compose_matches_the_compose_specification() -> None:
             "check_jsonschema",
             "--builtin-schema",
             "vendor.compose-spec",
-            str(REPO / "compose.yaml"),
+            str(REPO / compose_file),
         ],
         capture_output=True,
         text=True,
@@ -52,10 +56,31 @@ def test_every_long_lived_service_has_a_healthcheck() -> None:
     assert not missing, f"services without a healthcheck: {missing}"
 
 
-def test_gpu_is_reserved_for_inference_and_training() -> None:
+def test_gpu_is_reserved_by_the_gpu_override_only() -> None:
+    gpu = yaml.safe_load((REPO / "deploy/compose.gpu.yaml").read_text())["services"]
     for name in ("inference", "trainer", "merger"):
-        devices = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in d["capabilities"] for d in devices), name
+    cpu = yaml.safe_load((REPO / "deploy/compose.cpu.yaml").read_text())["services"]
+    assert not [n for n, svc in {**SERVICES, **cpu}.items() if "deploy" in svc]
+    assert cpu["inference"]["build"]["dockerfile"] == "services/inference/Dockerfile.cpu"
+
+
+def test_env_example_names_every_variable_compose_requires() -> None:
+    text = "\n".join((REPO / f).read_text() for f in COMPOSE_FILES)
+    required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
+    example = (REPO / ".env.example").read_text()
+    listed = set(re.findall(r"^#? ?([A-Z0-9_]+)=", example, flags=re.M))
+    assert required and not required - listed, required - listed
+    compose_file = re.search(r"^COMPOSE_FILE=(\S+)", example, flags=re.M)
+    assert compose_file and all((REPO / f).is_file() for f in compose_file[1].split(":"))
+
+
+def test_compose_mounts_the_shipped_config() -> None:
+    for name in ("trainer", "inference"):
+        assert "./deploy/config:/config:ro" in SERVICES[name]["volumes"], name
+    for f in ("train.yaml", "serve.yaml", "serve-merged.yaml", "cpu/train.yaml", "cpu/serve.yaml"):
+        assert (REPO / "deploy/config" / f).is_file(), f
 
 
 def test_gateway_waits_for_a_healthy_inference() -> None:
@@ -65,29 +90,42 @@ def test_gateway_waits_for_a_healthy_inference() -> None:
 
 def test_no_secret_has_a_default_value() -> None:
     text = (REPO / "compose.yaml").read_text()
-    for var, op in re.findall(r"\$\{([A-Z0-9_]+)(:?[-?+]?)", text):
-        if any(w in var for w in SECRET_WORDS):
-            assert op == ":?", f"${{{var}}} must be written ${{{var}:?message}}, not with {op!r}"
+    for var, op in re.findall(r"\$\{([A-Z0-9_]+)(:?[-?+]?\}?)", text):
+        if var in OPTIONAL_SECRETS:
+            assert op == ":-}", f"${{{var}}} may only default to empty: ${{{var}:-}}"
+        elif any(w in var for w in SECRET_WORDS):
+            assert op.startswith(":?"), (
+                f"${{{var}}} must be written ${{{var}:?message}}, not with {op!r}"
+            )
     for name, svc in SERVICES.items():
         for key, value in (svc.get("environment") or {}).items():
-            if any(w in key for w in SECRET_WORDS) and "ALLOW" not in key:
+            if (
+                any(w in key for w in SECRET_WORDS)
+                and "ALLOW" not in key
+                and key not in OPTIONAL_SECRETS
+            ):
                 assert str(value).startswith("${") and ":?" in str(value), (name, key)
 
 
 def test_images_are_pinned_and_dockerfiles_exist() -> None:
-    for name, svc in SERVICES.items():
+    cpu = yaml.safe_load((REPO / "deploy/compose.cpu.yaml").read_text())["services"]
+    for name, svc in [*SERVICES.items(), *cpu.items()]:
         if "image" in svc:
             image = svc["image"]
             assert ":" in image and not image.endswith(":latest"), f"{name}: pin {image}"
-        else:
+        if "build" in svc:
             dockerfile = REPO / svc["build"]["context"] / svc["build"]["dockerfile"]
             assert dockerfile.is_file(), dockerfile
 
 
-@pytest.mark.parametrize("dockerfile", sorted(REPO.glob("services/*/Dockerfile")))
+@pytest.mark.parametrize("dockerfile", sorted(REPO.glob("services/*/Dockerfile*")))
 def test_dockerfiles_pin_base_install_pinned_requirements_and_drop_root(dockerfile: Path) -> None:
     text = dockerfile.read_text()
-    froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
+    froms = [
+        re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), f)
+        for f in re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    ]
     assert froms and all(":" in f and not f.endswith(":latest") for f in froms), froms
     assert "constraints.txt" in text, "install with -c constraints.txt (what CI tests)"
     assert re.search(r"^USER\s+(?!root)\S+", text, flags=re.M), "run as a non-root user"
@@ -96,8 +134,7 @@ def test_dockerfiles_pin_base_install_pinned_requirements_and_drop_root(dockerfi
     code_copy = next(
         i
         for i, ln in enumerate(lines)
-        if ln.startswith("COPY")
-        and not ln.split()[1].endswith(("requirements.txt", "constraints.txt"))
+        if ln.startswith("COPY") and not ln.split()[1].endswith(".txt")
     )
     deps_install = next(i for i, ln in enumerate(lines) if "pip install" in ln and " -r " in ln)
     assert deps_install < code_copy, "install the pinned requirements before copying the code"
@@ -182,7 +219,7 @@ def settings_fields() -> set[str]:
 
 def test_every_lorastack_variable_in_deploy_files_is_a_real_setting() -> None:
     known = settings_fields()
-    texts = [(REPO / "compose.yaml").read_text()]
+    texts = [(REPO / f).read_text() for f in COMPOSE_FILES]
     texts += [p.read_text() for p in (REPO / "deploy/k8s").rglob("*.yaml")]
     used = {v for t in texts for v in re.findall(r"\b(LORASTACK_[A-Z0-9_]+)\s*[:=]", t)}
     used |= {v for t in texts for v in re.findall(r"name: (LORASTACK_[A-Z0-9_]+)", t)}
