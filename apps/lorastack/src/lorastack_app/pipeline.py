@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,12 @@ class Stages:
 
 
 def demo_config() -> Path:
-    import trainer
-
-    path = Path(trainer.__file__).resolve().parents[2] / "configs" / "demo.yaml"
-    if not path.is_file():
-        raise NotFound(f"{path} is missing", "reinstall the trainer service (make setup)")
-    return path
+    """The demo job's trainer config: package data of the trainer (any install, not only
+    an editable checkout)."""
+    resource = files("trainer") / "configs" / "demo.yaml"
+    if not resource.is_file():
+        raise NotFound(f"{resource} is missing", "reinstall the trainer service (make setup)")
+    return Path(str(resource))
 
 
 def write_serve_config(path: Path, adapter_ref: str) -> None:
