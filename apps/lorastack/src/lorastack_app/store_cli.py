@@ -109,6 +109,8 @@ class _ProgressBars:
                 desc=path, total=total or None, unit="B", unit_scale=True, file=sys.stderr
             )
         bar.update(done - bar.n)
+        if total and done >= total:
+            bar.close()  # each file's bar ends with its file, not with the command
 
 
 def _print_published(m: dict[str, Any]) -> None:
