@@ -311,6 +311,25 @@ def test_saturation_gives_429_with_retry_after(make_gateway, fake) -> None:
         assert metric(gw, "lorastack_gateway_rejections_total", reason="overloaded") == 1
 
 
+def test_upstream_error_series_start_at_zero_for_each_backend(make_gateway, fake) -> None:
+    """So the dashboard's errors panel shows 0, not "No data", while nothing failed."""
+    url, _ = fake
+
+    def zero_kinds(gw: str) -> set[str]:
+        families = text_string_to_metric_families(httpx.get(f"{gw}/metrics").text)
+        return {
+            s.labels["kind"]
+            for fam in families
+            for s in fam.samples
+            if s.name == "lorastack_gateway_upstream_errors_total"
+            and s.labels.get("backend") == url
+            and s.value == 0
+        }
+
+    with make_gateway([url]) as gw:
+        wait_for(lambda: zero_kinds(gw) == {"connect", "status_5xx", "timeout", "broken_stream"})
+
+
 def test_old_kv_metric_name_is_read(make_gateway, fake) -> None:
     url, state = fake
     state.old_kv_name, state.kv_usage = True, 0.42

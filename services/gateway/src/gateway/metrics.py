@@ -18,6 +18,9 @@ REJECTION_REASONS = (
     "overloaded",
     "invalid_request",
 )
+# Kinds of failed upstream attempts; each backend's series start at 0, so the dashboard's
+# errors panel shows 0 instead of "No data" while nothing failed.
+UPSTREAM_ERROR_KINDS = ("connect", "status_5xx", "timeout", "broken_stream")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -122,6 +125,8 @@ class GatewayMetrics:
             self.rejections.labels(reason)
 
     def mirror_backend(self, url: str, up: bool, m: BackendMetrics | None) -> None:
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(url, kind)
         self.backend_up.labels(url).set(1 if up else 0)
         if m is None:
             return
