@@ -96,9 +96,9 @@ def test_error_map_and_sse_event() -> None:
     )
     assert json.loads(error_response(upstream).body)["error"]["message"] == "vllm says no"
     event = sse_error_event(RateLimited("slow down", retry_after_s=3))
-    first, second, rest = event.split(b"\n\n")
+    first, rest = event.split(b"\n\n")
     assert json.loads(first.removeprefix(b"data: "))["error"]["code"] == "rate_limit_exceeded"
-    assert second == b"data: [DONE]" and rest == b""
+    assert rest == b""  # no [DONE]: the answer was cut off
 
 
 VLLM_METRICS = """\

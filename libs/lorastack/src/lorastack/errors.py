@@ -6,7 +6,8 @@ that says what to change. Services map these to exit codes (CLI) or HTTP statuse
 
     LorastackError
     ├── ConfigError        a setting, config field or argument is invalid
-    ├── InvalidName        an artifact name or version breaks the naming rules
+    │   ├── InvalidName    an artifact name or version breaks the naming rules
+    │   └── InvalidInput   a request body or data line is malformed (untrusted_json)
     ├── NotFound           an artifact, version or file does not exist
     ├── Conflict           the artifact version was already published by someone else
     ├── IntegrityError     a downloaded file does not match its recorded sha256
@@ -37,6 +38,10 @@ class ConfigError(LorastackError):
 
 class InvalidName(ConfigError):
     """An artifact name or version breaks the naming rules."""
+
+
+class InvalidInput(ConfigError):
+    """A request body or a data line is malformed (bad UTF-8, too deep, not an object...)."""
 
 
 class NotFound(LorastackError):

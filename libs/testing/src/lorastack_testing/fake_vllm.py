@@ -106,7 +106,8 @@ def plan_answer(s: FakeState, body: dict[str, Any], chat: bool) -> tuple[list[st
     else:
         words = s.answer(str(body.get("model", "")), prompt).split()
         source = [w if i == 0 else " " + w for i, w in enumerate(words)]
-    limit = body.get("max_completion_tokens") or body.get("max_tokens") or len(source)
+    wanted = body.get("max_completion_tokens") if chat else None  # a chat-only field
+    limit = wanted or body.get("max_tokens") or len(source)
     if body.get("ignore_eos"):  # exactly max_tokens tokens
         pieces = list(itertools.islice(itertools.cycle(source or ["x"]), limit))
         finish = "length"
@@ -198,6 +199,10 @@ class FakeVLLM:
             message = f"The model `{body.get('model')}` does not exist."
             return await _send(send, 404, _error(404, message, "NotFoundError", "model"))
         chat = path.endswith("chat/completions")
+        limit = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
+        if limit is not None and (type(limit) is not int or limit < 1):  # vLLM's schema says no
+            message = f"max_tokens must be a positive integer, not {limit!r}"
+            return await _send(send, 400, _error(400, message, "BadRequestError", "max_tokens"))
         pieces, finish, prompt_tokens = plan_answer(s, body, chat)
         self._n += 1
         usage = {

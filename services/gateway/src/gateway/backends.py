@@ -21,7 +21,7 @@ from pathlib import Path
 import anyio
 import httpx
 
-from gateway.errors import GatewayError, TokenizerUnavailable, UnknownModel
+from gateway.errors import GatewayError, TokenizerUnavailable, UnknownModel, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.routing import BackendView, InflightCounter
 from gateway.scrape import BackendMetrics, ModelInfo, scrape_backend
@@ -113,8 +113,14 @@ class Backends:
         if info is None and time.monotonic() - self.last_refresh > 1.0:
             await self.refresh()
             info = self.catalog().get(name)
+        if info is None and not any(st.up for st in self.states.values()):
+            down = "; ".join(f"{st.url}: {st.error}" for st in self.states.values())
+            raise UpstreamUnavailable(
+                f"no backend is up, so no model is served ({down[:500]})",
+                "retry later; check the inference service",
+            )
         if info is None:
-            valid = ", ".join(sorted(self.catalog())) or "(none: no backend is up)"
+            valid = ", ".join(sorted(self.catalog()))
             raise UnknownModel(
                 f"The model `{name}` does not exist. Valid models: {valid}.",
                 "use one of the ids that GET /v1/models lists",

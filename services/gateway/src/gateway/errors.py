@@ -5,6 +5,7 @@
         ├── BadRequest               400  invalid body, unsupported content
         │   └── ContextLengthExceeded 400 prompt + max_tokens > max-model-len (reason context_length)
         ├── PayloadTooLarge          413  body over max_body_bytes
+        ├── UnsupportedMediaType     415  a body that is not declared as JSON
         ├── Unauthorized             401  missing or wrong API key (reason unauthorized)
         ├── UnknownModel             404  no backend lists the model (reason unknown_model)
         ├── RateLimited              429  per-key requests or tokens per minute (reason rate_limited)
@@ -17,7 +18,9 @@
 
 Before a response started, `error_response` gives the status and the OpenAI body
 `{"error": {"message", "type", "param", "code"}}`; once a stream has started,
-`sse_error_event` gives one `data: {"error": ...}` event followed by `data: [DONE]`.
+`sse_error_event` gives one `data: {"error": ...}` event, and the stream then closes
+WITHOUT `data: [DONE]`: [DONE] says "the answer is complete", and a client that skips
+unknown events must not take a cut-off answer for a whole one.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "BadRequestError"
     code = "payload_too_large"
+    reason = "invalid_request"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "BadRequestError"
+    code = "unsupported_media_type"
     reason = "invalid_request"
 
 
@@ -167,6 +177,6 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 
 def sse_error_event(exc: BaseException) -> bytes:
-    """One SSE error event and the terminating [DONE], for a stream that already started."""
+    """One SSE error event for a stream that already started (no [DONE] follows)."""
     err = as_gateway_error(exc)
-    return b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"

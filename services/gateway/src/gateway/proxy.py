@@ -41,6 +41,7 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     PayloadTooLarge,
+    UnsupportedMediaType,
     UpstreamTimeout,
     as_gateway_error,
     error_response,
@@ -59,6 +60,8 @@ from gateway.validation import (
     plan_tokens,
     requested_output,
 )
+from lorastack.errors import InvalidInput
+from lorastack.untrusted_json import BodyTooLarge, NotJson, read_object
 
 log = logging.getLogger(__name__)
 
@@ -132,27 +135,20 @@ class Proxy:
 
     # --- before the upstream ------------------------------------------------
     async def _read_json(self, request: Request) -> tuple[dict[str, Any], bytes]:
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(
-                f"the request body has {declared} bytes; the limit is {limit}",
-                "send a shorter prompt",
-            )
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise PayloadTooLarge(
-                    f"the request body is over {limit} bytes", "send a shorter prompt"
-                )
         try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise BadRequest(f"the body is not valid JSON: {e}", "send a JSON object") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object", "send a JSON object")
-        return body, raw
+            return await read_object(
+                request.stream(),
+                content_type=request.headers.get("content-type"),
+                content_length=request.headers.get("content-length"),
+                limit=self.settings.max_body_bytes,
+                max_depth=self.settings.max_json_depth,
+            )
+        except BodyTooLarge as e:
+            raise PayloadTooLarge(e.message, e.hint) from None
+        except NotJson as e:
+            raise UnsupportedMediaType(e.message, e.hint) from None
+        except InvalidInput as e:
+            raise BadRequest(e.message, e.hint) from None
 
     async def _count(
         self,

@@ -48,6 +48,9 @@ class GatewaySettings(CommonSettings):
     idle_timeout_s: float = Field(60.0, gt=0, description="longest gap between two body chunks")
     # request limits
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="bytes per request body")
+    max_json_depth: int = Field(
+        64, ge=4, le=512, description="nesting of arrays/objects in a request body"
+    )
     max_messages: int = Field(512, ge=1, description="messages per chat request")
     clamp_max_tokens: bool = Field(
         False,

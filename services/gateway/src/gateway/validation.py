@@ -12,10 +12,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import BadRequest, ContextLengthExceeded
+from lorastack.untrusted_json import schema_error
 
 
 class _Passthrough(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: the body goes to vLLM as sent, so a field the gateway reads must already
+    # have its type ("max_tokens": "5" or 1.0 would pass here and fail, or differ, there)
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ChatMessage(_Passthrough):
@@ -48,10 +51,10 @@ class CompletionRequest(CommonFields):
 
 
 def _first_error(e: ValidationError) -> BadRequest:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
+    where, what = schema_error(e)
+    where = where or "body"
     return BadRequest(
-        f"invalid request: {where}: {err['msg']}",
+        f"invalid request: {where}: {what}",
         "see the OpenAI API reference for this field",
         param=where,
     )

@@ -2,15 +2,23 @@
 
 LorastackError (lorastack.errors)
 ├── ConfigError / InvalidName    400
+│   └── InvalidInput             400  a malformed body (not JSON, too deep, wrong fields)
+│       ├── BodyTooLarge         413
+│       └── NotJson              415
 ├── NotFound                     404
 ├── Conflict                     409
 ├── IntegrityError               502 (the store gave bytes that do not verify)
 ├── StoreUnavailable             503
 ├── Refused                      409
 └── EngineFailed                 503  vLLM would not start, exited, or refused a call
+
+Every error answer has the OpenAI shape the gateway uses too, plus the hint:
+`{"error": {"message", "type", "param", "code", "hint"}}` (`error_body`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from lorastack.errors import (
     ConfigError,
@@ -21,6 +29,7 @@ from lorastack.errors import (
     Refused,
     StoreUnavailable,
 )
+from lorastack.untrusted_json import BodyTooLarge, NotJson
 
 
 class EngineFailed(LorastackError):
@@ -36,6 +45,8 @@ def http_status(error: LorastackError) -> int:
     if isinstance(error, EngineFailed):
         return error.status
     for cls, status in (
+        (BodyTooLarge, 413),
+        (NotJson, 415),
         (ConfigError, 400),
         (NotFound, 404),
         (Conflict, 409),
@@ -46,3 +57,16 @@ def http_status(error: LorastackError) -> int:
         if isinstance(error, cls):
             return status
     return 500
+
+
+def error_body(error: LorastackError, param: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error answer."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": type(error).__name__,
+            "param": param,
+            "code": http_status(error),
+            "hint": error.hint,
+        }
+    }

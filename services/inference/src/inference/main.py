@@ -17,21 +17,26 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.artifacts import fetch_adapter, fetch_model
 from inference.engine import detect_platform
-from inference.errors import http_status
+from inference.errors import error_body, http_status
 from inference.kv_cache import Platform, estimate, read_shape
 from inference.metrics import build_registry, render
 from inference.settings import InferenceSettings
 from inference.supervisor import ServePlan, Supervisor
-from lorastack.errors import ConfigError, LorastackError
+from lorastack.errors import ConfigError, InvalidInput, LorastackError
 from lorastack.store import ArtifactStore, open_store
+from lorastack.untrusted_json import read_object, schema_error
 
 log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 * 1024  # an admin request is a short JSON object
 
 
 def gpu_memory_gib(settings: InferenceSettings) -> float:
@@ -96,6 +101,33 @@ class AdapterLoad(BaseModel):
     ref: str = Field(min_length=1, max_length=300, description="adapter NAME[:VERSION]")
 
 
+def _invalid(e: ValidationError | RequestValidationError) -> tuple[InvalidInput, str]:
+    """A schema error as the error map's InvalidInput, and the field it names."""
+    if isinstance(e, ValidationError):
+        where, what = schema_error(e)
+    else:
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        what = str(first["msg"])
+    return InvalidInput(
+        f"invalid request: {where or 'body'}: {what}",
+        "see the route's fields in main.py's docstring",
+    ), where
+
+
+async def _json_body(request: Request, model: type[AdapterLoad]) -> AdapterLoad:
+    body, _ = await read_object(
+        request.stream(),
+        content_type=request.headers.get("content-type"),
+        content_length=request.headers.get("content-length"),
+        limit=MAX_BODY_BYTES,
+    )
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _invalid(e)[0] from None
+
+
 def create_app(
     settings: InferenceSettings,
     *,
@@ -119,10 +151,26 @@ def create_app(
 
     @app.exception_handler(LorastackError)
     async def _error(request: Request, exc: LorastackError) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint}},
-            status_code=http_status(exc),
+        return JSONResponse(error_body(exc), status_code=http_status(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err, where = _invalid(exc)
+        return JSONResponse(error_body(err, where or None), status_code=http_status(err))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = error_body(LorastackError(f"{request.method} {request.url.path}: {exc.detail}"))
+        body["error"].update(
+            type="NotFoundError" if exc.status_code == 404 else "BadRequestError",
+            code=exc.status_code,
         )
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        body = error_body(LorastackError("internal error in the supervisor; see its log"))
+        return JSONResponse(body, status_code=500)
 
     @app.get("/health")
     def health() -> JSONResponse:
@@ -147,9 +195,19 @@ def create_app(
     def metrics() -> Response:
         return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/admin/adapters", status_code=201)
-    def load_adapter(body: AdapterLoad) -> dict[str, object]:
-        return supervisor.load_adapter(body.ref).describe()
+    @app.post(
+        "/admin/adapters",
+        status_code=201,
+        openapi_extra={
+            "requestBody": {
+                "content": {"application/json": {"schema": AdapterLoad.model_json_schema()}}
+            }
+        },
+    )
+    async def load_adapter(request: Request) -> dict[str, object]:
+        body = await _json_body(request, AdapterLoad)
+        loaded = await anyio.to_thread.run_sync(supervisor.load_adapter, body.ref)
+        return loaded.describe()
 
     @app.delete("/admin/adapters/{served_name:path}")
     def unload_adapter(served_name: str) -> dict[str, object]:
