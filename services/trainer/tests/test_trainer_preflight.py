@@ -65,7 +65,8 @@ def test_special_tokens_in_content_are_refused(
     bad = demo_jsonl.with_name("bad.jsonl")
     write_jsonl(bad, convs)
     report = check(load_config(write_config("bad", bad)), trainer_env)
-    assert not report.ok and any("special token" in line for line in report.invalid)
+    assert not report.ok
+    assert [(p.line, p.kind) for p in report.line_problems] == [(1, "special_token")]
 
 
 def test_splits_are_deterministic_grouped_and_published_once(

@@ -2,7 +2,7 @@
 
     lorastack data make-demo OUT.jsonl [--n 200] [--seed 0]
     lorastack data inspect CONFIG [--index N] [--split train] [key=value ...]
-    lorastack data check CONFIG [key=value ...]
+    lorastack data check CONFIG [--json] [key=value ...]  (exit 0 ok, 1 warnings, 3 refused)
     lorastack train CONFIG [--smoke] [--resume] [--overfit N] [--auto-batch] [key=value ...]
     lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]
 
@@ -40,11 +40,14 @@ def cmd_make_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0: ok; 1: trainable, with warnings; 3: refused (the lines say why)."""
+    import sys
+
     from trainer.prepare import check
 
-    report = check(_config(args), TrainerSettings())
-    print(report.render())
-    return 0 if report.ok else 3
+    report = check(_config(args), TrainerSettings(), progress=sys.stderr.isatty())
+    print(report.to_json() if args.json else report.render())
+    return report.exit_code
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -187,6 +190,8 @@ def register(sub: Any) -> None:
         p = d.add_parser(name, help=text)
         p.add_argument("config", help="run config YAML")
         p.add_argument("overrides", nargs="*", metavar="key=value")
+        if name == "check":
+            p.add_argument("--json", action="store_true", help="print the report as JSON")
         if name == "inspect":
             p.add_argument("--index", type=int, default=0, help="sample index in the split")
             p.add_argument("--split", choices=("train", "validation", "test"), default="train")

@@ -10,17 +10,19 @@ between the frozen test split and the training data, and the disk budget. Schema
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from lorastack.chat_data import Conversation
 from trainer.config import RunConfig
 from trainer.errors import PreflightRefused
 from trainer.masking import MaskingError, targets_end_with
 from trainer.memory import checkpoint_bytes, human, lora_params
-from trainer.samples import Sample, encode, end_of_turn_id
+from trainer.samples import LossOn, Sample, encode, end_of_turn_id
 from trainer.splits import Splits, normalise, prompt_key
 
 LOG_BUDGET = 64 << 20  # bytes kept for metrics, logs and plots
@@ -35,10 +37,22 @@ class Lengths(BaseModel):
     total: int
 
 
+class LineProblem(BaseModel):
+    line: int  # 1-based line of the source file
+    kind: str  # schema | special_token | template | eos
+    message: str
+
+
 class PreflightReport(BaseModel):
     source: str
     max_seq_len: int
     counts: dict[str, int]
+    by_line: bool = False  # numbers are file lines (data check), else conversation numbers
+    lines: int = 0  # lines read (data check)
+    conversations: int = 0  # lines that hold a valid conversation (data check)
+    line_problems: list[LineProblem] = []  # every problem of every line (data check)
+    duplicate_groups: list[list[int]] = []  # lines of each group of exact duplicates
+    near_duplicate_groups: list[list[int]] = []  # equal up to case/punctuation
     longest: dict[str, int] = {}  # tokens, per part, over train + validation
     supervised_tokens: int = 0  # in train
     overlong: list[Lengths] = []
@@ -55,8 +69,44 @@ class PreflightReport(BaseModel):
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def verdict(self) -> str:
+        return "refused" if self.problems else "warnings" if self.warnings else "ok"
+
+    @property
+    def exit_code(self) -> int:
+        """0 ok, 1 warnings only (trainable), 3 refused (Refused.exit_code)."""
+        return {"ok": 0, "warnings": 1, "refused": 3}[self.verdict]
+
+    def to_json(self) -> str:
+        data = self.model_dump(mode="json")
+        data["verdict"] = self.verdict
+        return json.dumps(data, indent=1)
+
+    def _render_lines(self) -> list[str]:
+        out: list[str] = []
+        if self.lines:
+            out.append(f"  lines: {self.lines}, conversations: {self.conversations}")
+        for p in self.line_problems[:200]:
+            out.append(f"  line {p.line}: {p.kind}: {p.message}")
+        if len(self.line_problems) > 200:
+            out.append(f"  ... and {len(self.line_problems) - 200} more (all of them: --json)")
+        for title, groups in (
+            ("exact duplicates", self.duplicate_groups),
+            ("near duplicates", self.near_duplicate_groups),
+        ):
+            for g in groups[:20]:
+                shown = ", ".join(map(str, g[:12])) + (
+                    f", ... ({len(g)} in all)" if len(g) > 12 else ""
+                )
+                out.append(f"  {title}: lines {shown}")
+            if len(groups) > 20:
+                out.append(f"  ... and {len(groups) - 20} more {title} groups (--json)")
+        return out
+
     def render(self) -> str:
         out = [f"dataset check: {self.source}"]
+        out += self._render_lines()
         out.append("  samples: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
         if self.longest:
             out.append(
@@ -68,6 +118,7 @@ class PreflightReport(BaseModel):
         out.append(
             f"  duplicates: {self.exact_duplicates} exact, {self.near_duplicates} near "
             f"(equal up to case/punctuation); test samples leaking into training: {len(self.leaks)}"
+            + (f" (lines {self.leaks[:10]})" if self.by_line and self.leaks else "")
         )
         if self.disk:
             out.append(
@@ -80,7 +131,7 @@ class PreflightReport(BaseModel):
             verb = "dropped" if self.dropped else "refused"
             out.append(f"  {len(self.overlong)} sample(s) longer than {self.max_seq_len} ({verb}):")
             out.append(
-                f"    {'split':10} {'#':>6} {'system':>7} {'history':>8} {'target':>7} {'total':>6}"
+                f"    {'split':10} {'line' if self.by_line else '#':>6} {'system':>7} {'history':>8} {'target':>7} {'total':>6}"
             )
             for x in self.overlong[:50]:
                 out.append(
@@ -93,8 +144,30 @@ class PreflightReport(BaseModel):
             out.append(f"  invalid: {line}")
         out += [f"  warning: {w}" for w in self.warnings]
         out += [f"  PROBLEM: {p}" for p in self.problems]
-        out.append("  verdict: " + ("ok" if self.ok else "REFUSED"))
+        out.append(
+            "  verdict: "
+            + {"ok": "ok", "warnings": "ok, with warnings", "refused": "REFUSED"}[self.verdict]
+        )
         return "\n".join(out)
+
+
+def check_sample(
+    conv: Conversation, tokenizer: Any, loss_on: LossOn, specials: list[str], eot: int
+) -> tuple[Sample | None, list[tuple[str, str]]]:
+    """Encode one conversation: (the sample, or None when it cannot be trained on; its
+    problems as (kind, message), kind one of "special_token", "template", "eos")."""
+    bad = sorted({t for m in conv.messages for t in specials if t in m.content})
+    if bad:  # the template's own markers inside a content: encoding it would mislead
+        return None, [
+            ("special_token", f"content holds special token(s) {', '.join(map(repr, bad))}")
+        ]
+    try:
+        s = encode(conv, tokenizer, loss_on)
+    except MaskingError as e:
+        return None, [("template", str(e))]
+    if not targets_end_with(s.labels, eot):
+        return None, [("eos", "a target does not end with the end-of-turn token")]
+    return s, []
 
 
 def _free_bytes(path: Path) -> tuple[int, Path]:
@@ -128,22 +201,11 @@ def check_dataset(
     ):
         kept: list[Sample] = []
         for it in items:
-            bad = [t for m in it.conv.messages for t in specials if t in m.content]
+            s, bad = check_sample(it.conv, tokenizer, config.loss_on, specials, eot)
             if bad:
-                report.invalid.append(
-                    f"{name} #{it.number}: content holds special token {bad[0]!r}"
-                )
+                report.invalid.append(f"{name} #{it.number}: {bad[0][1]}")
                 continue
-            try:
-                s = encode(it.conv, tokenizer, config.loss_on)
-            except MaskingError as e:
-                report.invalid.append(f"{name} #{it.number}: {e}")
-                continue
-            if not targets_end_with(s.labels, eot):
-                report.invalid.append(
-                    f"{name} #{it.number}: a target does not end with end-of-turn"
-                )
-                continue
+            assert s is not None
             if s.length > config.max_seq_len:
                 if name == "test":
                     report.warnings.append(
@@ -205,24 +267,35 @@ def check_dataset(
         report.warnings.append(f"{report.exact_duplicates} exact duplicate(s) in the training data")
 
     if model_config is not None and disk_path is not None:
-        lp = lora_params(model_config, config.lora.r, config.lora.target_modules)
-        ckpt = checkpoint_bytes(lp)
-        needed = base_bytes + config.keep_checkpoints * ckpt + lp * 4 + LOG_BUDGET
-        free, where = _free_bytes(disk_path)
-        report.disk = {
-            "needed": needed,
-            "free": free,
-            "base": base_bytes,
-            "checkpoint": ckpt,
-            "keep": config.keep_checkpoints,
-            "path": str(where),
-        }
-        if needed > free:
-            report.problems.append(
-                f"not enough disk: needs ~{human(needed)}, {human(free)} free at {where}; "
-                "free space or lower keep_checkpoints"
-            )
+        check_disk(report, config, model_config, base_bytes, disk_path)
     return report, encoded
+
+
+def check_disk(
+    report: PreflightReport,
+    config: RunConfig,
+    model_config: dict[str, Any],
+    base_bytes: int,
+    disk_path: Path,
+) -> None:
+    """Fill `report.disk` and refuse when the run's files would not fit."""
+    lp = lora_params(model_config, config.lora.r, config.lora.target_modules)
+    ckpt = checkpoint_bytes(lp)
+    needed = base_bytes + config.keep_checkpoints * ckpt + lp * 4 + LOG_BUDGET
+    free, where = _free_bytes(disk_path)
+    report.disk = {
+        "needed": needed,
+        "free": free,
+        "base": base_bytes,
+        "checkpoint": ckpt,
+        "keep": config.keep_checkpoints,
+        "path": str(where),
+    }
+    if needed > free:
+        report.problems.append(
+            f"not enough disk: needs ~{human(needed)}, {human(free)} free at {where}; "
+            "free space or lower keep_checkpoints"
+        )
 
 
 def refuse_unless_ok(report: PreflightReport) -> None:

