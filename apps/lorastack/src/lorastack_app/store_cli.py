@@ -47,6 +47,25 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0: every cached file verified; 1: damage found (and removed)."""
+    from lorastack.store.artifacts import verify_cache
+
+    cache = CommonSettings().resolved_cache_dir
+    checked, problems = verify_cache(cache)
+    for p in problems:
+        print(f"DAMAGED {p}")
+    print(
+        f"{checked} cached file(s) hashed in {cache}: "
+        + (
+            f"{len(problems)} damaged, removed; the next use downloads them again"
+            if problems
+            else "all intact"
+        )
+    )
+    return 1 if problems else 0
+
+
 def cmd_import_default(args: argparse.Namespace) -> int:
     from lorastack.base_model import import_default
 
@@ -130,6 +149,8 @@ def register(sub: Any) -> None:
     p.add_argument("ref", metavar="NAME[:VERSION]")
     p.add_argument("dir")
     p.set_defaults(handler=cmd_get)
+    p = s.add_parser("verify", help="hash every file of the local cache; remove damaged ones")
+    p.set_defaults(handler=cmd_verify)
 
     model = sub.add_parser("model", help="import base models into the store")
     m = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)

@@ -4,10 +4,17 @@ Retries are ours, not botocore's: transient errors (connection failures, timeout
 5xx, throttling) are retried a bounded number of times with jittered exponential
 backoff; 4xx answers are final. The manifest is written with `If-None-Match: *`, so
 the second writer of a version gets HTTP 412 and we raise `Conflict`.
+
+Blobs over `s3_multipart_mb` go up as multipart uploads that survive a failure: the key
+is the content's sha256, so an unfinished upload of that key (ListMultipartUploads) holds
+parts of the very same bytes, and a retried publish uploads only the parts that are not
+there yet (ListParts: number and size). An unfinished upload is no object: nothing is
+visible until CompleteMultipartUpload, and the manifest comes after every blob.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +41,7 @@ from lorastack.errors import Conflict, NotFound, StoreUnavailable
 from lorastack.settings import CommonSettings
 from lorastack.store.backend import blob_key, manifest_key
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TRANSIENT_CODES = {
     "SlowDown",
@@ -66,6 +74,7 @@ class S3Backend:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.endpoint = settings.s3_endpoint_url or "the AWS S3 endpoint"
         self._attempts = settings.s3_max_attempts
         self._client: Any = boto3.client(
             "s3",
@@ -82,6 +91,7 @@ class S3Backend:
             config=Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=10),
         )
         part = settings.s3_multipart_mb * 1024 * 1024
+        self._part_bytes = part
         self._transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part)
 
     def _key(self, key: str) -> str:
@@ -100,8 +110,10 @@ class S3Backend:
         except RetryError as e:
             last = e.last_attempt.exception()
             raise StoreUnavailable(
-                f"{what} on {self.url} failed {self._attempts} times: {last}",
-                "check that the S3 endpoint is up and reachable (LORASTACK_S3_ENDPOINT_URL)",
+                f"{what} on {self.url} (endpoint {self.endpoint}) failed {self._attempts}"
+                f" times: {last}",
+                "check that the S3 endpoint is up and reachable (LORASTACK_S3_ENDPOINT_URL);"
+                " publishing again resumes where this one stopped",
             ) from last
         raise AssertionError("unreachable")
 
@@ -123,10 +135,69 @@ class S3Backend:
         if self.has_blob(sha256):
             return
         key = self._key(blob_key(sha256))
+        if src.stat().st_size <= self._part_bytes:
+            self._call(
+                lambda: self._client.upload_file(str(src), self.bucket, key, Config=self._transfer),
+                f"upload of {src.name}",
+            )
+            return
+        self._put_multipart(key, src)
+
+    def _put_multipart(self, key: str, src: Path) -> None:
+        """Upload `src` in parts, continuing an unfinished upload of `key` if there is one."""
+        size, part = src.stat().st_size, self._part_bytes
+        count = -(-size // part)
+        expected = {n: min(part, size - (n - 1) * part) for n in range(1, count + 1)}
+        upload_id, done = self._unfinished_upload(key, expected)
+        if upload_id is None:
+            upload_id = self._call(
+                lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=key),
+                f"start of the upload of {src.name}",
+            )["UploadId"]
+        elif done:
+            log.info("resuming the upload of %s: %d of %d parts stored", src.name, len(done), count)
+        with src.open("rb") as f:
+            for n in range(1, count + 1):
+                if n in done:
+                    continue
+                f.seek((n - 1) * part)
+                data = f.read(expected[n])
+                resp = self._call(
+                    lambda n=n, data=data: self._client.upload_part(  # type: ignore[misc]
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data
+                    ),
+                    f"upload of part {n}/{count} of {src.name}",
+                )
+                done[n] = resp["ETag"]
+        parts = [{"PartNumber": n, "ETag": done[n]} for n in sorted(done)]
         self._call(
-            lambda: self._client.upload_file(str(src), self.bucket, key, Config=self._transfer),
-            f"upload of {src.name}",
+            lambda: self._client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            ),
+            f"completion of the upload of {src.name}",
         )
+
+    def _unfinished_upload(
+        self, key: str, expected: dict[int, int]
+    ) -> tuple[str | None, dict[int, str]]:
+        """(upload id, {part number: ETag}) of an unfinished upload of `key` whose parts
+        have the sizes this one would give them; (None, {}) when there is none."""
+        uploads = self._call(
+            lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=key),
+            "list of unfinished uploads",
+        ).get("Uploads", [])
+        for up in uploads:
+            if up["Key"] != key:
+                continue
+            listed = self._call(
+                lambda up=up: self._client.list_parts(  # type: ignore[misc]
+                    Bucket=self.bucket, Key=key, UploadId=up["UploadId"], MaxParts=10000
+                ),
+                "list of uploaded parts",
+            ).get("Parts", [])
+            if all(expected.get(p["PartNumber"]) == p["Size"] for p in listed):
+                return up["UploadId"], {p["PartNumber"]: p["ETag"] for p in listed}
+        return None, {}
 
     def download_blob(self, sha256: str, dest: Path) -> None:
         key = self._key(blob_key(sha256))
