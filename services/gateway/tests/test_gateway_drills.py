@@ -16,19 +16,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+
 import httpx
 import pytest
 from test_gateway_proxy import chat, sse_events, wait_for
 
 from lorastack_testing.net import free_port
 
+FAKE = [sys.executable, "-m", "lorastack_testing.fake_vllm"]
 IDLE_TIMEOUT_S = 5.0
 
 
 def _start_fake(port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lorastack_testing.fake_vllm", "--port", str(port)]
-        + ["--tokens", "400", "--pace", "0.02"],
+        [*FAKE, "--port", str(port), "--tokens", "400", "--pace", "0.02"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -81,7 +81,9 @@ def test_one_pass_reports_every_problem_with_its_line(
     assert {at["overlong"], at["huge"]} <= overlong
     assert [1, at["exact"]] in report["duplicate_groups"]
     assert [2, at["near"]] in report["near_duplicate_groups"]
-    assert report["lines"] == at["near"] and report["conversations"] == at["near"] - 5  # blank, 4 bad
+    assert (
+        report["lines"] == at["near"] and report["conversations"] == at["near"] - 5
+    )  # blank, 4 bad
     # no library noise: the transformers warning about the 3,000-date sample stays out
     assert "Token indices sequence length" not in proc.stdout + proc.stderr
     assert proc.stderr.strip() == ""
