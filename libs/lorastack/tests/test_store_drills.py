@@ -66,7 +66,8 @@ def test_s3_down_mid_publish_then_resume(tmp_path: Path, caplog: pytest.LogCaptu
     key = f"team/{blob_key(hashlib.sha256(payload).hexdigest())}"
     uploaded: list[int] = []  # part numbers sent, both attempts
     store.backend._client.meta.events.register(  # type: ignore[attr-defined]
-        "before-parameter-build.s3.UploadPart", lambda params, **kw: uploaded.append(params["PartNumber"])
+        "before-parameter-build.s3.UploadPart",
+        lambda params, **kw: uploaded.append(params["PartNumber"]),
     )
 
     def stop_after_some_parts() -> None:
