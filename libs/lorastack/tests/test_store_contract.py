@@ -6,10 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import uuid
 from pathlib import Path
 
-import boto3
 import pytest
 
 from lorastack.errors import Conflict, IntegrityError, InvalidName, NotFound, StoreUnavailable
@@ -19,24 +17,11 @@ from lorastack.store.backend import blob_key
 
 
 def make_settings(kind: str, tmp_path: Path, endpoint: str) -> CommonSettings:
+    from conftest import s3_settings
+
     if kind == "file":
         return CommonSettings(home=tmp_path / "home")
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    ).create_bucket(Bucket=bucket)
-    return CommonSettings(
-        home=tmp_path / "home",
-        store_url=f"s3://{bucket}/team",
-        s3_endpoint_url=endpoint,
-        s3_access_key_id="test",  # type: ignore[arg-type]
-        s3_secret_access_key="test",  # type: ignore[arg-type]
-        s3_max_attempts=2,
-    )
+    return s3_settings(tmp_path / "home", endpoint)  # type: ignore[return-value]
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -14,10 +14,8 @@ import logging
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
-import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
@@ -31,31 +29,18 @@ PART_MB = 5  # the smallest part S3 accepts
 
 
 def test_s3_down_mid_publish_then_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from conftest import free_port
+    from conftest import free_port, s3_settings
 
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
+    settings: CommonSettings = s3_settings(  # type: ignore[assignment]
+        tmp_path / "home", endpoint, s3_multipart_mb=PART_MB
     )
-    s3.create_bucket(Bucket=bucket)
-    settings = CommonSettings(
-        home=tmp_path / "home",
-        store_url=f"s3://{bucket}/team",
-        s3_endpoint_url=endpoint,
-        s3_access_key_id="test",  # type: ignore[arg-type]
-        s3_secret_access_key="test",  # type: ignore[arg-type]
-        s3_max_attempts=2,
-        s3_multipart_mb=PART_MB,
-    )
+    bucket = settings.resolved_store_url.removeprefix("s3://").split("/")[0]
     store = open_store(settings)
+    s3 = store.backend._client  # type: ignore[attr-defined]
     src = tmp_path / "ckpt"
     src.mkdir()
     payload = os.urandom(12 * PART_MB * 1024 * 1024 + 123)  # 13 parts
