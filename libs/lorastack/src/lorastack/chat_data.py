@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ValidationError, field_validator
 
-from lorastack.errors import ConfigError, NotFound
+from lorastack.errors import ConfigError, InvalidInput, NotFound
+from lorastack.untrusted_json import loads_object, schema_error
 
 Role = Literal["system", "user", "assistant"]
 
@@ -56,6 +57,19 @@ class LineError(BaseModel):
     error: str
 
 
+def parse_line(raw: str | bytes, line: int) -> Conversation | str:
+    """One JSONL line: its conversation, or what is wrong with it (untrusted_json's limits:
+    UTF-8, no lone surrogates, nesting, numbers; then the schema above)."""
+    text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
+    try:
+        return Conversation.model_validate(loads_object(text, what=f"line {line}"))
+    except InvalidInput as e:
+        return e.message.removeprefix(f"line {line} ").removeprefix("is ")
+    except ValidationError as e:
+        where, what = schema_error(e)
+        return f"{where}: {what}" if where else what
+
+
 def parse_lines(lines: Iterable[str], source: str) -> tuple[list[Conversation], list[LineError]]:
     """Parse every non-blank line; collect errors instead of stopping at the first."""
     convs: list[Conversation] = []
@@ -63,15 +77,11 @@ def parse_lines(lines: Iterable[str], source: str) -> tuple[list[Conversation], 
     for i, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        try:
-            convs.append(Conversation.model_validate(json.loads(raw)))
-        except json.JSONDecodeError as e:
-            errors.append(LineError(line=i, error=f"not valid JSON: {e.msg} at column {e.colno}"))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            msg = first["msg"].removeprefix("Value error, ")
-            errors.append(LineError(line=i, error=f"{where}: {msg}" if where else msg))
+        parsed = parse_line(raw, i)
+        if isinstance(parsed, str):
+            errors.append(LineError(line=i, error=parsed))
+        else:
+            convs.append(parsed)
     return convs, errors
 
 

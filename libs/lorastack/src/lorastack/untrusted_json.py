@@ -150,7 +150,8 @@ def loads_object(
         value, where = None, []
     except json.JSONDecodeError as e:
         raise InvalidInput(
-            f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+            f"{what} is not valid JSON: {e.msg} at "
+            + (f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno} column {e.colno}"),
             "send one JSON object",
         ) from None
     else:

@@ -5,6 +5,11 @@ adapter_model.safetensors), `optimizer.pt`, `scheduler.pt`, `rng.pt` (torch, CUD
 python and numpy states), `trainer-state.json` (step = data position: the batch order is
 derived from (seed, epoch), so the step fixes it) and `run-manifest.json`. It is written
 into a temporary folder, fsynced, then renamed: a reader never sees a torn checkpoint.
+A process killed at any moment (kill -9 included) leaves the step folders whole: what it
+was writing stays a `.tmp-*` folder, what it was removing was renamed to `.trash-*`
+first, and `local_steps` clears both (putting back a step a rewrite had set aside). A
+write that fails (disk full) removes its temporary folder and raises
+CheckpointWriteFailed: the previous checkpoint stays the latest.
 
 `manifest_diff` compares two run manifests and returns what changed, ignoring the
 config fields declared safe to change (config.SAFE_TO_CHANGE).
@@ -12,6 +17,7 @@ config fields declared safe to change (config.SAFE_TO_CHANGE).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 
 from trainer.config import SAFE_TO_CHANGE
+from trainer.errors import CheckpointWriteFailed
 
 PREFIX = "step-"
 NOT_COMPARED = frozenset({"git_commit"})  # informational: other services' commits move HEAD
@@ -47,10 +54,33 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def local_steps(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under `root`, ascending."""
+    """Steps of the complete checkpoints under `root`, ascending (after `recover`)."""
     if not root.is_dir():
         return []
+    recover(root)
     return sorted(int(p.name[len(PREFIX) :]) for p in root.glob(f"{PREFIX}*") if p.is_dir())
+
+
+def recover(root: Path) -> None:
+    """Clear what a killed writer left: put back a step folder a rewrite had renamed aside
+    (`.trash-step-N-PID` while `step-N` is missing), then remove every `.tmp-*` and
+    `.trash-*` folder. One writer per run folder (the main rank), so nothing is in use."""
+    for trash in sorted(root.glob(f".trash-{PREFIX}*")):
+        name = trash.name.removeprefix(".trash-").rsplit("-", 1)[0]
+        if not (root / name).exists():
+            os.rename(trash, root / name)
+    for leftover in [*root.glob(f".tmp-{PREFIX}*"), *root.glob(f".trash-{PREFIX}*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def discard(folder: Path) -> None:
+    """Remove a checkpoint folder; renamed first, so no reader ever meets it half deleted."""
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def rng_states() -> dict[str, Any]:
@@ -101,30 +131,61 @@ def save(
     state: dict[str, Any],
     run_manifest: dict[str, Any],
 ) -> Path:
-    """Write checkpoint `step` atomically under `root`; returns its folder."""
+    """Write checkpoint `step` atomically under `root`; returns its folder. Raises
+    CheckpointWriteFailed (nothing written, the previous checkpoints untouched) when the
+    disk is full or another OS error stops the write."""
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "adapter")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_states(), tmp / "rng.pt")
-    (tmp / "trainer-state.json").write_text(json.dumps({"step": step, **state}, indent=1) + "\n")
-    (tmp / "run-manifest.json").write_text(
-        json.dumps(run_manifest, indent=1, sort_keys=True) + "\n"
-    )
-    _fsync_tree(tmp)
-    if final.exists():  # the same step written again (a resumed run): replace it whole
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "adapter")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_states(), tmp / "rng.pt")
+        (tmp / "trainer-state.json").write_text(
+            json.dumps({"step": step, **state}, indent=1) + "\n"
+        )
+        (tmp / "run-manifest.json").write_text(
+            json.dumps(run_manifest, indent=1, sort_keys=True) + "\n"
+        )
+        _fsync_tree(tmp)  # delayed allocation: a full disk may only show here
+    except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = max((int(p.name[len(PREFIX) :]) for p in root.glob(f"{PREFIX}*")), default=None)
+        kept = f"checkpoint step {latest} is intact" if latest is not None else "no checkpoint"
+        full = _is_disk_full(e)
+        raise CheckpointWriteFailed(
+            f"could not write checkpoint step {step} under {root}: "
+            + ("the disk is full" if full else f"{type(e).__name__}: {e}")
+            + f"; nothing of it was kept, {kept}",
+            ("free space on that disk (or lower keep_checkpoints), then " if full else "")
+            + "continue with the same command plus --resume",
+        ) from e
+    if final.exists():  # the same step written again (a resumed run): swap, never delete first
+        aside = root / f".trash-{final.name}-{os.getpid()}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
     fd = os.open(root, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
     return final
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
 
 
 def load_into(

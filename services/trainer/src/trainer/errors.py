@@ -7,6 +7,8 @@
         ├── ResumeRefused      the run manifest of the checkpoint differs from this run
         ├── SmokeFailed        --smoke / --overfit verdict was "fail"
         └── TrainingOOM        the device ran out of memory (hint: which knob to turn)
+    ├── CheckpointWriteFailed  a checkpoint could not be written (disk full, I/O error);
+    │                          the previous one is intact and --resume continues from it
     └── TrainingCrashed    an unexpected error; support-bundle.json was written
 
 `TrainingInterrupted` is not an error the user caused: SIGTERM/SIGINT was received, a
@@ -38,6 +40,10 @@ class TrainingInterrupted(LorastackError):
     """Stopped by a signal after writing a checkpoint."""
 
     exit_code = 130
+
+
+class CheckpointWriteFailed(LorastackError):
+    """Writing a checkpoint failed; nothing of it is left and the previous one is intact."""
 
 
 class TrainingCrashed(LorastackError):

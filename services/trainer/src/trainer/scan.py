@@ -26,18 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
-from lorastack.chat_data import Conversation
-from lorastack.errors import InvalidInput
-from lorastack.untrusted_json import loads_object, schema_error
+from lorastack.chat_data import Conversation, parse_line
 from trainer.config import RunConfig
 from trainer.preflight import Lengths, LineProblem, PreflightReport, check_sample
-from trainer.samples import end_of_turn_id
+from trainer.samples import end_of_turn_id, render
 from trainer.splits import TEST, TRAIN, normalise, prompt_key, split_groups
 
 SPLIT_NAMES = ("train", "validation", "test")
 MAX_LINE_PROBLEMS = 100_000  # kept in the report; beyond, only counted
+BATCH = 256  # conversations encoded per call of the Rust tokenizer
 
 
 def _h64(text: str) -> int:
@@ -71,6 +69,34 @@ def _progress(total_bytes: int, enabled: bool) -> Any:
         disable=not enabled,
         mininterval=0.5,
     )
+
+
+class _BatchTokenizer:
+    """`tokenizer`, with the encodings `samples.encode` asks for computed up front in one
+    call for a batch of conversations: the Rust tokenizer encodes a batch on every core
+    without the GIL, and one call skips the per-text wrapping that dominated a call per
+    line. Any other call goes to the tokenizer itself."""
+
+    def __init__(self, tokenizer: Any, convs: list[Conversation]) -> None:
+        self._tokenizer = tokenizer
+        texts = []
+        for conv in convs:
+            with contextlib.suppress(Exception):  # encode() itself reports what fails
+                texts.append(render(tokenizer, [m.model_dump() for m in conv.messages]))
+        self._known: dict[str, dict[str, Any]] = {}
+        if texts:
+            encs = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            for text, enc in zip(texts, encs, strict=True):
+                self._known[text] = {"input_ids": enc.ids, "offset_mapping": enc.offsets}
+
+    def __call__(self, text: Any, **kwargs: Any) -> Any:
+        wanted = kwargs == {"add_special_tokens": False, "return_offsets_mapping": True}
+        if wanted and isinstance(text, str) and text in self._known:
+            return self._known[text]
+        return self._tokenizer(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
 
 
 class _Groups:
@@ -139,6 +165,24 @@ def scan_file(
         if len(report.line_problems) < MAX_LINE_PROBLEMS:
             report.line_problems.append(LineProblem(line=line, kind=kind, message=message))
 
+    pending: list[tuple[int, Conversation]] = []  # parsed, not yet encoded
+
+    def flush() -> None:
+        """Encode the pending conversations (one tokenizer call) and record what they are."""
+        batch = _BatchTokenizer(tokenizer, [c for _, c in pending])
+        for line, conv in pending:
+            s, bad = check_sample(conv, batch, config.loss_on, specials, eot)
+            for kind, message in bad:
+                problem(line, kind, message)
+            lengths.append(s.length if s is not None else 0)
+            supervised.append(s.supervised if s is not None else 0)
+            if s is not None:
+                if s.length > config.max_seq_len:
+                    parts[line] = dict(s.parts)
+                for k, v in (*s.parts.items(), ("total", s.length)):
+                    longest[k] = max(longest.get(k, 0), v)
+        pending.clear()
+
     with (
         quiet_transformers(),
         path.open("rb") as f,
@@ -150,26 +194,16 @@ def scan_file(
             bar.update(len(raw))
             if not raw.strip():
                 continue
-            try:
-                conv = Conversation.model_validate(loads_object(raw, what=f"line {line}"))
-            except InvalidInput as e:
-                problem(line, "schema", e.message.removeprefix(f"line {line} "))
-                continue
-            except ValidationError as e:
-                where, what = schema_error(e)
-                problem(line, "schema", f"{where}: {what}" if where else what)
+            conv = parse_line(raw, line)
+            if isinstance(conv, str):
+                problem(line, "schema", conv)
                 continue
             hashes.add(line, conv)
-            s, bad = check_sample(conv, tokenizer, config.loss_on, specials, eot)
-            for kind, message in bad:
-                problem(line, kind, message)
-            lengths.append(s.length if s is not None else 0)
-            supervised.append(s.supervised if s is not None else 0)
-            if s is not None:
-                if s.length > config.max_seq_len:
-                    parts[line] = dict(s.parts)
-                for k, v in (*s.parts.items(), ("total", s.length)):
-                    longest[k] = max(longest.get(k, 0), v)
+            pending.append((line, conv))
+            if len(pending) >= BATCH:
+                flush()
+        flush()
+    report.line_problems.sort(key=lambda p: p.line)
     report.lines = line
     report.longest = longest
     split_of = _after_pass(report, config, hashes, np.frombuffer(lengths, dtype=np.uint32), parts)
