@@ -139,12 +139,15 @@ def set_checkpointing(model: Any, on: bool) -> None:
 
 
 def load(shape: str, seq: int, **fields: Any) -> Any:
+    from trainer.compiling import compile_decoder, use_compile
     from trainer.modeling import load_model
 
     gc.collect()
     torch.cuda.empty_cache()
     config = run_config(1, seq, True, **fields)
     model = load_model(Path(f"/tmp/rand-{shape}"), config, DEVICE)
+    if use_compile(config, DEVICE):  # as `lorastack train` does once compiling pays
+        compile_decoder(model, config.compile_scope)
     model.train()
     return model
 

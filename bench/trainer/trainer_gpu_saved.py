@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_gpu
 
-# (label, trainer config fields, trainer.modeling.DECODER_ACTIVATION_BUDGET)
+# (label, trainer config fields, trainer.compiling.DECODER_ACTIVATION_BUDGET)
 VARIANTS: list[tuple[str, dict[str, Any], float]] = [
     ("eager, checkpointing", {"compile": False}, 0.5),
     ("compile_scope=decoder, checkpointing, budget 1.0", {"compile_scope": "decoder"}, 1.0),
@@ -72,7 +72,7 @@ def main() -> int:
 
     import torch._dynamo
 
-    import trainer.modeling
+    import trainer.compiling
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True, help="path of hf_peft_baseline.py")
@@ -86,7 +86,7 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
         start = time.time()
-        with mock.patch.object(trainer.modeling, "DECODER_ACTIVATION_BUDGET", budget):
+        with mock.patch.object(trainer.compiling, "DECODER_ACTIVATION_BUDGET", budget):
             model = trainer_gpu.load(args.shape, args.seq, **fields)
             row = trainer_gpu.steps(model, 1, args.seq, config["vocab_size"], 8)
             row.pop("losses")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lorastack.errors import ConfigError
-from trainer.batching import lr_factor, step_micro_batches, steps_per_epoch
+from trainer.batching import Plan, lr_factor
 from trainer.config import load_config, parse_overrides, with_overrides
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -55,11 +55,13 @@ def test_config_hash_ignores_only_safe_fields() -> None:
 
 def test_batch_order_is_a_function_of_seed_and_step() -> None:
     n, mb, acc = 10, 2, 2
-    assert steps_per_epoch(n, mb, acc) == 3
-    epoch0 = [i for s in range(3) for g in step_micro_batches(7, s, n, mb, acc) for i in g]
+    plan, other = Plan(7, [5] * n, mb, acc), Plan(8, [5] * n, mb, acc)
+    assert plan.steps_per_epoch() == 3
+    epoch0 = [i for s in range(3) for g in plan.step(s) for row in g for i in row]
     assert sorted(epoch0) == list(range(10))
-    assert step_micro_batches(7, 4, n, mb, acc) == step_micro_batches(7, 4, n, mb, acc)
-    assert step_micro_batches(7, 3, n, mb, acc) != step_micro_batches(8, 3, n, mb, acc)
+    assert all(len(row) == 1 for s in range(6) for g in plan.step(s) for row in g)
+    assert plan.step(4) == Plan(7, [5] * n, mb, acc).step(4)
+    assert plan.step(3) != other.step(3)
     assert lr_factor(0, 10, 2, "cosine") == 0.5 and lr_factor(2, 10, 2, "cosine") == 1.0
     assert lr_factor(5, 10, 0, "linear") == 0.5 and lr_factor(9, 10, 0, "constant") == 1.0
 

@@ -12,8 +12,9 @@ import torch
 
 from lorastack.errors import ConfigError
 from trainer import fast_lora
+from trainer.compiling import compile_decoder, use_compile
 from trainer.config import RunConfig
-from trainer.modeling import load_model, loss_sum, use_compile
+from trainer.modeling import load_model, loss_sum
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,8 @@ def build(path: Path, fused: bool, **fields: Any) -> Any:
         {"dataset": {"path": "unused.jsonl"}, "device": "cpu", "fused_lora": fused, **fields}
     )
     model = load_model(path, config, torch.device("cpu"))
+    if config.compile is True:
+        compile_decoder(model, config.compile_scope)
     torch.manual_seed(1)  # peft initialises B to zero: make every gradient non-trivial
     for name, p in model.named_parameters():
         if "lora_B" in name:

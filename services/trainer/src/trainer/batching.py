@@ -1,4 +1,5 @@
-"""Batch order, micro-batch grouping, padding and the learning-rate schedule.
+"""Batch order, micro-batch grouping (with or without packing), padding and the
+learning-rate schedule.
 
 Pure functions of (seed, epoch, step): the data position of a run is its step, so a
 resumed run takes exactly the batches the uninterrupted run would have taken.
@@ -12,7 +13,10 @@ import numpy as np
 import torch
 
 from trainer.masking import IGNORE
+from trainer.packing import collate_rows, pack_rows
 from trainer.samples import Sample
+
+WIDTH_MULTIPLE = 64  # tokens: unpacked batch widths of a compiled run round up to this
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
@@ -20,20 +24,53 @@ def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n)]
 
 
-def steps_per_epoch(n: int, micro_batch: int, grad_accum: int) -> int:
-    return math.ceil(math.ceil(n / micro_batch) / grad_accum)
+class Plan:
+    """Which samples each micro-batch of each optimizer step holds.
 
+    A micro-batch is a list of rows and a row a list of sample indices: one sample per
+    row, or, with `pack_to` (packing), as many as fit in `pack_to` tokens
+    (trainer.packing). Rows follow the (seed, epoch) permutation; packed rows are then
+    shuffled by (seed, epoch) too, so a row's position says nothing of its lengths.
+    The last step of an epoch may hold fewer micro-batches, its last micro-batch fewer
+    rows.
+    """
 
-def step_micro_batches(
-    seed: int, step: int, n: int, micro_batch: int, grad_accum: int
-) -> list[list[int]]:
-    """Sample indices of each micro-batch of optimizer step `step` (0-based).
-    The last step of an epoch may hold fewer micro-batches."""
-    spe = steps_per_epoch(n, micro_batch, grad_accum)
-    epoch, k = divmod(step, spe)
-    order = epoch_order(seed, epoch, n)
-    micro = [order[i : i + micro_batch] for i in range(0, n, micro_batch)]
-    return micro[k * grad_accum : (k + 1) * grad_accum]
+    def __init__(
+        self,
+        seed: int,
+        lengths: list[int],
+        micro_batch: int,
+        grad_accum: int,
+        pack_to: int | None = None,
+    ) -> None:
+        self.seed, self.lengths, self.pack_to = seed, lengths, pack_to
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self._rows: dict[int, list[list[int]]] = {}
+
+    def rows(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._rows:
+            order = epoch_order(self.seed, epoch, len(self.lengths))
+            if self.pack_to is None:
+                rows = [[i] for i in order]
+            else:
+                packed = pack_rows(order, self.lengths, self.pack_to)
+                shuffle = np.random.default_rng([self.seed, epoch, 1]).permutation(len(packed))
+                rows = [packed[int(k)] for k in shuffle]
+            self._rows = {epoch: rows}  # one epoch at a time
+        return self._rows[epoch]
+
+    def steps_per_epoch(self) -> int:
+        # the same in every epoch: best-fit decreasing packs the same lengths into the
+        # same number of rows whatever their order
+        return math.ceil(math.ceil(len(self.rows(0)) / self.micro_batch) / self.grad_accum)
+
+    def step(self, step: int) -> list[list[list[int]]]:
+        """The micro-batches of optimizer step `step` (0-based)."""
+        spe = self.steps_per_epoch()
+        epoch, k = divmod(step, spe)
+        rows, mb = self.rows(epoch), self.micro_batch
+        micro = [rows[i : i + mb] for i in range(0, len(rows), mb)]
+        return micro[k * self.grad_accum : (k + 1) * self.grad_accum]
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -48,9 +85,10 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; padded positions are masked and IGNOREd."""
-    width = max(s.length for s in samples)
+def collate(samples: list[Sample], pad_id: int, width: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample (or `width`); padded positions are masked and
+    IGNOREd."""
+    width = max(width, *(s.length for s in samples))
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(samples), width), IGNORE, dtype=torch.long)
     attn = torch.zeros((len(samples), width), dtype=torch.long)
@@ -59,6 +97,33 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         labels[row, : s.length] = torch.tensor(s.labels)
         attn[row, : s.length] = 1
     return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def collate_micro_batch(
+    rows: list[list[Sample]], pad_id: int, pack_to: int | None, fixed_rows: int = 0
+) -> dict[str, torch.Tensor]:
+    """The tensors of one micro-batch (see Plan for rows).
+
+    `fixed_rows` > 0 gives a compiled model few distinct shapes: the batch gets that many
+    rows (the missing ones all padding, IGNOREd), and an unpacked batch's width is
+    rounded up to a multiple of WIDTH_MULTIPLE (inductor guards on the width's
+    alignment, so unaligned widths would compile again). Packed rows are `pack_to`
+    wide already: one shape for the whole run."""
+    rows = rows + [[] for _ in range(fixed_rows - len(rows))]
+    if pack_to is not None:
+        return collate_rows(rows, pad_id, pack_to)
+    width = max(s.length for row in rows for s in row)
+    if fixed_rows:
+        width = -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    batch = collate([row[0] for row in rows if row], pad_id, width)
+    missing = len(rows) - batch["input_ids"].shape[0]
+    if missing:  # padding rows attend to themselves (a fully masked row gives NaN)
+        batch["input_ids"] = torch.cat([batch["input_ids"], torch.full((missing, width), pad_id)])
+        batch["labels"] = torch.cat([batch["labels"], torch.full((missing, width), IGNORE)])
+        batch["attention_mask"] = torch.cat(
+            [batch["attention_mask"], torch.ones((missing, width), dtype=torch.long)]
+        )
+    return batch
 
 
 def supervised_count(samples: list[Sample]) -> int:

@@ -85,7 +85,12 @@ class RunConfig(_Strict):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     quantization: Literal["none", "nf4"] = Field("none", description="nf4 = QLoRA")
     max_seq_len: int = Field(512, ge=16, le=131072, description="tokens per sample, in all")
-    micro_batch: int = Field(4, ge=1, le=4096, description="samples per forward pass")
+    packing: bool = Field(
+        False,
+        description="pack several samples into each row of max_seq_len tokens (no attention "
+        "across samples; trainer.packing); micro_batch then counts rows, not samples",
+    )
+    micro_batch: int = Field(4, ge=1, le=4096, description="rows (samples) per forward pass")
     grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per optimizer step")
     lr: float = Field(2e-4, gt=0.0, le=1.0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
@@ -100,14 +105,15 @@ class RunConfig(_Strict):
     compile: bool | Literal["auto"] = Field(
         "auto",
         description="torch.compile the decoder for training; auto = on CUDA with "
-        "gradient checkpointing when a C compiler is found (Triton needs one), else eager "
-        "(trainer.modeling.use_compile)",
+        "gradient checkpointing and a C compiler (Triton needs one), when the first eager "
+        "steps' time says the compile pays back over the steps left "
+        "(trainer.compiling.choose_compile)",
     )
-    compile_scope: Literal["layers", "decoder"] = Field(
-        "decoder",
-        description="what one compiled graph holds: the whole decoder (fastest: 2.5x the "
-        "plain path on an 8B shape, but minutes to compile), or one decoder layer (seconds "
-        "to compile, for short runs); trainer.modeling.compile_decoder",
+    compile_scope: Literal["auto", "layers", "decoder"] = Field(
+        "auto",
+        description="what one compiled graph holds: one decoder layer (seconds to compile) "
+        "or the whole decoder (faster steps, minutes to compile); auto = the one that saves "
+        "the most time in this run (compile=true: layers); trainer.compiling.compile_decoder",
     )
     fused_lora: bool = Field(
         True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE = -100
-CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 128 Mi elements = 512 MiB in fp32
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk: 32 Mi elements = 128 MiB in fp32
 
 
 def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.cross_entropy import CHUNK_ELEMENTS
+
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4 bits + double-quantised absmax (~0.127 bits)
 
 
@@ -71,7 +73,9 @@ def estimate(
     per_layer = tokens * (10 * h + 4 * inter) * compute_bytes
     kept_layers = 1 if gradient_checkpointing else layers
     activations = per_layer * kept_layers + (layers * tokens * h * compute_bytes)
-    logits = tokens * int(cfg["vocab_size"]) * 4 * 3  # fp32 logits, softmax, gradient
+    # the loss sends at most CHUNK_ELEMENTS logits through lm_head at a time
+    # (trainer.cross_entropy): fp32 logits, softmax and gradient of one chunk
+    logits = min(tokens * int(cfg["vocab_size"]), CHUNK_ELEMENTS) * 4 * 3
     parts = {
         "weights": weights,
         "lora_params": lp * 4,  # adapters stay fp32

@@ -12,6 +12,8 @@ import json
 import logging
 import platform
 import resource
+import threading
+import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -87,6 +89,32 @@ def read_series(metrics_dir: Path, prefix: str, key: str) -> dict[int, float]:
         data = json.loads(p.read_text())
         out[int(data["step"])] = float(data[key])
     return dict(sorted(out.items()))
+
+
+def process_age() -> float:
+    """Seconds since this process started (interpreter start and imports)."""
+    import psutil
+
+    return round(time.time() - psutil.Process().create_time(), 2)
+
+
+def warm_plotting() -> threading.Thread:
+    """Import matplotlib and build its font cache on a thread while the steps run: on a
+    fresh host that took seconds at the end of the run, between the last step and the
+    published adapter."""
+
+    def warm() -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.font_manager
+        import matplotlib.pyplot
+
+        matplotlib.font_manager.findfont("DejaVu Sans")
+
+    thread = threading.Thread(target=warm, name="warm-plotting", daemon=True)
+    thread.start()
+    return thread
 
 
 def plot_losses(train: dict[int, float], val: dict[int, float], path: Path, title: str) -> Path:

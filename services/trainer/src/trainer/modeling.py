@@ -21,8 +21,6 @@ one place the loss is computed. Both are the fast path, on CPU and CUDA alike
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +38,15 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def use_expandable_segments(device: torch.device, alloc_conf: str | None) -> None:
+    """Let CUDA's caching allocator grow segments instead of keeping a block per size:
+    the loss chunks and packed rows change size every step, and with fixed segments a
+    1B run reserved 8.0 GiB for a 2.6 GiB peak of allocations. Left alone when the user
+    configures the allocator (PYTORCH_CUDA_ALLOC_CONF, passed as `alloc_conf`)."""
+    if device.type == "cuda" and not alloc_conf:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -120,96 +127,53 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
                 module.cast_input_dtype_enabled = False  # type: ignore[assignment]
     if config.fused_lora:
         fast_lora.install(peft_model)
-    if use_compile(config, device):
-        compile_decoder(peft_model, config.compile_scope)
+    if config.gradient_checkpointing:
+        drop_input_require_grads(peft_model.get_base_model())
     return peft_model
 
 
-def use_compile(config: RunConfig, device: torch.device) -> bool:
-    """Whether the run compiles its decoder layers (config `compile`: true, false, auto).
+def drop_input_require_grads(model: Any) -> None:
+    """Remove the forward hooks that set requires_grad on the embeddings' output.
 
-    auto = on CUDA with gradient checkpointing, where it was measured (bench/trainer_gpu.py,
-    H200, 8B shape, batch 1: 2.5x the plain path's tokens/s at 10.2 GiB with the whole
-    decoder compiled, see compile_decoder; LoRA gradients as close to an fp32 reference
-    as eager bf16's). Off without checkpointing:
-    there AOT autograd's CSE merges the forward's and backward's nf4 dequantisation and
-    keeps the weights for backward (8B: 29.0 GiB against eager's 18.8). Off on CPU (a
-    long first compile for little gain). Both need a compiler (Triton builds its launcher
-    with a C compiler; inductor's CPU code is C++): auto without one stays eager, true
-    without one is a ConfigError."""
-    choice = config.compile
-    auto_off = device.type != "cuda" or not config.gradient_checkpointing
-    if choice is False or (choice == "auto" and auto_off):
-        return False
-    env, *names = ("CC", "gcc", "clang") if device.type == "cuda" else ("CXX", "g++", "clang++")
-    found = any(shutil.which(n) for n in (os.environ.get(env), *names) if n)
-    if not found and choice is True:
-        raise ConfigError(
-            f"compile=true on {device.type} needs a compiler ({' or '.join(names)}, or "
-            f"${env}) and none is on PATH",
-            f"install {names[0]}, or set compile=false",
-        )
-    return found
-
-
-# AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
-# (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
-# k/v-sized) rather than recompute them, 12.7 GiB on the 8B shape; 0.5 kept 10.2 GiB at
-# 2.5x the baseline (bench/trainer_gpu_saved.py, bench/results/trainer-gpu-2026-12-01.json)
-DECODER_ACTIVATION_BUDGET = 0.5
-
-
-def compile_decoder(model: Any, scope: str) -> None:
-    """torch.compile the decoder for training (evaluation and generation, with their
-    caches and one-token shapes, stay eager). A batch of a new width costs one recompile,
-    after which dynamo treats the width as dynamic.
-
-    scope "decoder" (the default): the whole decoder as one graph, checkpointing inside
-    it, compiled with AOT autograd's CSE off (with it, the forward's and backward's nf4
-    dequantisations merged and the 8B shape peaked at 25.7 GiB) and an activation budget
-    of DECODER_ACTIVATION_BUDGET. On an H200, 8B shape, batch 1: 9,066 tokens/s (2.51x
-    the plain path) at 10.2 GiB, after a 172 s first compile and a 235 s recompile at the
-    next width; 1B: 16,453 tokens/s after 75 s. scope "layers": one graph per decoder
-    layer, shared by all layers, called inside the per-layer checkpointing: 15 s to
-    compile, 7.9 GiB, 1.65-2.41x on 8B (bound by the host, so it varies by machine)
-    (bench/results/trainer-gpu-2026-12-01.json, -2026-11-30-session3.json)."""
-    import torch._functorch.config
-    import torch._inductor.config
-
-    # dropout through torch's own RNG ops: the eager masks, replayed by checkpointing
-    torch._inductor.config.fallback_random = True
-    decoder = model.get_base_model().get_decoder()
-    modules = [decoder] if scope == "decoder" else list(getattr(decoder, "layers", []))
-    for module in modules:
-        eager = module.forward
-        compiled = torch.compile(eager)
-
-        def forward(
-            *args: Any, _m: Any = module, _c: Any = compiled, _e: Any = eager, **kw: Any
-        ) -> Any:
-            if not _m.training:
-                return _e(*args, **kw)
-            if scope != "decoder":
-                return _c(*args, **kw)
-            # the joint graph is partitioned at the forward's compile: settings from there
-            budget = DECODER_ACTIVATION_BUDGET
-            with torch._functorch.config.patch(cse=False, activation_memory_budget=budget):
-                return _c(*args, **kw)
-
-        module.forward = forward
+    peft adds one with checkpointing on (more than once: transformers' own
+    `disable_input_require_grads` then forgets the first); only reentrant checkpointing
+    needs it, and under torch.compile its `requires_grad_()` breaks the decoder's graph
+    in two (services/trainer/tests/test_trainer_compile.py counts them)."""
+    hooks = model.get_input_embeddings()._forward_hooks
+    for key, hook in list(hooks.items()):
+        if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+            del hooks[key]
 
 
 def loss_sum(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of the next-token cross-entropy over supervised positions (fp32).
 
     `labels` is aligned with `input_ids` (IGNORE where not supervised); position t's
     hidden state predicts token t+1. Divide by the step's supervised-token count outside.
+    Packed rows (trainer.packing) come with `position_ids` and no `attention_mask`.
     """
     base = model.get_base_model()
     head = base.get_output_embeddings().weight
     low = head.dtype != torch.float32  # bf16 compute on CUDA, fp32 on CPU
     with torch.autocast(input_ids.device.type, dtype=head.dtype, enabled=low):
-        out = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+        out = base.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        )
         return linear_cross_entropy_sum(out.last_hidden_state, head, labels)
+
+
+def batch_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """loss_sum of a collated batch (trainer.batching: padded rows or packed rows)."""
+    return loss_sum(
+        model,
+        batch["input_ids"],
+        batch.get("attention_mask"),
+        batch["labels"],
+        batch.get("position_ids"),
+    )

@@ -22,7 +22,7 @@ from trainer.config import RunConfig
 from trainer.errors import PreflightRefused
 from trainer.masking import MaskingError, targets_end_with
 from trainer.memory import checkpoint_bytes, human, lora_params
-from trainer.samples import LossOn, Sample, encode, end_of_turn_id
+from trainer.samples import LossOn, Pretokenized, Sample, encode, end_of_turn_id
 from trainer.splits import Splits, normalise, prompt_key
 
 LOG_BUDGET = 64 << 20  # bytes kept for metrics, logs and plots
@@ -200,8 +200,9 @@ def check_dataset(
         ("test", splits.test),
     ):
         kept: list[Sample] = []
+        tok = Pretokenized(tokenizer, [it.conv for it in items])
         for it in items:
-            s, bad = check_sample(it.conv, tokenizer, config.loss_on, specials, eot)
+            s, bad = check_sample(it.conv, tok, config.loss_on, specials, eot)
             if bad:
                 report.invalid.append(f"{name} #{it.number}: {bad[0][1]}")
                 continue

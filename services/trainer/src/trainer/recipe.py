@@ -32,13 +32,8 @@ from lorastack.errors import Conflict, LorastackError, NotFound
 from lorastack.manifest import Manifest, git_commit, sha256_file
 from lorastack.store import ArtifactStore
 from trainer import checkpoint
-from trainer.batching import (
-    collate,
-    lr_factor,
-    step_micro_batches,
-    steps_per_epoch,
-    supervised_count,
-)
+from trainer.batching import Plan, collate, collate_micro_batch, lr_factor, supervised_count
+from trainer.compiling import CompileRun, compile_report, mark_dynamic_width
 from trainer.config import RunConfig, with_overrides
 from trainer.errors import (
     ResumeRefused,
@@ -57,11 +52,20 @@ from trainer.metrics import (
     memory_now,
     peak_bytes,
     plot_losses,
+    process_age,
     read_series,
+    warm_plotting,
     write_json,
     write_support_bundle,
 )
-from trainer.modeling import compute_dtype, load_model, loss_sum, resolve_device, use_compile
+from trainer.modeling import (
+    batch_loss,
+    compute_dtype,
+    load_model,
+    loss_sum,
+    resolve_device,
+    use_expandable_segments,
+)
 from trainer.preflight import PreflightReport, refuse_unless_ok
 from trainer.prepare import prepare
 from trainer.samples import Sample, end_of_turn_id, prompt_ids, template_hash
@@ -93,13 +97,6 @@ class TrainResult:
     preflight: PreflightReport | None = None
 
 
-# what the start line says of a compiled run, by compile_scope
-COMPILED = {
-    "decoder": ", whole decoder compiled: the first step and the first of a new width take minutes",
-    "layers": ", compiled decoder layers",
-}
-
-
 class Recipe:
     def __init__(
         self,
@@ -125,9 +122,14 @@ class Recipe:
         self.losses: dict[int, float] = {}
         self.val_losses: dict[int, float] = {}
         self.tokens_seen = 0  # input tokens (not padding) in finished steps
+        self.supervised_seen = 0  # of those, tokens the loss counted
         self.wall_before = 0.0  # seconds spent in earlier sessions of a resumed run
         self.resumed_at: int | None = None  # the step a resumed run started from
         self.start_time = time.monotonic()
+        # seconds per phase of this session (completion record, last line): imports and
+        # set-up before the recipe, data, model, steps, saving and publishing
+        self.phases: dict[str, float] = {"startup": process_age()}
+        self._lap_at = self.start_time
         self.last_checkpoint: Path | None = None
         self.data_manifest: Manifest | None = None
         self.test_manifest: Manifest | None = None
@@ -166,6 +168,7 @@ class Recipe:
         cfg = self.config  # smoke and overfit runs adjust steps and schedule
 
         self.device = resolve_device(cfg.device, settings.local_rank)
+        use_expandable_segments(self.device, settings.cuda_alloc_conf)
         if auto_batch:
             self.config = cfg = self._auto_batch()
         self.run_manifest = {
@@ -211,7 +214,7 @@ class Recipe:
             quantization=cfg.quantization,
             compute_bytes=2 if compute_dtype(self.device) == torch.bfloat16 else 4,
             micro_batch=cfg.micro_batch,
-            seq_len=max(s.length for s in self.train_samples),
+            seq_len=self._widest(),
             gradient_checkpointing=cfg.gradient_checkpointing,
         )
         write_json(self.run_dir / "memory-estimate.json", self.memory_estimate)
@@ -220,9 +223,22 @@ class Recipe:
             + ", ".join(f"{k} {human(v)}" for k, v in self.memory_estimate.items()),
         )
 
+        self.plan = Plan(
+            cfg.seed,
+            [s.length for s in self.train_samples],
+            cfg.micro_batch,
+            cfg.grad_accum,
+            cfg.max_seq_len if cfg.packing else None,
+        )
+        self._lap("prepare")
         self._seed_everything(cfg.seed)
         self.model = load_model(self.base_dir, cfg, self.device)
         self.peft = self.model
+        self.compiler = CompileRun(
+            cfg, self.device, self.model_config, settings.resolved_cache_dir / "torch-compile"
+        )
+        compiling = self.compiler.begin(self.peft)
+        self._lap("load_model")
         if settings.world_size > 1:
             self.model = self._wrap_ddp(self.model)
         self.model.train()
@@ -238,6 +254,7 @@ class Recipe:
             state = checkpoint.load_into(resume_from, self.peft, self.optimizer, self.scheduler)
             self.step = int(state["step"])
             self.tokens_seen = int(state.get("tokens_seen", 0))
+            self.supervised_seen = int(state.get("supervised_seen", 0))
             self.wall_before = float(state.get("wall_s", 0.0))
             self.val_losses = {int(k): float(v) for k, v in state.get("val_losses", {}).items()}
             checkpoint.set_rng_states(checkpoint.load_rng(resume_from))
@@ -248,8 +265,13 @@ class Recipe:
             f"training {self.trainable:,} LoRA parameters on {self.device} "
             f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
             f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
-            f"{COMPILED[cfg.compile_scope] if use_compile(cfg, self.device) else ''})",
+            f"{compiling})",
         )
+
+    def _lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._lap_at, 2)
+        self._lap_at = now
 
     def _select(self, train: list[Sample], val: list[Sample]) -> tuple[list[Sample], list[Sample]]:
         cfg = self.config
@@ -291,10 +313,14 @@ class Recipe:
 
     def _total_steps(self) -> int:
         cfg = self.config
-        by_epochs = cfg.epochs * steps_per_epoch(
-            len(self.train_samples), cfg.micro_batch, cfg.grad_accum
-        )
+        by_epochs = cfg.epochs * self.plan.steps_per_epoch()
         return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+
+    def _widest(self) -> int:
+        """Tokens per row of the widest micro-batch."""
+        if self.config.packing:
+            return self.config.max_seq_len
+        return max(s.length for s in self.train_samples)
 
     def _seed_everything(self, seed: int) -> None:
         random.seed(seed)
@@ -346,7 +372,7 @@ class Recipe:
             )
             return cfg
         model = load_model(self.base_dir, cfg, self.device)
-        seq = max(s.length for s in self.train_samples)
+        seq = self._widest()
         best, mb = 0, 1
         while mb <= effective:
             if effective % mb == 0:
@@ -380,6 +406,15 @@ class Recipe:
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 
+    def _rank0_decides(self, choice: bool) -> bool:
+        if self.settings.world_size == 1:
+            return choice
+        import torch.distributed as dist
+
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, frame: Any) -> None:
             self.stop_signal = signum
@@ -393,14 +428,22 @@ class Recipe:
     # ---- train ------------------------------------------------------------------
 
     def train(self) -> None:
-        cfg, n = self.config, len(self.train_samples)
+        cfg = self.config
         session_start, session_tokens = time.monotonic(), 0
         world, rank = self.settings.world_size, self.settings.rank
+        pack_to = cfg.max_seq_len if cfg.packing else None
+        session_steps = 0
+        warm_plotting()
         while self.step < self.total_steps:
+            compiled = self.compiler.active
+            fixed_rows = cfg.micro_batch if compiled else 0  # few shapes for the compiler
             t0 = time.monotonic()
-            groups = step_micro_batches(cfg.seed, self.step, n, cfg.micro_batch, cfg.grad_accum)
-            batches = [[self.train_samples[i] for i in g] for g in groups]
-            n_sup = sum(supervised_count(b) for b in batches)  # the whole step, all ranks
+            batches = [
+                [[self.train_samples[i] for i in row] for row in mb]
+                for mb in self.plan.step(self.step)
+            ]
+            flat = [s for mb in batches for row in mb for s in row]
+            n_sup = supervised_count(flat)  # the whole step, all ranks
             if n_sup == 0:
                 raise SmokeFailed(
                     f"step {self.step + 1} has no supervised token: every label is masked",
@@ -409,17 +452,20 @@ class Recipe:
             mine = batches[rank::world]
             step_loss, step_tokens = 0.0, 0
             for j, b in enumerate(mine):
-                batch = {k: v.to(self.device) for k, v in collate(b, self.pad).items()}
+                tensors = collate_micro_batch(b, self.pad, pack_to, fixed_rows)
+                batch = {k: v.to(self.device) for k, v in tensors.items()}
+                if compiled and pack_to is None:
+                    mark_dynamic_width(batch)
                 sync_ctx = (
                     self.model.no_sync()
                     if world > 1 and j < len(mine) - 1
                     else contextlib.nullcontext()
                 )
                 with sync_ctx:
-                    loss = loss_sum(self.model, **batch) / n_sup * world
+                    loss = batch_loss(self.model, batch) / n_sup * world
                     loss.backward()
                 step_loss += loss.item() / world
-                step_tokens += int(batch["attention_mask"].sum())
+                step_tokens += sum(s.length for row in b for s in row)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
             )
@@ -429,9 +475,16 @@ class Recipe:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.tokens_seen += step_tokens
+            self.supervised_seen += n_sup
             session_tokens += step_tokens
             self.losses[self.step] = step_loss
             dt = time.monotonic() - t0
+            session_steps += 1
+            line = self.compiler.after_step(
+                self.peft, session_steps, dt, self.total_steps - self.step, self._rank0_decides
+            )
+            if line:
+                self.say(line)
             if not math.isfinite(step_loss):
                 raise SmokeFailed(f"the loss is {step_loss} at step {self.step}", "lower lr")
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
@@ -500,7 +553,7 @@ class Recipe:
             for i in range(0, len(self.val_samples), mb):
                 chunk = self.val_samples[i : i + mb]
                 batch = {k: v.to(self.device) for k, v in collate(chunk, self.pad).items()}
-                total += loss_sum(self.model, **batch).item()
+                total += batch_loss(self.model, batch).item()
                 count += supervised_count(chunk)
         self.model.train()
         val = total / max(1, count)
@@ -520,14 +573,9 @@ class Recipe:
         if not self.settings.is_main:
             return None
         state = {
-            "epoch": (self.step - 1)
-            // max(
-                1,
-                steps_per_epoch(
-                    len(self.train_samples), self.config.micro_batch, self.config.grad_accum
-                ),
-            ),
+            "epoch": (self.step - 1) // max(1, self.plan.steps_per_epoch()),
             "tokens_seen": self.tokens_seen,
+            "supervised_seen": self.supervised_seen,
             "wall_s": self.wall_before + time.monotonic() - self.start_time,
             "val_losses": {str(k): v for k, v in self.val_losses.items()},
         }
@@ -574,6 +622,7 @@ class Recipe:
 
     def finish(self) -> TrainResult:
         cfg = self.config
+        self._lap("steps")
         done = self._already_finished()
         if done is not None:
             return done
@@ -590,12 +639,15 @@ class Recipe:
         wall = self.wall_before + time.monotonic() - self.start_time
         billed_h = wall / 3600 * self.settings.world_size
         peak = peak_bytes(self.device)
+        measured = memory_now(self.device)
         completion = {
             "mode": self.mode,
             "wall_s": round(wall, 3),
             "steps": self.step,
             "tokens": self.tokens_seen,
+            "supervised_tokens": self.supervised_seen,
             "peak_memory": peak,
+            "peak_reserved": measured.get("peak_reserved"),
             "memory_estimate": self.memory_estimate.get("total", 0),
             "final_val_loss": self.val_losses.get(self.step),
             "best_val_loss": min(self.val_losses.values()) if self.val_losses else None,
@@ -605,6 +657,7 @@ class Recipe:
             "price_per_gpu_hour": cfg.price_per_gpu_hour,
             "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
             "device": device_facts(self.device),
+            "compile": compile_report() if self.compiler.active else None,
         }
         self.say(
             f"memory: estimated {human(self.memory_estimate.get('total', 0))}, measured peak "
@@ -624,6 +677,9 @@ class Recipe:
         if self.mode == "train" and self.settings.is_main:
             result.adapter = self._publish_adapter(completion, plot)
             completion["adapter_digest"] = result.adapter.digest
+        self._lap("finish")
+        completion["phases_s"] = self.phases
+        self.say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()))
         write_json(self.run_dir / "training-complete.json", completion)
         if result.verdict is not None:
             self.say(("PASS" if result.verdict["passed"] else "FAIL") + f" ({self.mode})")

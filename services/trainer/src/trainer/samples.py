@@ -7,6 +7,7 @@ the maximum is reported by the preflight and refused or dropped there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,7 +63,7 @@ def render(tokenizer: Any, messages: list[dict[str, str]], prompt: bool = False)
 def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
     """Render `conv` and label its assistant targets; raises MaskingError when the
     template does not put each target verbatim between its header and end-of-turn."""
-    msgs = [m.model_dump() for m in conv.messages]
+    msgs = _dicts(conv)
     rendered = render(tokenizer, msgs)
     assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if loss_on == "last_assistant":
@@ -74,8 +75,8 @@ def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
             raise MaskingError("the chat template renders a conversation's prefix differently")
         spans.append(locate_target(rendered, len(prompt), msgs[i]["content"]))
     enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    ids = [int(t) for t in enc["input_ids"]]
-    offsets = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+    ids = list(enc["input_ids"])
+    offsets = [(s, e) for s, e in enc["offset_mapping"]]
     eot = end_of_turn_id(tokenizer)
     mask = supervised_mask(offsets, ids, spans, eot)
     last = spans[-1]
@@ -86,6 +87,39 @@ def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
     system_end = header if header > 0 else max(user_at, 0)
     parts = part_lengths(offsets, system_end, Span(last.start, eot_end))
     return Sample(ids, labels_from_mask(ids, mask), parts, rendered, offsets)
+
+
+class Pretokenized:
+    """`tokenizer`, with the encodings `encode` asks for computed up front in one call for
+    a batch of conversations: the Rust tokenizer encodes a batch on every core without
+    the GIL, and one call skips the per-text wrapping that dominated a call per sample.
+    Any other call (and any text it does not know) goes to the tokenizer itself."""
+
+    def __init__(self, tokenizer: Any, convs: list[Conversation]) -> None:
+        self._tokenizer = tokenizer
+        texts = []
+        for conv in convs:
+            with contextlib.suppress(Exception):  # encode() itself reports what fails
+                texts.append(render(tokenizer, _dicts(conv)))
+        self._known: dict[str, dict[str, Any]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+        if texts and backend is not None:
+            encs = backend.encode_batch(texts, add_special_tokens=False)
+            for text, enc in zip(texts, encs, strict=True):
+                self._known[text] = {"input_ids": enc.ids, "offset_mapping": enc.offsets}
+
+    def __call__(self, text: Any, **kwargs: Any) -> Any:
+        wanted = kwargs == {"add_special_tokens": False, "return_offsets_mapping": True}
+        if wanted and isinstance(text, str) and text in self._known:
+            return self._known[text]
+        return self._tokenizer(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def _dicts(conv: Conversation) -> list[dict[str, str]]:
+    return [m.model_dump() for m in conv.messages]
 
 
 def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:

@@ -30,7 +30,7 @@ import numpy as np
 from lorastack.chat_data import Conversation, parse_line
 from trainer.config import RunConfig
 from trainer.preflight import Lengths, LineProblem, PreflightReport, check_sample
-from trainer.samples import end_of_turn_id, render
+from trainer.samples import Pretokenized, end_of_turn_id
 from trainer.splits import TEST, TRAIN, normalise, prompt_key, split_groups
 
 SPLIT_NAMES = ("train", "validation", "test")
@@ -69,34 +69,6 @@ def _progress(total_bytes: int, enabled: bool) -> Any:
         disable=not enabled,
         mininterval=0.5,
     )
-
-
-class _BatchTokenizer:
-    """`tokenizer`, with the encodings `samples.encode` asks for computed up front in one
-    call for a batch of conversations: the Rust tokenizer encodes a batch on every core
-    without the GIL, and one call skips the per-text wrapping that dominated a call per
-    line. Any other call goes to the tokenizer itself."""
-
-    def __init__(self, tokenizer: Any, convs: list[Conversation]) -> None:
-        self._tokenizer = tokenizer
-        texts = []
-        for conv in convs:
-            with contextlib.suppress(Exception):  # encode() itself reports what fails
-                texts.append(render(tokenizer, [m.model_dump() for m in conv.messages]))
-        self._known: dict[str, dict[str, Any]] = {}
-        if texts:
-            encs = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-            for text, enc in zip(texts, encs, strict=True):
-                self._known[text] = {"input_ids": enc.ids, "offset_mapping": enc.offsets}
-
-    def __call__(self, text: Any, **kwargs: Any) -> Any:
-        wanted = kwargs == {"add_special_tokens": False, "return_offsets_mapping": True}
-        if wanted and isinstance(text, str) and text in self._known:
-            return self._known[text]
-        return self._tokenizer(text, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
 
 
 class _Groups:
@@ -169,7 +141,7 @@ def scan_file(
 
     def flush() -> None:
         """Encode the pending conversations (one tokenizer call) and record what they are."""
-        batch = _BatchTokenizer(tokenizer, [c for _, c in pending])
+        batch = Pretokenized(tokenizer, [c for _, c in pending])
         for line, conv in pending:
             s, bad = check_sample(conv, batch, config.loss_on, specials, eot)
             for kind, message in bad:

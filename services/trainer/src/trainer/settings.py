@@ -1,7 +1,9 @@
 """The trainer's one settings class, built once at start and passed down.
 
 Adds to the common settings where runs keep their local files and the process-group
-facts `torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK; read here and nowhere else).
+facts `torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK; read here and nowhere else),
+and whether the user configured CUDA's allocator. Compile caches live under
+`cache_dir`/torch-compile.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ class TrainerSettings(CommonSettings):
     rank: int = Field(0, ge=0, validation_alias=AliasChoices("RANK", "LORASTACK_RANK"))
     local_rank: int = Field(
         0, ge=0, validation_alias=AliasChoices("LOCAL_RANK", "LORASTACK_LOCAL_RANK")
+    )
+    cuda_alloc_conf: str | None = Field(
+        None,
+        validation_alias=AliasChoices("PYTORCH_CUDA_ALLOC_CONF"),
+        description="the user's CUDA allocator settings; unset = expandable segments",
     )
 
     @property

@@ -1,0 +1,256 @@
+"""torch.compile for training: whether to compile, what, into which cache, and what it cost.
+
+Owns the `compile` / `compile_scope` settings' meaning (use_compile, compile_decoder),
+the decision of `compile: auto` by expected benefit (choose_compile), the on-disk compile
+cache that lets a resumed or repeated run skip most of the compile (use_cache_dir), the
+shapes the compiler sees (mark_dynamic_width; trainer.batching keeps them few), and the
+compile report (compile_report). It never loads a model (trainer.modeling does).
+
+Why one compile per run matters: each micro-batch padded to its own width gave three
+compiles of minutes each on an H200 (a static graph, a dynamic one after the first size
+guard failed, a third after inductor's alignment guard), and transformers' embedding
+hook broke the decoder's graph in two. Packed rows have one shape; unpacked batches get
+widths rounded to a multiple of 64 and a width marked dynamic before the first call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorastack.errors import ConfigError
+from trainer.config import RunConfig
+
+# AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
+# (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
+# k/v-sized) rather than recompute them, 12.7 GiB on the 8B shape; 0.5 kept 10.2 GiB at
+# 2.5x the baseline (bench/trainer/gpu_saved.py, bench/trainer/README.md)
+DECODER_ACTIVATION_BUDGET = 0.5
+
+# choose_compile's model, from H200 measurements (bench/trainer/README.md): a cold compile
+# of the whole decoder took ~10 s + ~5 s per layer (8 layers 51 s, 16 layers 75 s, 32
+# layers 172 s), one layer's graph 13-15 s; a warm on-disk cache skips inductor and
+# Triton, leaving dynamo's trace and the cache lookups (WARM_FRACTION of a cold compile).
+# A compiled step took this fraction of an eager one (packed 1B rows: layers 0.64; 8B at
+# batch 1: decoder 0.52, layers 0.68), the cautious end of each.
+COMPILE_BASE_S = 10.0
+COMPILE_PER_LAYER_S = 5.0
+COMPILE_LAYER_GRAPH_S = 15.0
+WARM_FRACTION = 0.3
+COMPILED_STEP_FRACTION = {"layers": 0.68, "decoder": 0.55}
+EAGER_PROBE_STEPS = 2  # auto measures this many eager steps (the first warms up) first
+
+
+def use_compile(config: RunConfig, device: torch.device) -> bool:
+    """Whether the run may compile its decoder (config `compile`: true, false, auto).
+
+    true compiles from the first step; auto only on CUDA with gradient checkpointing (off
+    without it: AOT autograd's CSE merged the forward's and backward's nf4 dequantisation
+    and kept the weights for backward, 8B: 29.0 GiB against eager's 18.8; off on the CPU:
+    a long compile for little gain), and then only where choose_compile says it pays. Both need a
+    compiler (Triton builds its launcher with a C compiler; inductor's CPU code is C++):
+    auto without one stays eager, true without one is a ConfigError."""
+    choice = config.compile
+    auto_off = device.type != "cuda" or not config.gradient_checkpointing
+    if choice is False or (choice == "auto" and auto_off):
+        return False
+    env, *names = ("CC", "gcc", "clang") if device.type == "cuda" else ("CXX", "g++", "clang++")
+    found = any(shutil.which(n) for n in (os.environ.get(env), *names) if n)
+    if not found and choice is True:
+        raise ConfigError(
+            f"compile=true on {device.type} needs a compiler ({' or '.join(names)}, or "
+            f"${env}) and none is on PATH",
+            f"install {names[0]}, or set compile=false",
+        )
+    return found
+
+
+def compile_seconds(layers: int, scope: str, warm: bool) -> float:
+    """Expected seconds to compile (see the constants above)."""
+    cold = COMPILE_BASE_S + COMPILE_PER_LAYER_S * layers
+    cold = cold if scope == "decoder" else COMPILE_LAYER_GRAPH_S
+    return cold * (WARM_FRACTION if warm else 1.0)
+
+
+def choose_compile(
+    eager_step_s: float, steps_left: int, layers: int, scopes: list[str], warm: dict[str, bool]
+) -> tuple[str | None, str]:
+    """The scope among `scopes` whose compile saves the most time net of its cost (None:
+    stay eager, when none saves more than it costs), and a line that says why."""
+    net, facts = {}, []
+    for scope in scopes:
+        cost = compile_seconds(layers, scope, warm[scope])
+        saved = steps_left * eager_step_s * (1 - COMPILED_STEP_FRACTION[scope])
+        net[scope] = saved - cost
+        cache = "warm cache" if warm[scope] else "cold cache"
+        facts.append(f"{scope}: ~{saved:.0f} s saved for ~{cost:.0f} s of compile ({cache})")
+    best = max(net, key=net.__getitem__)
+    why = f"{steps_left} steps left x {eager_step_s:.2f} s eager; " + "; ".join(facts)
+    if net[best] <= 0:
+        return None, f"compile auto: staying eager ({why}; compile=true forces it)"
+    return best, f"compile auto: compiling {best} ({why})"
+
+
+def compile_decoder(model: Any, scope: str) -> None:
+    """torch.compile the decoder for training (evaluation and generation, with their
+    caches and one-token shapes, stay eager).
+
+    scope "decoder": the whole decoder as one graph, checkpointing inside it, compiled
+    with AOT autograd's CSE off (with it, the forward's and backward's nf4
+    dequantisations merged and the 8B shape peaked at 25.7 GiB) and an activation budget
+    of DECODER_ACTIVATION_BUDGET: on an H200, 8B shape, batch 1 x 2,048: 2.5x the plain
+    path's tokens/s at 10.2 GiB. scope "layers": one graph per decoder layer, shared by
+    all layers, called inside the per-layer checkpointing: seconds to compile, 7.9 GiB,
+    bound by the host at small batches (bench/trainer/README.md)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    # dropout through torch's own RNG ops: the eager masks, replayed by checkpointing
+    torch._inductor.config.fallback_random = True
+    decoder = model.get_base_model().get_decoder()
+    modules = [decoder] if scope == "decoder" else list(getattr(decoder, "layers", []))
+    for module in modules:
+        eager = module.forward
+        compiled = torch.compile(eager)
+
+        def forward(
+            *args: Any, _m: Any = module, _c: Any = compiled, _e: Any = eager, **kw: Any
+        ) -> Any:
+            if not _m.training:
+                return _e(*args, **kw)
+            if scope != "decoder":
+                return _c(*args, **kw)
+            # the joint graph is partitioned at the forward's compile: settings from there
+            budget = DECODER_ACTIVATION_BUDGET
+            with torch._functorch.config.patch(cse=False, activation_memory_budget=budget):
+                return _c(*args, **kw)
+
+        module.forward = forward
+
+
+def mark_dynamic_width(batch: dict[str, torch.Tensor]) -> None:
+    """Tell dynamo the width (dim 1) varies before its first call, so the first compile
+    is the dynamic one instead of a static graph that the next width throws away."""
+    for t in batch.values():
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+def use_cache_dir(cache_dir: Path) -> Path:
+    """Keep inductor's and Triton's caches (FX graphs, AOT autograd, kernels) in
+    `cache_dir`: by default they live in /tmp (torch sets TORCHINDUCTOR_CACHE_DIR there
+    itself) and die with a container, so every run compiled from scratch."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir / "triton"))
+    return cache_dir
+
+
+def graph_key(model_config: dict[str, Any], config: RunConfig, scope: str) -> str:
+    """What decides the compiled graphs: the architecture, the adapter, the shapes, torch."""
+    keys = ("quantization", "packing", "max_seq_len", "micro_batch", "lora")
+    run = config.model_dump(mode="json")
+    what = {
+        "model": model_config,
+        "run": {k: run[k] for k in keys},
+        "scope": scope,
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_warm(cache_dir: Path, key: str) -> bool:
+    return (cache_dir / "lorastack-graphs" / key).exists()
+
+
+def mark_warm(cache_dir: Path, key: str) -> None:
+    folder = cache_dir / "lorastack-graphs"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / key).touch()
+
+
+def compile_report() -> dict[str, Any]:
+    """What dynamo and inductor did so far in this process: graphs compiled, graph
+    breaks, seconds spent compiling, on-disk cache hits and misses."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", []))
+    return {
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "compile_s": round(float(seconds), 1),
+        "fx_cache_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+        "fx_cache_misses": int(counters["inductor"].get("fxgraph_cache_miss", 0)),
+        "aot_cache_hits": int(counters["aot_autograd"].get("autograd_cache_hit", 0)),
+    }
+
+
+class CompileRun:
+    """The compile lifecycle of one run: compiled from the start (compile=true), decided
+    after EAGER_PROBE_STEPS measured eager steps (auto), or eager; and, once compiled,
+    one line that says what the compile cost and whether the cache served it.
+
+    compile_scope auto: compile=true takes "layers" (seconds to compile); compile=auto
+    weighs both scopes (choose_compile)."""
+
+    def __init__(
+        self, config: RunConfig, device: torch.device, model_config: dict[str, Any], cache: Path
+    ) -> None:
+        self.allowed = use_compile(config, device)
+        scope = config.compile_scope
+        self.scopes: list[str] = ["layers", "decoder"] if scope == "auto" else [scope]
+        self.layers = int(model_config.get("num_hidden_layers", 0))
+        self.pending = self.allowed and config.compile == "auto"
+        self.scope: str | None = None  # once compiled
+        self.reported = False
+        if self.allowed:
+            self.cache_dir = use_cache_dir(cache)
+            self.keys = {s: graph_key(model_config, config, s) for s in self.scopes}
+
+    @property
+    def active(self) -> bool:
+        return self.scope is not None
+
+    def begin(self, model: Any) -> str:
+        """Compile now if forced; what the start line says of compiling."""
+        if self.allowed and not self.pending:
+            self._compile(model, self.scopes[0])
+            return f", {self.scope} compiled at the first step"
+        if self.pending:
+            return f", compile auto decides after {EAGER_PROBE_STEPS} eager steps"
+        return ""
+
+    def _compile(self, model: Any, scope: str) -> None:
+        compile_decoder(model, scope)
+        self.scope = scope
+
+    def after_step(
+        self, model: Any, session_steps: int, step_s: float, steps_left: int, agree: Any = None
+    ) -> str | None:
+        """Called after each optimizer step; returns a line to print, if any. `agree`
+        turns this process's choice into the run's (rank 0's, under DDP)."""
+        if self.scope is not None and not self.reported:
+            self.reported = True
+            mark_warm(self.cache_dir, self.keys[self.scope])
+            r = compile_report()
+            return (
+                f"compiled {self.scope}: first compiled step {step_s:.1f} s, "
+                f"{r['compile_s']:.0f} s in dynamo; {r['graphs']} graph(s), "
+                f"{r['graph_breaks']} graph break(s); disk cache {r['fx_cache_hits']} hit(s), "
+                f"{r['fx_cache_misses']} miss(es) ({self.cache_dir})"
+            )
+        if not self.pending or session_steps < EAGER_PROBE_STEPS:
+            return None
+        self.pending = False
+        warm = {s: is_warm(self.cache_dir, k) for s, k in self.keys.items()}
+        scope, line = choose_compile(step_s, steps_left, self.layers, self.scopes, warm)
+        if agree is not None:
+            scope = agree(scope)
+        if scope is not None:
+            self._compile(model, scope)
+        return line

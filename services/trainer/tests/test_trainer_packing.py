@@ -1,0 +1,156 @@
+"""Packing (trainer.packing, batching.Plan with pack_to): rows hold whole samples within
+the width, every sample once per epoch, the loss and LoRA gradients of a packed batch
+equal those of its samples computed alone, and no token attends across a boundary."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lorastack.store import open_store
+from trainer.batching import Plan, collate, collate_micro_batch, supervised_count
+from trainer.config import RunConfig, load_config
+from trainer.masking import IGNORE
+from trainer.modeling import batch_loss, load_model
+from trainer.packing import pack_rows
+from trainer.recipe import run_training
+from trainer.samples import Sample
+from trainer.settings import TrainerSettings
+
+VOCAB = 96
+
+
+def long_tailed(n: int, seed: int, low: int = 3, high: int = 60) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.clip(rng.lognormal(2.5, 0.8, n), low, high)]
+
+
+def test_rows_hold_every_sample_once_within_the_width() -> None:
+    lengths = long_tailed(500, 0)
+    order = [int(i) for i in np.random.default_rng(1).permutation(500)]
+    rows = pack_rows(order, lengths, 64)
+    assert sorted(i for row in rows for i in row) == list(range(500))
+    assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+    # best-fit decreasing: within a row of the lower bound, far from one sample a row
+    assert len(rows) <= -(-sum(lengths) // 64) + 2
+    assert pack_rows(order, lengths, 64) == rows  # a pure function
+    with pytest.raises(ValueError, match="more than a row"):
+        pack_rows([0], [65], 64)
+
+
+def test_packed_plan_covers_each_epoch_and_keeps_its_step_count() -> None:
+    lengths = long_tailed(200, 2)
+    plan = Plan(3, lengths, micro_batch=2, grad_accum=3, pack_to=64)
+    spe = plan.steps_per_epoch()
+    assert spe < Plan(3, lengths, 2, 3).steps_per_epoch() / 2  # several samples a row
+    for epoch in (0, 1):
+        seen = [
+            i
+            for s in range(epoch * spe, (epoch + 1) * spe)
+            for mb in plan.step(s)
+            for r in mb
+            for i in r
+        ]
+        assert sorted(seen) == list(range(200))
+    assert plan.step(spe) != plan.step(0)  # another epoch, another order
+    assert Plan(3, lengths, 2, 3, pack_to=64).step(spe + 1) == plan.step(spe + 1)
+
+
+def sample(rng: np.random.Generator, length: int) -> Sample:
+    ids = [int(x) for x in rng.integers(0, VOCAB, length)]
+    labels = [t if k >= length // 2 else IGNORE for k, t in enumerate(ids)]
+    return Sample(ids, labels, {}, "", [])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama-packing")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    config = RunConfig.model_validate(
+        {"dataset": {"path": "unused.jsonl"}, "device": "cpu", "lora": {"dropout": 0.0}}
+    )
+    model = load_model(Path(path), config, torch.device("cpu"))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    model.train()
+    return model
+
+
+def loss_and_grads(model: Any, batch: dict[str, torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = batch_loss(model, batch)
+    loss.backward()
+    return float(loss), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_a_packed_batch_has_its_samples_loss_and_gradients(tiny: Any) -> None:
+    rng = np.random.default_rng(4)
+    samples = [sample(rng, n) for n in (17, 5, 30, 9, 22)]
+    rows = [[samples[0], samples[1], samples[2]], [samples[3], samples[4]]]
+    packed = collate_micro_batch(rows, pad_id=0, pack_to=64, fixed_rows=3)
+    assert packed["input_ids"].shape == (3, 64) and "attention_mask" not in packed
+    loss, grads = loss_and_grads(tiny, packed)
+    alone = [loss_and_grads(tiny, collate([s], pad_id=0)) for s in samples]
+    assert loss == pytest.approx(sum(a for a, _ in alone), rel=1e-5)
+    for k, g in enumerate(grads):
+        torch.testing.assert_close(g, sum(a[1][k] for a in alone), rtol=1e-4, atol=1e-6)
+    # the supervised count the step divides by is the positions the packed loss counted
+    assert supervised_count(samples) == int((packed["labels"][:, 1:] != IGNORE).sum())
+
+
+def test_no_token_attends_across_a_sample_boundary(tiny: Any) -> None:
+    rng = np.random.default_rng(5)
+    first, second = sample(rng, 20), sample(rng, 25)
+    changed = Sample([(t + 1) % VOCAB for t in first.input_ids], first.labels, {}, "", [])
+    decoder = tiny.get_base_model().get_decoder()
+    tiny.eval()
+    with torch.no_grad():
+        outs = []
+        for head in (first, changed):
+            batch = collate_micro_batch([[head, second]], 0, pack_to=48)
+            hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+            outs.append(hidden.last_hidden_state[0, 20:45])
+        alone = decoder(input_ids=torch.tensor([second.input_ids])).last_hidden_state[0]
+    tiny.train()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # the second sample's states
+    torch.testing.assert_close(outs[0], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_run_resumes_exactly(
+    trainer_env: TrainerSettings, demo_jsonl: Path, write_config: Callable[..., Path]
+) -> None:
+    """Stopped after its step-2 checkpoint and resumed, a packed run takes the batches the
+    uninterrupted run took: the same losses, bit for bit, with several samples a row."""
+    packed = {"packing": True, "max_steps": 4, "checkpoint_every": 2, "eval_every": 100}
+    full = run_training(load_config(write_config("packed-full", demo_jsonl, **packed)), trainer_env)
+    cut_cfg = load_config(write_config("packed-cut", demo_jsonl, **packed))
+    run_training(cut_cfg, trainer_env)
+    # as if killed before step 4's checkpoint: only step 2's remains
+    run = trainer_env.resolved_runs_dir / "packed-cut"
+    shutil.rmtree(run / "checkpoints" / "step-00000004")
+    (run / "training-complete.json").unlink()
+    open_store(trainer_env).delete("packed-cut/checkpoints", "4")
+    resumed = run_training(cut_cfg, trainer_env, resume=True)
+    assert list(full.losses) == [1, 2, 3, 4]
+    assert resumed.losses == {3: full.losses[3], 4: full.losses[4]}  # float equality
+    assert full.completion["tokens"] > 2 * full.completion["supervised_tokens"] > 0
