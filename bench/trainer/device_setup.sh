@@ -1,0 +1,9 @@
+# Set-up on a GPU machine without a package index (sourced by the commands in README.md):
+# wheels carried in .whl/ (trl, datasets, dill, multiprocess, bitsandbytes, liger-kernel,
+# pydantic, pydantic-core, pydantic-settings, typing-inspection, annotated-types,
+# typing_extensions, python-dotenv, tenacity), then lorastack itself with its entry points.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site libs/lorastack services/trainer apps/lorastack || exit 1
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, peft, trl, bitsandbytes; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__, bitsandbytes.__version__)"
