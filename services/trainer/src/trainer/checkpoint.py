@@ -188,11 +188,8 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
-def load_into(
-    folder: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> dict[str, Any]:
-    """Restore adapter, optimizer and scheduler from `folder`; returns trainer-state.
-    Call `set_rng_states(load_rng(folder))` last, after everything that draws numbers."""
+def load_adapter(folder: Path, model: Any) -> None:
+    """Put the adapter weights of checkpoint `folder` into `model`."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -201,6 +198,14 @@ def load_into(
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise RuntimeError(f"checkpoint {folder} has unexpected adapter keys {unexpected[:3]}")
+
+
+def load_into(
+    folder: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> dict[str, Any]:
+    """Restore adapter, optimizer and scheduler from `folder`; returns trainer-state.
+    Call `set_rng_states(load_rng(folder))` last, after everything that draws numbers."""
+    load_adapter(folder, model)
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     state: dict[str, Any] = json.loads((folder / "trainer-state.json").read_text())

@@ -29,6 +29,8 @@ SAFE_TO_CHANGE = frozenset(
         "log_every",
         "keep_checkpoints",
         "price_per_gpu_hour",
+        "select",
+        "early_stopping",
     }
 )
 
@@ -77,6 +79,15 @@ class LoraConfig(_Strict):
     )
 
 
+class EarlyStoppingConfig(_Strict):
+    patience: int = Field(
+        3, ge=1, description="evaluations in a row without improvement before stopping"
+    )
+    min_delta: float = Field(
+        0.0, ge=0.0, description="nats: a smaller fall of the validation loss is no improvement"
+    )
+
+
 class RunConfig(_Strict):
     base_model: str = Field("smollm2-135m-instruct", description="base-model artifact ref")
     output: str = Field("run", description="artifact prefix: <output>/adapter, /data, ...")
@@ -117,6 +128,14 @@ class RunConfig(_Strict):
     )
     fused_lora: bool = Field(
         True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"
+    )
+    select: Literal["best_val_loss", "last"] = Field(
+        "best_val_loss",
+        description="which adapter is published: the evaluation with the lowest validation "
+        "loss (its checkpoint is kept whatever keep_checkpoints says), or the last step",
+    )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None, description="stop when the validation loss stops improving (needs validation)"
     )
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     eval_every: int = Field(50, ge=1, description="optimizer steps between validation passes")

@@ -34,7 +34,7 @@ from lorastack.store import ArtifactStore
 from trainer import checkpoint
 from trainer.batching import Plan, collate, collate_micro_batch, lr_factor, supervised_count
 from trainer.compiling import CompileRun, compile_report, mark_dynamic_width
-from trainer.config import RunConfig, with_overrides
+from trainer.config import SAFE_TO_CHANGE, RunConfig, with_overrides
 from trainer.errors import (
     ResumeRefused,
     SmokeFailed,
@@ -69,6 +69,7 @@ from trainer.modeling import (
 from trainer.preflight import PreflightReport, refuse_unless_ok
 from trainer.prepare import prepare
 from trainer.samples import Sample, end_of_turn_id, prompt_ids, template_hash
+from trainer.selection import selected_step, should_stop, standing
 from trainer.settings import TrainerSettings
 from trainer.splits import Splits, publish_once
 
@@ -357,8 +358,7 @@ class Recipe:
                 f"--resume refused: this run differs from checkpoint step {latest}:\n"
                 + "\n".join(f"  {c}" for c in changed),
                 "restore what changed, or start a new run under another output name; only "
-                "max_steps, epochs, checkpoint_every, eval_every, log_every, keep_checkpoints "
-                "and price_per_gpu_hour may change on resume",
+                f"{', '.join(sorted(SAFE_TO_CHANGE))} may change on resume",
             )
         return folder
 
@@ -433,6 +433,8 @@ class Recipe:
         world, rank = self.settings.world_size, self.settings.rank
         pack_to = cfg.max_seq_len if cfg.packing else None
         session_steps = 0
+        if self.val_losses and self._early_stop():  # a resumed run that had stopped early
+            return
         warm_plotting()
         while self.step < self.total_steps:
             compiled = self.compiler.active
@@ -491,14 +493,22 @@ class Recipe:
                 self._log_step(
                     step_loss, lr, float(grad_norm), step_tokens, dt, session_start, session_tokens
                 )
-            if self.val_samples and (
+            evaluated = bool(self.val_samples) and (
                 self.step % cfg.eval_every == 0 or self.step == self.total_steps
-            ):
+            )
+            if evaluated:
                 self._evaluate()
             if self.mode == "overfit" and step_loss < OVERFIT_LOSS:
                 break
-            if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+            new_best = evaluated and self._best_step() == self.step
+            if (
+                self.step % cfg.checkpoint_every == 0
+                or self.step == self.total_steps
+                or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
+            ):
                 self.save_checkpoint()
+            if evaluated and self._early_stop():
+                break
             if self.stop_signal is not None:
                 if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
                     f"{self.step:08d}"
@@ -509,6 +519,21 @@ class Recipe:
                     f"{name} received: stopped after step {self.step}; checkpoint {self.last_checkpoint}",
                     "continue with the same command plus --resume",
                 )
+
+    def _best_step(self) -> int | None:
+        return standing(self.val_losses).best_step
+
+    def _early_stop(self) -> bool:
+        stop = self.config.early_stopping
+        if stop is None or not should_stop(self.val_losses, stop.patience, stop.min_delta):
+            return False
+        best = standing(self.val_losses)
+        self.say(
+            f"early stopping at step {self.step}: {stop.patience} evaluation(s) in a row "
+            f"without a fall of more than {stop.min_delta} in validation loss (best "
+            f"{best.best_loss:.4f} at step {best.best_step})"
+        )
+        return True
 
     def _log_step(
         self,
@@ -592,8 +617,10 @@ class Recipe:
         self.say(f"checkpoint step {self.step}: {folder}")
         if self.mode == "train":
             self._publish_checkpoint(folder)
+        keep = self._kept_best()
         for old in checkpoint.local_steps(self.ckpt_root)[: -self.config.keep_checkpoints]:
-            shutil.rmtree(checkpoint.step_dir(self.ckpt_root, old), ignore_errors=True)
+            if old != keep:
+                shutil.rmtree(checkpoint.step_dir(self.ckpt_root, old), ignore_errors=True)
         return folder
 
     def _publish_checkpoint(self, folder: Path) -> None:
@@ -615,8 +642,14 @@ class Recipe:
         except Conflict:
             log.warning("%s:%d was already published; keeping that version", name, self.step)
         versions = sorted(int(v) for v in self.store.versions(name) if v.isdigit())
+        keep = self._kept_best()
         for v in versions[: -self.config.keep_checkpoints]:
-            self.store.delete(name, str(v))
+            if v != keep:
+                self.store.delete(name, str(v))
+
+    def _kept_best(self) -> int | None:
+        """The checkpoint that keep_checkpoints never deletes: the best evaluation's."""
+        return self._best_step() if self.config.select == "best_val_loss" else None
 
     # ---- finish -------------------------------------------------------------------
 
@@ -675,6 +708,7 @@ class Recipe:
                 ],
             }
         if self.mode == "train" and self.settings.is_main:
+            completion["selected"] = self._select_adapter()
             result.adapter = self._publish_adapter(completion, plot)
             completion["adapter_digest"] = result.adapter.digest
         self._lap("finish")
@@ -686,6 +720,18 @@ class Recipe:
             for c in result.verdict["checks"]:
                 self.say(f"  {c}")
         return result
+
+    def _select_adapter(self) -> dict[str, Any]:
+        """Load the weights of the step `select` picks into the model (trainer.selection)."""
+        step, why = selected_step(self.val_losses, self.config.select, self.step)
+        if step != self.step:
+            folder = checkpoint.step_dir(self.ckpt_root, step)
+            if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
+                name = f"{self.config.output}/checkpoints"
+                self.store.get(self.store.manifest(name, str(step)), folder)
+            checkpoint.load_adapter(folder, self.peft)
+        self.say(f"publishing the adapter of step {step}: {why}")
+        return {"step": step, "why": why}
 
     def _result(self, completion: dict[str, Any]) -> TrainResult:
         return TrainResult(
@@ -801,6 +847,8 @@ class Recipe:
             metadata={
                 "test_split": {"ref": self.test_manifest.ref, "digest": self.test_manifest.digest},
                 "steps": self.step,
+                "selected_step": completion["selected"]["step"],
+                "selected_because": completion["selected"]["why"],
                 "final_val_loss": completion["final_val_loss"],
                 "best_val_loss": completion["best_val_loss"],
                 "lora_r": cfg.lora.r,
