@@ -42,6 +42,7 @@ from trainer.errors import (
     TrainingInterrupted,
     TrainingOOM,
 )
+from trainer.live import LiveRun, gpu_reading
 from trainer.memory import estimate, human
 from trainer.metrics import (
     OOM_HINT,
@@ -137,10 +138,15 @@ class Recipe:
         self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
         self.model: Any = None
+        self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
-    def say(self, line: str) -> None:
-        """Print a progress line and keep it for the support bundle."""
-        print(line, flush=True)
+    def say(self, line: str, show: bool = True) -> None:
+        """Print a progress line (above the progress bar, if any) and keep it for the
+        support bundle."""
+        if show and self.live.bar is not None:
+            self.live.bar.write(line)
+        elif show:
+            print(line, flush=True)
         self.tail.lines.append(time.strftime("%H:%M:%S ") + line)
 
     # ---- setup ------------------------------------------------------------------
@@ -262,6 +268,15 @@ class Recipe:
             self.resumed_at = self.step
             self.say(f"resumed from {resume_from} at step {self.step}")
         self._install_signal_handlers()
+        self.live = LiveRun(
+            cfg.output,
+            self.total_steps,
+            settings.metrics_port if settings.is_main else None,
+            settings.metrics_host,
+            bar=None if settings.is_main else False,
+        )
+        if settings.metrics_port is not None and settings.is_main:
+            self.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
         self.say(
             f"training {self.trainable:,} LoRA parameters on {self.device} "
             f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
@@ -564,11 +579,30 @@ class Recipe:
         if self.settings.is_main:
             write_json(self.metrics_dir / f"metrics-step-{self.step}.json", record)
         shown = mem.get("peak_allocated", mem.get("rss", 0))
+        cost = self._hours() * self.settings.world_size * self.config.price_per_gpu_hour
         line = (
             f"step {self.step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
             f"tok/s {tps:.0f} step {dt:.2f}s eta {_duration(eta)} mem {human(shown)}"
+            + (f" cost {cost:.2f}" if self.config.price_per_gpu_hour else "")
         )
-        self.say(line)
+        values = {
+            "step": self.step,
+            "loss": loss,
+            "learning_rate": lr,
+            "tokens_per_second": tps,
+            "tokens": self.tokens_seen,
+            "supervised_tokens": self.supervised_seen,
+            "gpu_memory_allocated_bytes": mem.get("peak_allocated", 0),
+            "gpu_memory_reserved_bytes": mem.get("peak_reserved", 0),
+            "eta_seconds": eta,
+            "cost": cost,
+            **gpu_reading(self.device),
+        }
+        self.say(line, show=self.live.step(values, line))
+
+    def _hours(self) -> float:
+        """Hours this run has taken so far, earlier sessions of a resumed run included."""
+        return (self.wall_before + time.monotonic() - self.start_time) / 3600
 
     def _evaluate(self) -> float:
         self.model.eval()
@@ -588,6 +622,7 @@ class Recipe:
                 self.metrics_dir / f"eval-step-{self.step}.json",
                 {"step": self.step, "val_loss": val},
             )
+        self.live.evaluated(val)
         line = f"eval step {self.step}: validation loss {val:.4f} ({count} supervised tokens)"
         self.say(line)
         return val
@@ -878,6 +913,7 @@ class Recipe:
         return facts
 
     def cleanup(self) -> None:
+        self.live.close()
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()

@@ -24,6 +24,12 @@ class TrainerSettings(CommonSettings):
     local_rank: int = Field(
         0, ge=0, validation_alias=AliasChoices("LOCAL_RANK", "LORASTACK_LOCAL_RANK")
     )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve the run's Prometheus metrics on this port"
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="address the metrics listen on (0.0.0.0 in a container)"
+    )
     cuda_alloc_conf: str | None = Field(
         None,
         validation_alias=AliasChoices("PYTORCH_CUDA_ALLOC_CONF"),

@@ -1,0 +1,99 @@
+"""A run as it happens: Prometheus metrics served while the trainer runs, and a progress
+bar on a terminal (plain lines otherwise, as in a log file or a container's output).
+
+`LiveRun` owns both; the recipe calls `step` after each logged optimizer step and
+`evaluated` after each validation pass. The metrics (names `lorastack_trainer_*`,
+label `run` = the config's output name) are what the Grafana dashboard's training row
+plots: step, loss, validation loss, learning rate, tokens/s, tokens and supervised tokens,
+GPU memory allocated/reserved, GPU utilisation and power (NVML, where present), ETA and
+cost so far. The server starts only when a port is set (LORASTACK_METRICS_PORT) and stops
+with the run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+# (name, help) of each gauge; all carry the label `run`
+GAUGES = {
+    "step": "optimizer steps done",
+    "total_steps": "optimizer steps the run will take",
+    "loss": "training loss of the last step (nats per supervised token)",
+    "val_loss": "last validation loss (nats per supervised token)",
+    "learning_rate": "learning rate of the last step",
+    "tokens_per_second": "input tokens (not padding) per second in this session",
+    "tokens": "input tokens trained on so far",
+    "supervised_tokens": "supervised tokens trained on so far",
+    "gpu_memory_allocated_bytes": "peak bytes allocated by torch on the GPU",
+    "gpu_memory_reserved_bytes": "peak bytes reserved by torch's caching allocator",
+    "gpu_utilization_ratio": "GPU utilisation over NVML's last sample period, 0..1",
+    "gpu_power_watts": "GPU power draw (NVML)",
+    "eta_seconds": "seconds left at this session's pace",
+    "cost": "cost so far (price_per_gpu_hour x GPUs x hours)",
+}
+
+
+def gpu_reading(device: torch.device) -> dict[str, float]:
+    """Utilisation (0..1) and power (W) from NVML; empty without a GPU or NVML."""
+    if device.type != "cuda":
+        return {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return {
+            "gpu_utilization_ratio": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,
+            "gpu_power_watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+        }
+    except Exception:  # NVML missing in some containers: the torch numbers remain
+        return {}
+
+
+class LiveRun:
+    def __init__(
+        self, run: str, total_steps: int, port: int | None, host: str, bar: bool | None = None
+    ) -> None:
+        self.server: Any = None
+        self.gauges: dict[str, Any] = {}
+        if port is not None:
+            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+            registry = CollectorRegistry()
+            for name, text in GAUGES.items():
+                gauge = Gauge(f"lorastack_trainer_{name}", text, ["run"], registry=registry)
+                self.gauges[name] = gauge.labels(run=run)
+            self.server, _ = start_http_server(port, addr=host, registry=registry)
+            self.gauges["total_steps"].set(total_steps)
+        self.bar: Any = None
+        if bar if bar is not None else sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def step(self, values: dict[str, float], line: str) -> bool:
+        """Publish one step's values; True when the caller should print `line` (no bar)."""
+        for name, value in values.items():
+            if name in self.gauges:
+                self.gauges[name].set(value)
+        if self.bar is None:
+            return True
+        self.bar.n = int(values["step"])
+        self.bar.set_postfix_str(line.split(" ", 2)[2], refresh=True)
+        return False
+
+    def evaluated(self, val_loss: float) -> None:
+        if "val_loss" in self.gauges:
+            self.gauges["val_loss"].set(val_loss)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None

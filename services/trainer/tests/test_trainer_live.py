@@ -1,0 +1,62 @@
+"""While a run trains, its metrics are on a Prometheus endpoint (what the dashboard's
+training row plots), and the endpoint closes with the run."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lorastack_testing.net import free_port
+from trainer.config import load_config
+from trainer.recipe import TrainResult, run_training
+from trainer.settings import TrainerSettings
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("lorastack_trainer_") and s.labels.get("run") == "live"
+    }
+
+
+def test_a_running_trainer_serves_its_metrics(
+    trainer_env: TrainerSettings, demo_jsonl: Path, write_config: Callable[..., Path]
+) -> None:
+    port = free_port()
+    settings = trainer_env.model_copy(update={"metrics_port": port})
+    config = load_config(write_config("live", demo_jsonl, price_per_gpu_hour=2.0))
+    done: list[TrainResult] = []
+    thread = threading.Thread(target=lambda: done.append(run_training(config, settings)))
+    thread.start()
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + 600
+    while thread.is_alive() and time.monotonic() < deadline:
+        try:
+            now = scrape(port)
+        except (urllib.error.URLError, ConnectionError):
+            now = {}
+        if now.get("lorastack_trainer_step", 0) >= 1:
+            seen = now
+            if "lorastack_trainer_val_loss" in now and now["lorastack_trainer_val_loss"] > 0:
+                break
+        time.sleep(0.1)
+    thread.join(timeout=600)
+    assert done and done[0].steps == 6
+    assert seen["lorastack_trainer_total_steps"] == 6
+    assert seen["lorastack_trainer_loss"] > 0 and seen["lorastack_trainer_tokens"] > 0
+    assert 0 < seen["lorastack_trainer_supervised_tokens"] < seen["lorastack_trainer_tokens"]
+    assert seen["lorastack_trainer_cost"] > 0 and seen["lorastack_trainer_eta_seconds"] >= 0
+    assert seen["lorastack_trainer_val_loss"] > 0  # the evaluation at step 3
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        scrape(port)  # closed with the run
