@@ -1,4 +1,4 @@
-"""`lorastack model import OWNER/NAME`: from a hub on loopback (tests/fake_hub.py) into the
+"""`lorastack model import OWNER/NAME`: from a hub on loopback (lorastack_testing.fake_hub) into the
 store, as a user runs it (HF_ENDPOINT, HF_TOKEN from the environment)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_hub import FakeHub, make_tiny_model
 
 from lorastack.cli import main
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
+from lorastack_testing.fake_hub import FakeHub, make_tiny_model
 
 TOKEN = "hf_test_token"
 
