@@ -1,4 +1,5 @@
-# lorastack: the two commands of the README are `make demo` and `make test`.
+# lorastack: the two commands of the README are `make demo` and `make test`;
+# `make test-compose` runs the compose walk in Docker (CI runs it after `make test`).
 # Both build .venv/ first when the pinned requirement files changed.
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -9,7 +10,7 @@ REQS := constraints.txt scripts/setup.sh $(wildcard requirements/*.txt) \
         $(wildcard libs/*/pyproject.toml services/*/pyproject.toml apps/*/pyproject.toml \
                    tools/*/pyproject.toml)
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-compose lint
 setup: $(STAMP)
 
 $(STAMP): $(REQS)
@@ -20,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	scripts/test.sh
+
+# Needs root (it installs and starts Docker where missing) and ~20 GB of disk.
+test-compose: $(STAMP)
+	scripts/test-compose.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

@@ -1,0 +1,238 @@
+"""The README's "On a GPU host" walk, run for real on the CPU override (`make test-compose`).
+
+    docker-compose -p lorastack-citest -f compose.yaml -f deploy/compose.cpu.yaml \\
+        -f deploy/tests/compose.standins.yaml ...
+
+Our four images are built from their Dockerfiles beforehand (deploy/tests/build-images.sh).
+Stand-ins, because no registry image can be pulled on the CI machine
+(deploy/tests/standins/build.sh): moto's S3 server for MinIO, boto3 for minio/mc,
+Debian's prometheus package for prom/prometheus, a Debian bookworm Python for
+python:3.11-slim; Grafana is not started (no image), its dashboard's queries are run
+against the real Prometheus instead. The model hub is lorastack_testing.fake_hub on the host,
+serving SmolLM2-135M-Instruct (converted from the GGUF on PyPI) under its hub repo id.
+
+Not a part of `make test` (testpaths): it needs Docker and ~10 minutes of 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dashboard_queries import dashboard_exprs
+
+from lorastack_testing.fake_hub import FakeHub
+from lorastack_testing.net import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = "lorastack-citest"
+FILES = ["compose.yaml", "deploy/compose.cpu.yaml", "deploy/tests/compose.standins.yaml"]
+API_KEY = "citest-key"
+HUB_TOKEN = "hf_citest"
+REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TRAIN_STEPS = 2  # enough for a checkpoint, a validation pass and a published adapter
+PROBES = 2  # merge verification conversations (default 8): CI time, the check is the same
+SERVICES = ("minio", "inference", "gateway", "prometheus")  # with healthchecks
+
+pytestmark = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no Docker")
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+class Compose:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.base = ["docker-compose", "-p", PROJECT, "--env-file", ".env.example"]
+        for f in FILES:
+            self.base += ["-f", f]
+
+    def __call__(
+        self, *args: str, stdin: bytes | None = None, check: bool = True, quiet: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        start = time.monotonic()
+        if not quiet:
+            say("$ docker-compose " + " ".join(args))
+        r = subprocess.run(
+            [*self.base, *args], cwd=REPO, env=self.env, capture_output=True,
+            input=stdin.decode() if stdin is not None else None, text=True,
+        )  # fmt: skip
+        if not quiet:
+            tail = (r.stdout + r.stderr).strip().splitlines()[-12:]
+            say(
+                f"  rc={r.returncode} in {time.monotonic() - start:.0f} s\n    "
+                + "\n    ".join(tail)
+            )
+        if check and r.returncode != 0:
+            raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def container(self, service: str) -> str:
+        return self("ps", "-q", service, quiet=True).stdout.strip()
+
+    def wait_healthy(self, services: tuple[str, ...], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        status: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            for s in services:
+                status[s] = _health(self.container(s))
+            if all(v == "healthy" for v in status.values()):
+                say("healthy: " + ", ".join(services))
+                return
+            time.sleep(5)
+        logs = self("logs", "--tail", "60", *services, check=False, quiet=True)
+        raise AssertionError(f"not healthy in {timeout_s:.0f} s: {status}\n{logs.stdout}")
+
+
+def _health(container: str) -> str:
+    if not container:
+        return "absent"
+    fmt = "{{.State.Health.Status}}"
+    r = subprocess.run(["docker", "inspect", "-f", fmt, container], capture_output=True, text=True)
+    return r.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def hub(embedded_model: Path) -> Iterator[FakeHub]:
+    """SmolLM2 under its hub repo id, gated by a token, reachable from the containers."""
+    with FakeHub(host="0.0.0.0") as server:
+        server.add(REPO_ID, embedded_model, token=HUB_TOKEN)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def compose(hub: FakeHub) -> Iterator[Compose]:
+    ports = {p: str(free_port()) for p in ("GATEWAY_PORT", "PROMETHEUS_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "HF_"))}
+    env |= ports | {
+        "MINIO_CONSOLE_PORT": str(free_port()),
+        "MINIO_ROOT_USER": "citest",
+        "MINIO_ROOT_PASSWORD": "citest-secret",
+        "LORASTACK_API_KEYS": API_KEY,
+        "GRAFANA_ADMIN_PASSWORD": "citest-grafana",
+        "HF_TOKEN": HUB_TOKEN,
+        "HF_ENDPOINT": f"http://host.docker.internal:{hub.port}",
+        "CPU_THREADS": "2",
+    }
+    c = Compose(env)
+    c("down", "-v", "--remove-orphans", check=False)
+    try:
+        yield c
+    finally:
+        c("logs", "--tail", "30", check=False)
+        c("down", "-v", "--remove-orphans", check=False)
+        left = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        assert not left, f"containers left running: {left}"
+
+
+def test_the_readme_walk_on_the_cpu_override(
+    compose: Compose, hub: FakeHub, tmp_path: Path
+) -> None:
+    from openai import BadRequestError, OpenAI
+
+    # 4. The store.
+    compose("up", "-d", "minio", "minio-init")
+    compose.wait_healthy(("minio",), 120)
+
+    # 5. A base model from the (test's) hub, gated: HF_TOKEN reaches the container.
+    r = compose(
+        "--profile", "import", "run", "--rm", "model-import",
+        REPO_ID, "--name", "smollm2-135m-instruct",
+    )  # fmt: skip
+    assert json.loads(r.stdout[r.stdout.index("{") :])["name"] == "smollm2-135m-instruct"
+    assert any(p.endswith("model.safetensors") for _, p, _ in hub.requests)
+
+    # 6. The data, piped in from the host (the demo task, made here).
+    demo = tmp_path / "chats.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "lorastack.cli", "data", "make-demo", str(demo)], check=True,
+        capture_output=True,
+    )  # fmt: skip
+    compose(
+        "--profile", "train", "run", "--rm", "-T", "trainer", "sh", "-c",
+        "mkdir -p /data/lorastack/data && cat > /data/lorastack/data/train.jsonl",
+        stdin=demo.read_bytes(),
+    )  # fmt: skip
+
+    # 7. Check, then a short training run; it publishes chat/adapter.
+    compose("--profile", "train", "run", "--rm", "trainer",
+            "lorastack", "data", "check", "/config/train.yaml")  # fmt: skip
+    steps = f"max_steps={TRAIN_STEPS}"
+    every = [f"eval_every={TRAIN_STEPS}", f"checkpoint_every={TRAIN_STEPS}"]
+    compose("--profile", "train", "run", "--rm", "trainer",
+            "lorastack", "train", "/config/train.yaml", steps, *every)  # fmt: skip
+
+    # 8. Merge, verified against base + adapter; it publishes chat/merged.
+    compose("--profile", "merge", "run", "--rm", "merger",
+            "lorastack", "merge", "chat/adapter", "--probes", str(PROBES))  # fmt: skip
+    ls = compose("--profile", "train", "run", "--rm", "trainer", "lorastack", "store", "ls")
+    for ref in ("smollm2-135m-instruct:1", "chat/adapter:1", "chat/merged:1"):
+        assert ref in ls.stdout, ls.stdout
+
+    # 9. Serve base + adapter; everything healthy.
+    compose("up", "-d")
+    compose.wait_healthy(SERVICES, 900)
+
+    # 10. Chat and stream through the gateway with the openai client; 400 when too long.
+    gateway = f"http://127.0.0.1:{compose.env['GATEWAY_PORT']}/v1"
+    client = OpenAI(base_url=gateway, api_key=API_KEY, max_retries=0, timeout=120)
+    models = {m.id for m in client.models.list().data}
+    assert {"smollm2", "chat/adapter-v1"} <= models, models
+    ask = [{"role": "user", "content": "Convert to an ISO date: March 3, 2021"}]
+    for _ in range(3):  # a few requests, so every rate() of the dashboard has something
+        reply = client.chat.completions.create(model="chat/adapter-v1", messages=ask, max_tokens=16)
+        answer = reply.choices[0].message.content or ""
+        say(f"chat/adapter-v1: {answer!r}")
+        assert answer.strip() and reply.usage is not None and reply.usage.completion_tokens > 0
+        stream = client.chat.completions.create(
+            model="smollm2", messages=ask, max_tokens=16, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        say(f"smollm2 (stream): {text!r}")
+        assert text.strip()
+        time.sleep(6)  # a Prometheus scrape (every 5 s) between rounds
+    too_long = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model="chat/adapter-v1", messages=too_long, max_tokens=8)
+    assert refused.value.status_code == 400
+    say(f"over-long: 400 {refused.value.message[:160]}")
+
+    # 11. Every query of the Grafana dashboard answers with data from Prometheus.
+    time.sleep(12)  # two more scrapes after the last request
+    prometheus = f"http://127.0.0.1:{compose.env['PROMETHEUS_PORT']}"
+    empty = []
+    for expr in dashboard_exprs():
+        query = expr.replace("$__rate_interval", "1m")
+        url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            result = json.load(resp)["data"]["result"]
+        say(f"  {len(result)} series  {query}")
+        if not result:
+            empty.append(query)
+    assert not empty, f"dashboard queries without data: {empty}"
+
+    # 12. The merged model instead of base + adapter.
+    compose.env["SERVE_CONFIG"] = "serve-merged.yaml"
+    compose("up", "-d", "inference")
+    time.sleep(5)
+    compose.wait_healthy(("inference", "gateway"), 900)
+    deadline = time.monotonic() + 60
+    while "chat-merged" not in {m.id for m in client.models.list().data}:
+        assert time.monotonic() < deadline, "the gateway never listed chat-merged"
+        time.sleep(2)
+    reply = client.chat.completions.create(model="chat-merged", messages=ask, max_tokens=16)
+    say(f"chat-merged: {reply.choices[0].message.content!r}")
+    assert (reply.choices[0].message.content or "").strip()
