@@ -170,6 +170,18 @@ def check_sample(
     return s, []
 
 
+def judge_lengths(report: PreflightReport, config: RunConfig) -> None:
+    """The verdict on the over-long samples listed in `report` (refused, or dropped as asked)."""
+    if report.overlong and not config.dataset.drop_overlong:
+        report.problems.append(
+            f"{len(report.overlong)} sample(s) exceed max_seq_len={config.max_seq_len} tokens; "
+            "nothing is truncated: raise max_seq_len, shorten those samples, or drop them "
+            "explicitly with dataset.drop_overlong=true"
+        )
+    if report.dropped:
+        report.warnings.append(f"dropped {report.dropped} over-long sample(s) as asked")
+
+
 def _free_bytes(path: Path) -> tuple[int, Path]:
     p = path
     while not p.exists() and p != p.parent:
@@ -231,14 +243,7 @@ def check_dataset(
             f"{len(report.invalid)} sample(s) cannot be trained on (see 'invalid' lines): fix or "
             "remove them"
         )
-    if report.overlong and not config.dataset.drop_overlong:
-        report.problems.append(
-            f"{len(report.overlong)} sample(s) exceed max_seq_len={config.max_seq_len} tokens; "
-            "nothing is truncated: raise max_seq_len, shorten those samples, or drop them "
-            "explicitly with dataset.drop_overlong=true"
-        )
-    if report.dropped:
-        report.warnings.append(f"dropped {report.dropped} over-long sample(s) as asked")
+    judge_lengths(report, config)
     if not encoded["train"]:
         report.problems.append("no trainable sample is left in the training split")
 

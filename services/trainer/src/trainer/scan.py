@@ -29,7 +29,13 @@ import numpy as np
 
 from lorastack.chat_data import Conversation, parse_line
 from trainer.config import RunConfig
-from trainer.preflight import Lengths, LineProblem, PreflightReport, check_sample
+from trainer.preflight import (
+    Lengths,
+    LineProblem,
+    PreflightReport,
+    check_sample,
+    judge_lengths,
+)
 from trainer.samples import Pretokenized, end_of_turn_id
 from trainer.splits import TEST, TRAIN, normalise, prompt_key, split_groups
 
@@ -240,14 +246,7 @@ def _verdicts(report: PreflightReport, config: RunConfig, problems: int) -> None
     if problems:
         summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         report.problems.append(f"{problems} line problem(s) ({summary}): fix or remove those lines")
-    if report.overlong and not config.dataset.drop_overlong:
-        report.problems.append(
-            f"{len(report.overlong)} sample(s) exceed max_seq_len={config.max_seq_len} tokens; "
-            "nothing is truncated: raise max_seq_len, shorten those samples, or drop them "
-            "explicitly with dataset.drop_overlong=true"
-        )
-    if report.dropped:
-        report.warnings.append(f"dropped {report.dropped} over-long sample(s) as asked")
+    judge_lengths(report, config)
     if report.counts.get("train", 0) == 0:
         report.problems.append("no conversation is left for the training split")
     if report.leaks:
