@@ -3,7 +3,7 @@
     lorastack data make-demo OUT.jsonl [--n 200] [--seed 0]
     lorastack data inspect CONFIG [--index N] [--split train] [key=value ...]
     lorastack data check CONFIG [--json] [key=value ...]  (exit 0 ok, 1 warnings, 3 refused)
-    lorastack train CONFIG [--smoke] [--resume] [--overfit N] [--auto-batch] [key=value ...]
+    lorastack train CONFIG [--smoke] [--resume [auto]] [--overfit N] [--auto-batch] [key=value ...]
     lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]
 
 Settings are built once here and passed down; heavy imports stay inside handlers.
@@ -102,11 +102,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.ranks:
         raise ConfigError("--ranks belongs to 'lorastack train sweep CONFIG --ranks 4,8,16'", "")
+    config, settings = _config(args), TrainerSettings()
     result = run_training(
-        _config(args),
-        TrainerSettings(),
+        config,
+        settings,
         smoke=args.smoke,
-        resume=args.resume,
+        resume=_resume(args, config, settings),
         overfit=args.overfit,
         auto_batch=args.auto_batch,
     )
@@ -118,6 +119,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.adapter is not None:
         print(f"adapter: {result.adapter.ref} {result.adapter.digest[:19]}")
     return 0
+
+
+def _resume(args: argparse.Namespace, config: RunConfig, settings: TrainerSettings) -> bool:
+    """`--resume auto` (a Job that restarts): resume when the run has a checkpoint, locally
+    or in the store, else start it. The recipe still checks the checkpoint matches."""
+    if args.resume != "auto":
+        return bool(args.resume)
+    from lorastack.store.artifacts import open_store
+    from trainer import checkpoint
+
+    root = settings.resolved_runs_dir / config.output / "checkpoints"
+    remote = open_store(settings).versions(f"{config.output}/checkpoints")
+    return bool(checkpoint.local_steps(root)) or any(v.isdigit() for v in remote)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -144,7 +158,7 @@ def _sweep(args: argparse.Namespace) -> int:
             base, [f"lora.r={r}", f"lora.alpha={2 * r}", f"output={base.output}-r{r}"]
         )
         t0 = time.monotonic()
-        res = run_training(cfg, settings, resume=args.resume)
+        res = run_training(cfg, settings, resume=_resume(args, cfg, settings))
         rows.append(
             (
                 r,
@@ -170,6 +184,9 @@ def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
     ) -> tuple[argparse.Namespace, list[str]]:
         ns, extras = argparse.ArgumentParser.parse_known_args(parser, args, namespace)
         ns.overrides = [*(ns.overrides or []), *(a for a in extras if not a.startswith("-"))]
+        if isinstance(getattr(ns, "resume", None), str) and ns.resume != "auto":
+            ns.overrides.append(ns.resume)  # `--resume lr=1e-4`: a flag, then an override
+            ns.resume = True
         return ns, [a for a in extras if a.startswith("-")]
 
     setattr(parser, "parse_known_args", parse_known_args)  # noqa: B010 (instance override)
@@ -207,7 +224,14 @@ def register(sub: Any) -> None:
     p.add_argument("config", help="run config YAML (or 'sweep')")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. lora.r=16 lr=1e-4")
     p.add_argument("--smoke", action="store_true", help="short run with a pass/fail verdict")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="auto",
+        help="continue from the latest checkpoint; '--resume auto': only if there is one",
+    )
     p.add_argument(
         "--overfit", type=int, metavar="N", help="train on N samples until the loss is tiny"
     )
