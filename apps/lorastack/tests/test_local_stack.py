@@ -17,6 +17,9 @@ def test_children_get_the_settings_the_stack_chose(
 ) -> None:
     assert (VLLM_PORT, SUPERVISOR_PORT, GATEWAY_PORT) == (8000, 8001, 8080)  # the services' own
     settings = CommonSettings(home=tmp_path / "home")
+    (tmp_path / "serve.yaml").write_text(
+        "model: smollm2-135m-instruct\nserved_model_name: smollm2\n"
+    )
     inference, gateway = services(settings, tmp_path / "serve.yaml", gateway_port=8099)
     assert inference.argv[-2:] == ["serve", str(tmp_path / "serve.yaml")]
     assert gateway.ready_url == "http://127.0.0.1:8099/ready"
@@ -33,6 +36,8 @@ def test_children_get_the_settings_the_stack_chose(
     gw = read_back(GatewaySettings, gateway.env)
     assert isinstance(gw, GatewaySettings)
     assert gw.port == 8099 and gw.backends == [f"http://127.0.0.1:{VLLM_PORT}"]
+    # the gateway's tokenizer for the served name comes from the artifact inference serves
+    assert gw.tokenizers == {"smollm2": "smollm2-135m-instruct"}
     for child in (inf, gw):
         assert child.home == settings.home
         assert child.resolved_store_url == settings.resolved_store_url

@@ -65,7 +65,12 @@ def services(settings: CommonSettings, serve_config: Path, gateway_port: int) ->
         name="gateway",
         argv=[*cli, "gateway"],
         env=common
-        | child_env(GatewaySettings, port=gateway_port, backends=[f"http://127.0.0.1:{VLLM_PORT}"]),
+        | child_env(
+            GatewaySettings,
+            port=gateway_port,
+            backends=[f"http://127.0.0.1:{VLLM_PORT}"],
+            serve_config=serve_config.resolve(),  # served name -> store artifact (tokenizers)
+        ),
         ready_url=f"http://127.0.0.1:{gateway_port}/ready",
         urls={
             "gateway (OpenAI API)": f"http://127.0.0.1:{gateway_port}/v1",

@@ -66,6 +66,13 @@ def parse_ref(ref: str) -> tuple[str, str | None]:
     return name, version or None
 
 
+def served_name(model_ref: str, served_model_name: str = "") -> str:
+    """The model id vLLM serves a store ref under: `served_model_name`, else the ref's last
+    path segment without its version. One rule for inference and the gateway's tokenizers."""
+    name, _ = parse_ref(model_ref)
+    return served_model_name or name.rsplit("/", 1)[-1]
+
+
 class FileEntry(BaseModel):
     path: str  # relative, '/'-separated
     size: int = Field(ge=0)  # bytes

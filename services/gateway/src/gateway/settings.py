@@ -11,9 +11,12 @@ import json
 from pathlib import Path
 from typing import Annotated, Any
 
+import yaml
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from lorastack.errors import LorastackError
+from lorastack.manifest import served_name
 from lorastack.settings import CommonSettings
 
 
@@ -39,6 +42,11 @@ class GatewaySettings(CommonSettings):
         " Adapters use their parent base's tokenizer (the `parent` field of /v1/models); a"
         " model missing here falls back to its `root` when that is a local folder, then to the"
         " store artifact of the same name.",
+    )
+    serve_config: Path | None = Field(
+        None,
+        description="the inference serve config (YAML) the backends run: its served model name"
+        " takes its tokenizer from the store artifact `model` (a `tokenizers` entry wins)",
     )
     # timeouts, seconds
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -110,4 +118,24 @@ class GatewaySettings(CommonSettings):
             raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
         if self.auth_enabled and not self.api_keys and self.api_keys_file is None:
             raise ValueError("auth_enabled needs api_keys or api_keys_file")
+        if self.serve_config is not None:
+            self.tokenizers = served_tokenizers(self.serve_config) | self.tokenizers
         return self
+
+
+def served_tokenizers(serve_config: Path) -> dict[str, str]:
+    """{served model name: store ref of its model} read from an inference serve config, the
+    one place that maps the name clients send to the artifact behind it."""
+    try:
+        data = yaml.safe_load(serve_config.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"serve_config {serve_config} cannot be read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"serve_config {serve_config} is not valid YAML: {e}") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"serve_config {serve_config} names no model (model: NAME[:VERSION])")
+    try:
+        return {served_name(model, str(data.get("served_model_name") or "")): model}
+    except LorastackError as e:
+        raise ValueError(f"serve_config {serve_config}: {e}") from None

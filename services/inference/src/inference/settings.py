@@ -23,7 +23,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from lorastack.errors import ConfigError
-from lorastack.manifest import parse_ref, validate_name
+from lorastack.manifest import parse_ref, served_name, validate_name
 from lorastack.settings import CommonSettings
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32 accepts
@@ -104,8 +104,7 @@ class InferenceSettings(CommonSettings):
 
     @property
     def resolved_served_name(self) -> str:
-        name, _ = parse_ref(self.model)
-        return self.served_model_name or name.rsplit("/", 1)[-1]
+        return served_name(self.model, self.served_model_name)
 
     @property
     def resolved_workdir(self) -> Path:

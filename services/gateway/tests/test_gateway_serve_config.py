@@ -1,0 +1,53 @@
+"""The gateway reads inference's serve config for one thing: which store artifact holds the
+tokenizer of the model name clients send. A bad file fails at start, saying what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.settings import GatewaySettings
+
+
+def _serve(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("model: smollm2-135m-instruct\nserved_model_name: smollm2\n", "smollm2"),
+        ("model: team/llama31-8b:3\n", "llama31-8b"),  # vLLM's default: the name's last part
+    ],
+)
+def test_served_name_maps_to_the_models_artifact(tmp_path: Path, text: str, expected: str) -> None:
+    s = GatewaySettings(serve_config=_serve(tmp_path, text))
+    model = text.split("\n")[0].removeprefix("model: ")
+    assert s.tokenizers == {expected: model}
+
+
+def test_an_explicit_tokenizer_entry_wins(tmp_path: Path) -> None:
+    path = _serve(tmp_path, "model: smollm2-135m-instruct\nserved_model_name: smollm2\n")
+    s = GatewaySettings(serve_config=path, tokenizers="smollm2=/models/smollm2")
+    assert s.tokenizers == {"smollm2": "/models/smollm2"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "cannot be read"),
+        ("model: [\n", "not valid YAML"),
+        ("served_model_name: smollm2\n", "names no model"),
+        ("model: ../up\n", "invalid artifact name"),
+    ],
+)
+def test_a_bad_serve_config_is_refused_with_the_reason(
+    tmp_path: Path, text: str | None, message: str
+) -> None:
+    path = tmp_path / "serve.yaml" if text is None else _serve(tmp_path, text)
+    with pytest.raises(ValidationError, match=message):
+        GatewaySettings(serve_config=path)

@@ -1,0 +1,180 @@
+"""The configs embedded in deploy/k8s, validated by the classes the services build at start.
+
+Each container's command line goes through the real `lorastack` parser, its environment
+(ConfigMap + Secret + env) into the service's settings class, and every file it reads from a
+mounted ConfigMap (serve.yaml, train.yaml) through the same loader the service uses. Schema
+checks (kubernetes_validate) live in test_deploy.py; these check the contents.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kustomize_lite import render
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = ["deploy/k8s/base", "deploy/k8s/overlays/multi-gpu-training"]
+
+
+class Pod:
+    """One container as the service would see it: argv, environment, mounted files."""
+
+    def __init__(self, docs: list[dict[str, Any]], workload: dict[str, Any], root: Path) -> None:
+        by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+        spec = workload["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        self.args: list[str] = container["args"]
+        self.env: dict[str, str] = {}
+        for src in container.get("envFrom", []):
+            if "configMapRef" in src:
+                data = by_name[("ConfigMap", src["configMapRef"]["name"])]["data"]
+            else:
+                data = by_name[("Secret", src["secretRef"]["name"])]["stringData"]
+            self.env |= {k: v for k, v in data.items() if k.isupper()}  # files are not env
+        self.env |= {e["name"]: e["value"] for e in container.get("env", [])}
+        self.mounts: dict[str, Path] = {}  # mountPath -> folder here holding its files
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for m in container.get("volumeMounts", []):
+            folder = root / workload["metadata"]["name"] / m["name"]
+            folder.mkdir(parents=True)
+            cm = volumes.get(m["name"], {}).get("configMap")  # else a claim or emptyDir
+            if cm is not None:
+                data = by_name[("ConfigMap", cm["name"])]["data"]
+                items = cm.get("items") or [{"key": k, "path": k} for k in data]
+                for it in items:
+                    (folder / it["path"]).write_text(data[it["key"]])
+            self.mounts[m["mountPath"]] = folder
+
+    def local(self, path: str) -> str:
+        """A path inside the container -> the file written here (or unchanged)."""
+        for mount, folder in self.mounts.items():
+            if path.startswith(mount + "/"):
+                return str(folder / path.removeprefix(mount + "/"))
+        return path
+
+    def lorastack_argv(self) -> list[str]:
+        """The arguments after `lorastack` (also through `torchrun ... -m lorastack.cli`)."""
+        if self.args[0] == "lorastack":
+            return self.args[1:]
+        assert self.args[0] == "torchrun", self.args
+        i = self.args.index("-m")
+        assert self.args[i + 1] == "lorastack.cli", self.args
+        return self.args[i + 2 :]
+
+
+def pods(folder: str, root: Path) -> list[Pod]:
+    docs = render(REPO / folder)
+    kinds = {"Deployment", "StatefulSet", "Job"}
+    return [Pod(docs, d, root / folder.replace("/", "_")) for d in docs if d["kind"] in kinds]
+
+
+def parse(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    from lorastack.cli import build_parser
+
+    for k in [k for k in __import__("os").environ if k.startswith("LORASTACK_")]:
+        monkeypatch.delenv(k)
+    for k, v in pod.env.items():
+        monkeypatch.setenv(k, pod.local(v))
+    return build_parser().parse_args([pod.local(a) for a in pod.lorastack_argv()])
+
+
+def check_serve(ns: argparse.Namespace) -> Any:
+    from inference.settings import load_serve_config
+
+    return load_serve_config(Path(ns.config))
+
+
+def check_gateway(ns: argparse.Namespace) -> Any:
+    from gateway.settings import GatewaySettings
+
+    return GatewaySettings()
+
+
+def check_train(ns: argparse.Namespace) -> Any:
+    from trainer.config import load_config
+    from trainer.settings import TrainerSettings
+
+    TrainerSettings()
+    assert ns.resume == "auto", "a Job restarts: --resume auto (a bare --resume refuses run 1)"
+    return load_config(Path(ns.config), list(ns.overrides))
+
+
+CHECKS = {"serve": check_serve, "gateway": check_gateway, "train": check_train}
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_embedded_config_is_valid_for_its_service(
+    folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = set()
+    for pod in pods(folder, tmp_path):
+        command = pod.lorastack_argv()[0]
+        with monkeypatch.context() as m:
+            CHECKS[command](parse(pod, m))
+        seen.add(command)
+    assert seen == set(CHECKS)
+
+
+def test_gateway_takes_the_served_models_tokenizer_from_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    by_command = {p.lorastack_argv()[0]: p for p in pods(FOLDERS[0], tmp_path)}
+    with monkeypatch.context() as m:
+        serve = check_serve(parse(by_command["serve"], m))
+    with monkeypatch.context() as m:
+        gateway = check_gateway(parse(by_command["gateway"], m))
+    # the name clients send (vLLM's) -> the store artifact, not vLLM's local path
+    assert gateway.tokenizers == {serve.resolved_served_name: serve.model}
+    assert serve.resolved_served_name != serve.model  # the case that used to answer 503
+
+
+def test_a_broken_embedded_config_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lorastack.errors import ConfigError
+
+    (pod,) = [p for p in pods(FOLDERS[0], tmp_path) if p.lorastack_argv()[0] == "train"]
+    train_yaml = Path(pod.local("/config/train.yaml"))
+    train_yaml.write_text("base_model: smollm2-135m-instruct\ndataset: my-run/data\noutput: r\n")
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match="dataset"):
+        check_train(parse(pod, m))
+
+
+def test_compose_gives_the_gateway_inferences_serve_config() -> None:
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    serve_arg = compose["inference"]["command"][-1]
+    assert compose["gateway"]["environment"]["LORASTACK_SERVE_CONFIG"] == serve_arg
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in compose["gateway"]["volumes"]}
+    inference = {v.split(":")[0]: v.split(":")[1] for v in compose["inference"]["volumes"]}
+    assert mounts["./deploy/config"] == inference["./deploy/config"] == "/config"
+    cpu = yaml.safe_load((REPO / "deploy/compose.cpu.yaml").read_text())["services"]
+    assert cpu["gateway"]["volumes"] == cpu["inference"]["volumes"]  # the CPU config folder
+
+
+def test_resume_auto_starts_a_first_run_and_resumes_a_restarted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lorastack.cli import build_parser
+    from trainer.cli import _resume
+    from trainer.config import build_config
+    from trainer.settings import TrainerSettings
+
+    for k in [k for k in __import__("os").environ if k.startswith("LORASTACK_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("LORASTACK_HOME", str(tmp_path))
+    settings = TrainerSettings()
+    config = build_config({"dataset": {"path": "chat.jsonl"}, "output": "job"})
+    auto = build_parser().parse_args(["train", "t.yaml", "--resume", "auto", "lr=1e-4"])
+    assert auto.resume == "auto" and auto.overrides == ["lr=1e-4"]
+    assert _resume(auto, config, settings) is False  # first run: start
+    (settings.resolved_runs_dir / "job" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    assert _resume(auto, config, settings) is True  # a restart: continue
+
+    # the bare flag keeps its meaning, also when an override follows it
+    bare = build_parser().parse_args(["train", "t.yaml", "--resume", "lr=1e-4"])
+    assert bare.resume is True and bare.overrides == ["lr=1e-4"]
+    assert build_parser().parse_args(["train", "t.yaml"]).resume is False
