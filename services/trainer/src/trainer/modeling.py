@@ -177,3 +177,22 @@ def batch_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch["labels"],
         batch.get("position_ids"),
     )
+
+
+class LossModule(torch.nn.Module):
+    """The model and its loss as one module: under DistributedDataParallel the forward
+    must go through the wrapper (its gradient hooks and buffers), and loss_sum reaches
+    into the PEFT model's decoder and head, which the wrapper does not expose."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return loss_sum(self.model, input_ids, attention_mask, labels, position_ids)

@@ -23,12 +23,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from lorastack.errors import Conflict, LorastackError, NotFound
+from lorastack.errors import ConfigError, Conflict, LorastackError, NotFound
 from lorastack.manifest import Manifest, git_commit, sha256_file
 from lorastack.store import ArtifactStore
 from trainer import checkpoint
@@ -60,6 +60,7 @@ from trainer.metrics import (
     write_support_bundle,
 )
 from trainer.modeling import (
+    LossModule,
     batch_loss,
     compute_dtype,
     load_model,
@@ -143,6 +144,7 @@ class Recipe:
     def say(self, line: str, show: bool = True) -> None:
         """Print a progress line (above the progress bar, if any) and keep it for the
         support bundle."""
+        show = show and self.settings.is_main  # one voice under torchrun
         if show and self.live.bar is not None:
             self.live.bar.write(line)
         elif show:
@@ -157,7 +159,9 @@ class Recipe:
         if self.mode != "train":
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        prep = prepare(cfg, settings, self.run_dir / "splits")
+        # each process prepares the data; only rank 0's folder is published
+        staging = "splits" if settings.is_main else f"splits-rank{settings.rank}"
+        prep = prepare(cfg, settings, self.run_dir / staging)
         self.store: ArtifactStore = prep.store
         self.base, self.base_dir, self.model_config = prep.base, prep.base_dir, prep.model_config
         self.data_dir, self.test_dir = prep.data_dir, prep.test_dir
@@ -246,8 +250,10 @@ class Recipe:
         )
         compiling = self.compiler.begin(self.peft)
         self._lap("load_model")
+        # training calls the loss through one module; DDP wraps it on several processes
+        self.train_loss: Any = LossModule(self.peft)
         if settings.world_size > 1:
-            self.model = self._wrap_ddp(self.model)
+            self.train_loss = self._wrap_ddp(self.train_loss)
         self.model.train()
         params = [p for p in self.peft.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
@@ -416,10 +422,36 @@ class Recipe:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        cfg, world = self.config, self.settings.world_size
+        if cfg.grad_accum % world:
+            raise ConfigError(
+                f"grad_accum={cfg.grad_accum} does not split over {world} processes: each "
+                "takes grad_accum / world_size micro-batches of every optimizer step",
+                f"set grad_accum to a multiple of {world} (the global batch is micro_batch x "
+                "grad_accum, whatever the number of processes)",
+            )
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
+
+    def _step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return cast(
+            torch.Tensor,
+            self.train_loss(
+                batch["input_ids"],
+                batch.get("attention_mask"),
+                batch["labels"],
+                batch.get("position_ids"),
+            ),
+        )
+
+    def _sum_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
 
     def _rank0_decides(self, choice: bool) -> bool:
         if self.settings.world_size == 1:
@@ -466,23 +498,33 @@ class Recipe:
                     f"step {self.step + 1} has no supervised token: every label is masked",
                     "check the masking (lorastack data inspect) and loss_on",
                 )
-            mine = batches[rank::world]
-            step_loss, step_tokens = 0.0, 0
-            for j, b in enumerate(mine):
+            # every process runs as many micro-batches (the last step of an epoch can hold
+            # fewer than grad_accum): a missing one is a repeat that counts zero, so that
+            # the gradient all-reduce of each process meets the others'
+            share = -(-len(batches) // world)
+            mine = [(batches[i], 1.0) if i < len(batches) else (batches[0], 0.0)
+                    for i in range(rank, share * world, world)]  # fmt: skip
+            step_loss = 0.0
+            step_tokens = sum(s.length for s in flat)  # the whole step, all ranks
+            for j, (b, weight) in enumerate(mine):
                 tensors = collate_micro_batch(b, self.pad, pack_to, fixed_rows)
                 batch = {k: v.to(self.device) for k, v in tensors.items()}
                 if compiled and pack_to is None:
                     mark_dynamic_width(batch)
                 sync_ctx = (
-                    self.model.no_sync()
+                    self.train_loss.no_sync()
                     if world > 1 and j < len(mine) - 1
                     else contextlib.nullcontext()
                 )
                 with sync_ctx:
-                    loss = batch_loss(self.model, batch) / n_sup * world
+                    # DDP averages gradients over processes: * world gives their sum
+                    loss = self._step_loss(batch) / n_sup * world
+                    if weight != 1.0:
+                        loss = loss * weight
                     loss.backward()
                 step_loss += loss.item() / world
-                step_tokens += sum(s.length for row in b for s in row)
+            if world > 1:
+                step_loss = self._sum_over_ranks(step_loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
             )
@@ -701,9 +743,9 @@ class Recipe:
         ):
             self.save_checkpoint()
         train_series = read_series(self.metrics_dir, "metrics", "loss")
-        plot = plot_losses(
-            train_series, self.val_losses, self.run_dir / "loss.png", f"{cfg.output} ({self.mode})"
-        )
+        plot = self.run_dir / "loss.png"
+        if self.settings.is_main:
+            plot_losses(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
         wall = self.wall_before + time.monotonic() - self.start_time
         billed_h = wall / 3600 * self.settings.world_size
         peak = peak_bytes(self.device)
@@ -749,7 +791,8 @@ class Recipe:
         self._lap("finish")
         completion["phases_s"] = self.phases
         self.say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()))
-        write_json(self.run_dir / "training-complete.json", completion)
+        if self.settings.is_main:
+            write_json(self.run_dir / "training-complete.json", completion)
         if result.verdict is not None:
             self.say(("PASS" if result.verdict["passed"] else "FAIL") + f" ({self.mode})")
             for c in result.verdict["checks"]:

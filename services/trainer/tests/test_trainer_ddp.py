@@ -1,0 +1,87 @@
+"""`torchrun --nproc-per-node 2` trains on the CPU (gloo): the forward goes through DDP,
+the two processes take the micro-batches of each step between them, and the losses equal
+one process's with the same global batch; only rank 0 writes and publishes; killed after
+a checkpoint, two processes resume exactly."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lorastack.store import open_store
+from lorastack_testing.net import free_port
+from trainer.metrics import read_series
+from trainer.settings import TrainerSettings
+
+# 5 micro-batches of 2 samples in all: the last step's third micro-batch leaves rank 1
+# with a repeat that counts zero (it must still meet rank 0's all-reduce)
+# no LoRA dropout: each process draws its own masks, so only dropout-free runs can match
+DDP = {"micro_batch": 2, "grad_accum": 2, "max_steps": 3, "checkpoint_every": 1,
+       "eval_every": 100, "epochs": 1,
+       "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}  # fmt: skip
+
+
+def torchrun(config: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         f"--master-port={free_port()}", "-m", "lorastack.cli", "train", str(config), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str]) -> str:
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_resume_exactly(
+    trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
+) -> None:
+    from lorastack.chat_data import write_jsonl
+    from trainer.demo_data import make_demo
+
+    data = tmp_path / "ddp.jsonl"
+    write_jsonl(data, make_demo(13, seed=3))
+    runs = trainer_env.resolved_runs_dir
+    one = subprocess.run(
+        [sys.executable, "-m", "lorastack.cli", "train", str(write_config("one", data, **DDP))],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    out = finish(torchrun(write_config("two", data, **DDP)))
+    assert "training" in out and out.count("published two/adapter") == 1  # rank 0 alone
+    a = read_series(runs / "one" / "metrics", "metrics", "loss")
+    b = read_series(runs / "two" / "metrics", "metrics", "loss")
+    assert list(a) == list(b) == [1, 2, 3]
+    for step in a:  # the same sums, added in another order
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    assert open_store(trainer_env).versions("two/adapter") == ["1"]
+    assert (runs / "two" / "splits-rank1").is_dir()  # rank 1 staged its data apart
+
+    # killed after its step-1 checkpoint, then resumed on two processes: bit for bit
+    cut = write_config("cut", data, **DDP)
+    proc = torchrun(cut)
+    ckpt = runs / "cut" / "checkpoints" / "step-00000001"
+    deadline = time.monotonic() + 900
+    while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    import psutil
+
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:  # the workers too: torchrun starts them in sessions of their own
+        p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=60)
+    proc.communicate()
+    assert not (runs / "cut" / "training-complete.json").exists()
+    resumed = finish(torchrun(cut, "--resume"))
+    assert "resumed from" in resumed
+    assert read_series(runs / "cut" / "metrics", "metrics", "loss") == b
