@@ -83,9 +83,12 @@ def parse(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
 
 
 def check_serve(ns: argparse.Namespace) -> Any:
+    from inference.main import LOOPBACK
     from inference.settings import load_serve_config
 
-    return load_serve_config(Path(ns.config))
+    settings = load_serve_config(Path(ns.config))
+    assert settings.admin_key is not None or settings.supervisor_host in LOOPBACK, "/admin off"
+    return settings
 
 
 def check_gateway(ns: argparse.Namespace) -> Any:

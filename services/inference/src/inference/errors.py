@@ -40,9 +40,17 @@ class EngineFailed(LorastackError):
         self.status = status  # HTTP status the supervisor answers with
 
 
+class AdminDenied(LorastackError):
+    """/admin/* without the admin key (401), or with no key set on a public bind (403)."""
+
+    def __init__(self, message: str, hint: str = "", status: int = 401) -> None:
+        super().__init__(message, hint)
+        self.status = status
+
+
 def http_status(error: LorastackError) -> int:
     """The HTTP status for an expected error (the only mapping in this service)."""
-    if isinstance(error, EngineFailed):
+    if isinstance(error, EngineFailed | AdminDenied):
         return error.status
     for cls, status in (
         (BodyTooLarge, 413),

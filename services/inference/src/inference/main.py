@@ -12,6 +12,7 @@ Routes (the supervisor's own port; vLLM's OpenAI API is on `settings.port`):
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.artifacts import fetch_adapter, fetch_model
 from inference.engine import detect_platform
-from inference.errors import error_body, http_status
+from inference.errors import AdminDenied, error_body, http_status
 from inference.kv_cache import Platform, estimate, read_shape
 from inference.metrics import build_registry, render
 from inference.settings import InferenceSettings
@@ -128,6 +129,28 @@ async def _json_body(request: Request, model: type[AdapterLoad]) -> AdapterLoad:
         raise _invalid(e)[0] from None
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def require_admin(settings: InferenceSettings, authorization: str | None) -> None:
+    """/admin/* changes what every client is served: the admin key, or a loopback bind."""
+    key = settings.admin_key
+    if key is None:
+        if settings.supervisor_host in LOOPBACK:
+            return
+        raise AdminDenied(
+            f"/admin is off: the supervisor listens on {settings.supervisor_host} and no admin"
+            " key is set",
+            "set LORASTACK_ADMIN_KEY and send Authorization: Bearer KEY",
+            status=403,
+        )
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), key.get_secret_value().encode()
+    ):
+        raise AdminDenied("/admin needs the admin key", "send Authorization: Bearer KEY")
+
+
 def create_app(
     settings: InferenceSettings,
     *,
@@ -205,12 +228,14 @@ def create_app(
         },
     )
     async def load_adapter(request: Request) -> dict[str, object]:
+        require_admin(settings, request.headers.get("authorization"))
         body = await _json_body(request, AdapterLoad)
         loaded = await anyio.to_thread.run_sync(supervisor.load_adapter, body.ref)
         return loaded.describe()
 
     @app.delete("/admin/adapters/{served_name:path}")
-    def unload_adapter(served_name: str) -> dict[str, object]:
+    def unload_adapter(served_name: str, request: Request) -> dict[str, object]:
+        require_admin(settings, request.headers.get("authorization"))
         return {"unloaded": supervisor.unload_adapter(served_name).describe()}
 
     return app

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
 from lorastack.errors import ConfigError
 from lorastack.manifest import parse_ref, served_name, validate_name
@@ -56,6 +56,11 @@ class InferenceSettings(CommonSettings):
     host: str = Field("127.0.0.1", description="vLLM's bind address (0.0.0.0 in a container)")
     port: int = Field(8000, ge=1, le=65535, description="vLLM's OpenAI API port")
     supervisor_host: str = "127.0.0.1"
+    admin_key: SecretStr | None = Field(
+        None,
+        description="`Authorization: Bearer KEY` for /admin/*; unset, /admin answers only"
+        " when supervisor_host is a loopback address",
+    )
     supervisor_port: int = Field(
         8001, ge=1, le=65535, description="/health /ready /status /metrics"
     )
