@@ -11,6 +11,7 @@ import collections
 import json
 import logging
 import platform
+import re
 import resource
 import threading
 import time
@@ -163,14 +164,50 @@ OOM_HINT = (
 )
 
 
+# environment variables whose values never enter a support bundle, by name or by value
+SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION", re.I)
+SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|AKIA|ASIA|xox[abp]-|eyJ)")
+
+
+def environment_summary(env: dict[str, str]) -> dict[str, str]:
+    """The environment with every secret-looking value replaced by "<redacted>"."""
+    return {
+        k: "<redacted>" if SECRET_NAME.search(k) or SECRET_VALUE.match(v) else v
+        for k, v in sorted(env.items())
+    }
+
+
+def cuda_versions() -> dict[str, str]:
+    """CUDA runtime (torch's build) and driver versions, where there is a GPU."""
+    if not torch.cuda.is_available():
+        return {}
+    out = {"cuda_runtime": str(torch.version.cuda)}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        out["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # NVML missing in some containers
+        pass
+    return out
+
+
 def write_support_bundle(
-    path: Path, exc: BaseException, facts: dict[str, Any], log_tail: list[str]
+    path: Path,
+    exc: BaseException,
+    facts: dict[str, Any],
+    log_tail: list[str],
+    env: dict[str, str] | None = None,
 ) -> Path:
+    """The support memo of a failed run: what a helper asks for first (template, GPU,
+    versions, sequence length, batch, the failing step, the last log lines, the knob to
+    turn on an OOM) and the environment without its secrets."""
     bundle = {
         **facts,
         "libraries": library_versions(),
         "python": platform.python_version(),
-        "last_log_lines": log_tail,
+        **cuda_versions(),
+        "last_log_lines": log_tail[-20:],
         "exception": {
             "type": type(exc).__name__,
             "message": str(exc),
@@ -178,6 +215,7 @@ def write_support_bundle(
         },
         "oom": is_oom(exc),
         "hint": OOM_HINT if is_oom(exc) else "attach this file to a bug report",
+        "environment": environment_summary(env or {}),
     }
     write_json(path, bundle)
     return path

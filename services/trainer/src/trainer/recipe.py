@@ -31,7 +31,7 @@ import torch
 from lorastack.errors import ConfigError, Conflict, LorastackError, NotFound
 from lorastack.manifest import Manifest, git_commit, sha256_file
 from lorastack.store import ArtifactStore
-from trainer import checkpoint
+from trainer import auto_batch, checkpoint
 from trainer.batching import Plan, collate, collate_micro_batch, lr_factor, supervised_count
 from trainer.compiling import CompileRun, compile_report, mark_dynamic_width
 from trainer.config import SAFE_TO_CHANGE, RunConfig, with_overrides
@@ -64,7 +64,6 @@ from trainer.modeling import (
     batch_loss,
     compute_dtype,
     load_model,
-    loss_sum,
     resolve_device,
     use_expandable_segments,
 )
@@ -394,29 +393,15 @@ class Recipe:
             return cfg
         model = load_model(self.base_dir, cfg, self.device)
         seq = self._widest()
-        best, mb = 0, 1
-        while mb <= effective:
-            if effective % mb == 0:
-                try:
-                    ids = torch.full((mb, seq), self.eot, dtype=torch.long, device=self.device)
-                    loss_sum(model, ids, torch.ones_like(ids), ids).backward()
-                    best = mb
-                except torch.OutOfMemoryError:
-                    break
-                finally:
-                    model.zero_grad(set_to_none=True)
-                    torch.cuda.empty_cache()
-            mb *= 2
-        del model
-        torch.cuda.empty_cache()
-        if best == 0:
-            raise TrainingOOM(
-                f"auto-batch: even micro_batch=1 at {seq} tokens does not fit", OOM_HINT
+        try:
+            best, accum = auto_batch.choose(
+                effective, auto_batch.probe(model, seq, self.eot, self.device), seq
             )
-        self.say(
-            f"auto-batch: micro_batch={best}, grad_accum={effective // best} (effective {effective})"
-        )
-        return with_overrides(cfg, [f"micro_batch={best}", f"grad_accum={effective // best}"])
+        finally:
+            del model
+            torch.cuda.empty_cache()
+        self.say(f"auto-batch: micro_batch={best}, grad_accum={accum} (effective {effective})")
+        return with_overrides(cfg, [f"micro_batch={best}", f"grad_accum={accum}"])
 
     def _wrap_ddp(self, model: Any) -> Any:
         import torch.distributed as dist
@@ -940,6 +925,7 @@ class Recipe:
         cfg = self.config
         facts: dict[str, Any] = {
             "step": self.step,
+            "failing_step": self.step + 1,
             "max_seq_len": cfg.max_seq_len,
             "micro_batch": cfg.micro_batch,
             "grad_accum": cfg.grad_accum,
@@ -952,7 +938,11 @@ class Recipe:
             facts["device"] = str(self.device)
         tok = getattr(self, "tokenizer", None)
         if tok is not None:
-            facts["template"] = {"name": type(tok).__name__, "hash": template_hash(tok)}
+            facts["template"] = {
+                "name": type(tok).__name__,
+                "hash": template_hash(tok),
+                "text": getattr(tok, "chat_template", None),
+            }
         return facts
 
     def cleanup(self) -> None:
@@ -1000,7 +990,11 @@ def run_training(
     except Exception as e:
         recipe.run_dir.mkdir(parents=True, exist_ok=True)
         bundle = write_support_bundle(
-            recipe.run_dir / "support-bundle.json", e, recipe.facts(), list(tail.lines)
+            recipe.run_dir / "support-bundle.json",
+            e,
+            recipe.facts(),
+            list(tail.lines),
+            dict(os.environ),
         )
         print(f"support bundle: {bundle}", flush=True)
         if is_oom(e):

@@ -1,0 +1,50 @@
+"""`--auto-batch`: the largest micro-batch that fits, keeping the effective batch.
+
+`choose` is the search, a pure function of the effective batch (micro_batch x grad_accum)
+and a `fits(micro_batch)` predicate: powers of two that divide the effective batch, up to
+the first that does not fit. `probe` is the predicate on a GPU: one forward and backward
+of the widest rows the run will see. The effective batch, the learning rate's meaning,
+never changes; only how it is split into micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer.errors import TrainingOOM
+from trainer.metrics import OOM_HINT
+from trainer.modeling import loss_sum
+
+
+def choose(effective: int, fits: Callable[[int], bool], seq: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) with micro_batch x grad_accum == effective."""
+    best, mb = 0, 1
+    while mb <= effective:
+        if effective % mb == 0:
+            if not fits(mb):
+                break
+            best = mb
+        mb *= 2
+    if best == 0:
+        raise TrainingOOM(f"auto-batch: even micro_batch=1 at {seq} tokens does not fit", OOM_HINT)
+    return best, effective // best
+
+
+def probe(model: Any, seq: int, token: int, device: torch.device) -> Callable[[int], bool]:
+    """fits(micro_batch) on `device`: one forward and backward of `seq`-token rows."""
+
+    def fits(mb: int) -> bool:
+        try:
+            ids = torch.full((mb, seq), token, dtype=torch.long, device=device)
+            loss_sum(model, ids, torch.ones_like(ids), ids).backward()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    return fits
