@@ -9,6 +9,7 @@ checks (kubernetes_validate) live in test_deploy.py; these check the contents.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +73,16 @@ def pods(folder: str, root: Path) -> list[Pod]:
     return [Pod(docs, d, root / folder.replace("/", "_")) for d in docs if d["kind"] in kinds]
 
 
+def clear_lorastack_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what the manifest gives: none of this process's own LORASTACK_* settings."""
+    for k in [k for k in os.environ if k.startswith("LORASTACK_")]:
+        monkeypatch.delenv(k)
+
+
 def parse(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     from lorastack.cli import build_parser
 
-    for k in [k for k in __import__("os").environ if k.startswith("LORASTACK_")]:
-        monkeypatch.delenv(k)
+    clear_lorastack_env(monkeypatch)
     for k, v in pod.env.items():
         monkeypatch.setenv(k, pod.local(v))
     return build_parser().parse_args([pod.local(a) for a in pod.lorastack_argv()])
@@ -166,8 +172,7 @@ def test_resume_auto_starts_a_first_run_and_resumes_a_restarted_one(
     from trainer.config import build_config
     from trainer.settings import TrainerSettings
 
-    for k in [k for k in __import__("os").environ if k.startswith("LORASTACK_")]:
-        monkeypatch.delenv(k)
+    clear_lorastack_env(monkeypatch)
     monkeypatch.setenv("LORASTACK_HOME", str(tmp_path))
     settings = TrainerSettings()
     config = build_config({"dataset": {"path": "chat.jsonl"}, "output": "job"})
