@@ -1,6 +1,6 @@
 """Time the demo LoRA job's optimizer steps on a GPU, for `lorastack cost estimate`.
 
-Same shapes as services/trainer/configs/demo.yaml: SmolLM2-135M (config only: random
+Same shapes as services/trainer/src/trainer/configs/demo.yaml: SmolLM2-135M (config only: random
 weights, the step time does not depend on their values), LoRA r=8 alpha=16 on all linear
 layers, micro-batch 4 x grad-accum 2, AdamW; sequences of SEQ tokens. Writes
 metrics-step-N.json files ({"step", "step_time_s"}) like the trainer, into OUT/metrics.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from lorastack.errors import ConfigError
 from trainer.batching import Plan, lr_factor
 from trainer.config import load_config, parse_overrides, with_overrides
 
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO = Path(str(files("trainer") / "configs" / "demo.yaml"))  # package data
 
 
 def test_demo_config_loads_with_overrides() -> None:

@@ -239,7 +239,7 @@ def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of fields", "see configs/demo.yaml")
+        raise ConfigError(f"{path} must hold a mapping of fields", "see trainer/configs/demo.yaml")
     return build_config(_merge(data, parse_overrides(overrides or [])), str(path))
 
 
