@@ -16,6 +16,7 @@ from gateway.errors import (
     error_response,
     sse_error_event,
 )
+from gateway.metrics import GatewayMetrics
 from gateway.scrape import parse_metrics, parse_models
 from gateway.settings import GatewaySettings
 from gateway.validation import parse_chat, parse_completion, plan_tokens, requested_output
@@ -156,10 +157,10 @@ def test_keys_and_buckets(tmp_path) -> None:
         key_tokens_per_min=100,
     )  # type: ignore[arg-type]
     now = [0.0]
-    auth = Authenticator.from_settings(s)
+    auth = Authenticator.from_settings(s, GatewayMetrics())
     auth.clock = lambda: now[0]
     kid = auth.authenticate("Bearer a-key")
-    assert kid != "a-key" and len(kid) == 12
+    assert "a-key" not in kid.name and len(kid.name) == len("key-") + 12
     for header in (None, "Basic a-key", "Bearer ", "Bearer c-key"):
         with pytest.raises(Unauthorized):
             auth.authenticate(header)

@@ -14,11 +14,12 @@ lorastack_testing.fake_vllm --port N`). Routes as vLLM 0.32 answers them: `/v1/m
                 drift); `first_byte_delay_s` before the response starts
     queueing    at most `max_running` requests generate at once (0: no limit); the others
                 wait, reported as vllm:num_requests_waiting
+    tokenize    `/tokenize` and `/detokenize` (vLLM's extension): one token per word
     failures    an HTTP error before the first byte (`fail_status` for `fail_count`
                 requests, or every `fail_every`th), a connection that dies mid-stream
     metrics     the gauges set in the state, plus the requests generating and waiting now;
                 KV-cache usage is `kv_per_request` per generating request when that is set
-    records     every request body received, streams completed and cancelled by the client
+    records     every request body received (and its headers), streams completed and cancelled by the client
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class FakeState:
     metrics_down: bool = False  # /metrics answers 500
     # records
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    received_headers: list[dict[str, str]] = field(default_factory=list)  # one per `received`
     cancelled: int = 0  # streams whose client went away before the end
     completed: int = 0
     active: int = 0  # streams being served now
@@ -138,6 +140,21 @@ def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None)
     )
 
 
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+
+
+def _tokenize(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /tokenize and /detokenize answers, with one token (id = length) per word."""
+    if path == "/detokenize":
+        return {"prompt": " ".join("w" * t for t in body.get("tokens", []))}
+    if "messages" in body:
+        text = " ".join(_text(m.get("content")) for m in body["messages"])
+    else:
+        text = str(body.get("prompt", ""))
+    tokens = [len(w) for w in text.split()]
+    return {"count": len(tokens), "max_model_len": 2048, "tokens": tokens, "token_strs": None}
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -177,7 +194,7 @@ class FakeVLLM:
             return await _send(send, 200, metrics_text(s), "text/plain; version=0.0.4")
         if method == "GET" and path == "/health":
             return await _send(send, 200, b"")
-        if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
+        if method != "POST" or path not in ROUTES:
             return await _send(send, 404, b'{"error":{"message":"not found"}}')
         raw = b""
         while True:
@@ -187,6 +204,9 @@ class FakeVLLM:
                 break
         body = json.loads(raw)
         s.received.append((path, body))
+        s.received_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        if path in ("/tokenize", "/detokenize"):
+            return await _send(send, 200, json.dumps(_tokenize(path, body)).encode())
         if s.first_byte_delay_s:
             await asyncio.sleep(s.first_byte_delay_s)
         if s.fail_status is not None and s.fail_count > 0:

@@ -1,27 +1,44 @@
-"""API keys and per-key limits.
+"""API keys, what each may use, and its limits, budget and usage.
 
-Keys come from settings (`api_keys`) and/or a secrets file (one key per line). They are
-compared in constant time and never logged: a key is known to the rest of the gateway
-only by `key_id`, the first 12 hex digits of its sha256. Limits are token buckets that
-refill continuously: requests per minute, and tokens per minute (prompt + max_tokens
-reserved at admission, the unused part refunded when the backend reports its usage).
+Keys come from settings (`api_keys`), a plain secrets file (`api_keys_file`, one key per
+line) and/or the keys file (`keys_file`, `keys.py`: names, allowed models, limits and a
+token budget per key, hashed at rest). A key is known to the rest of the gateway only as
+a `Key`: its name (a keys-file name, or `key-` + the first 12 hex digits of the secret's
+sha256 for the plain lists), never the secret, which is never logged.
+
+Lookup is one dict access by the secret's sha256 digest (O(1) in the number of keys; the
+digest hides the secret, so the lookup's timing tells nothing useful). The keys file is
+re-read when its mtime or size changes, checked at most once a second on a request; a
+bad file is logged and the keys in force stay. Limits are token buckets that refill
+continuously: requests per minute, and tokens per minute (prompt + max_tokens reserved
+at admission, the unused part refunded when the backend reports its usage). A budget is
+tokens per calendar period (UTC), reserved and refunded the same way; state survives a
+reload (by name), not a restart.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
-import hmac
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from gateway.errors import RateLimited, Unauthorized
+from gateway.errors import BudgetExhausted, ModelNotAllowed, RateLimited, Unauthorized
+from gateway.keys import KeyEntry, Period, load_keys, period_end
+from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 
+log = logging.getLogger(__name__)
 
-def key_id(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+RELOAD_CHECK_S = 1.0  # seconds between two mtime checks of the keys file
+
+
+def key_name(secret: str) -> str:
+    return "key-" + hashlib.sha256(secret.encode()).hexdigest()[:12]
 
 
 def read_keys_file(path: Path) -> list[str]:
@@ -56,84 +73,225 @@ class TokenBucket:
 
 
 @dataclass
-class KeyLimits:
-    requests: TokenBucket | None
-    tokens: TokenBucket | None
+class Budget:
+    tokens: int  # per period
+    period: Period
+    used: float = 0.0
+    resets_at: float = 0.0  # epoch seconds; 0: not started
+
+    def roll(self, now: float) -> None:
+        if now >= self.resets_at:
+            self.used, self.resets_at = 0.0, period_end(now, self.period)
 
 
 @dataclass
+class Key:
+    """One API key as the gateway knows it (never the secret)."""
+
+    name: str
+    models: frozenset[str] | None  # None: every model
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    budget: Budget | None
+    usage: dict[str, Any] = field(default_factory=dict)  # metric children, bound once
+
+    def carry_from(self, old: Key) -> None:
+        """Keep what `old` (the same name, before a reload) used."""
+        for mine, theirs in ((self.requests, old.requests), (self.tokens, old.tokens)):
+            if mine is not None and theirs is not None and theirs.level >= 0:
+                mine.level, mine.stamp = min(mine.capacity, theirs.level), theirs.stamp
+        if self.budget and old.budget and self.budget.period == old.budget.period:
+            self.budget.used, self.budget.resets_at = old.budget.used, old.budget.resets_at
+
+
 class Authenticator:
-    enabled: bool
-    keys: list[bytes]  # sha256 digests of the valid keys
-    requests_per_min: int = 0
-    tokens_per_min: int = 0
-    clock: Callable[[], float] = time.monotonic
-    _limits: dict[str, KeyLimits] = field(default_factory=dict)
+    def __init__(
+        self,
+        enabled: bool,
+        secrets: list[str],
+        *,
+        keys_file: Path | None = None,
+        requests_per_min: int = 0,
+        tokens_per_min: int = 0,
+        metrics: GatewayMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.enabled = enabled
+        self.requests_per_min = requests_per_min  # defaults for keys that set none
+        self.tokens_per_min = tokens_per_min
+        self.metrics = metrics or GatewayMetrics()
+        self.clock = clock
+        self.wall = wall
+        self.keys_file = keys_file
+        self._static = {
+            hashlib.sha256(s.encode()).digest(): self._key(key_name(s)) for s in secrets if s
+        }
+        self._by_digest: dict[bytes, Key] = dict(self._static)
+        self._file_stamp: tuple[int, int] | None = None
+        self._next_check = 0.0
+        self.anonymous = self._key("anonymous")
+        if keys_file is not None:
+            self._load(keys_file.stat())  # a bad file at start is a ConfigError
 
     @classmethod
-    def from_settings(cls, s: GatewaySettings) -> Authenticator:
+    def from_settings(cls, s: GatewaySettings, metrics: GatewayMetrics) -> Authenticator:
         raw = [k.get_secret_value() for k in s.api_keys]
         if s.api_keys_file is not None:
             raw += read_keys_file(s.api_keys_file)
-        digests = [hashlib.sha256(k.encode()).digest() for k in raw if k]
-        return cls(s.auth_enabled, digests, s.key_requests_per_min, s.key_tokens_per_min)
+        return cls(
+            s.auth_enabled,
+            raw,
+            keys_file=s.keys_file,
+            requests_per_min=s.key_requests_per_min,
+            tokens_per_min=s.key_tokens_per_min,
+            metrics=metrics,
+        )
 
-    def authenticate(self, authorization: str | None) -> str:
-        """The caller's key_id; "anonymous" when auth is off. Raises Unauthorized."""
+    # --- keys --------------------------------------------------------------------
+    def _key(self, name: str, entry: KeyEntry | None = None) -> Key:
+        rpm = (entry.requests_per_min if entry else 0) or self.requests_per_min
+        tpm = (entry.tokens_per_min if entry else 0) or self.tokens_per_min
+        budget = entry.budget_tokens if entry else 0
+        m = self.metrics
+        return Key(
+            name,
+            frozenset(entry.models) if entry and entry.models is not None else None,
+            TokenBucket(rpm) if rpm else None,
+            TokenBucket(tpm) if tpm else None,
+            Budget(budget, entry.budget_period) if entry and budget else None,
+            {
+                "requests": m.key_requests.labels(name),
+                "prompt": m.key_prompt_tokens.labels(name),
+                "completion": m.key_completion_tokens.labels(name),
+            },
+        )
+
+    def _load(self, stat: Any) -> None:
+        assert self.keys_file is not None
+        entries = load_keys(self.keys_file).keys
+        old = {k.name: k for k in self._by_digest.values()}
+        table = dict(self._static)
+        for e in entries:
+            key = self._key(e.name, e)
+            if e.name in old:
+                key.carry_from(old[e.name])
+            table[bytes.fromhex(e.sha256)] = key
+        self._by_digest = table
+        self._file_stamp = (stat.st_mtime_ns, stat.st_size)
+
+    def _maybe_reload(self) -> None:
+        now = self.clock()
+        if self.keys_file is None or now < self._next_check:
+            return
+        self._next_check = now + RELOAD_CHECK_S
+        try:
+            st = self.keys_file.stat()
+            if (st.st_mtime_ns, st.st_size) != self._file_stamp:
+                self._load(st)
+                log.info("keys file %s reloaded: %d keys", self.keys_file, len(self._by_digest))
+        except Exception as e:  # keep the keys in force; say why once per change
+            log.error("keys file %s not reloaded, the previous keys stay: %s", self.keys_file, e)
+            self._file_stamp = None if not self.keys_file.exists() else (-1, -1)
+
+    def names(self) -> list[str]:
+        return sorted(k.name for k in self._by_digest.values())
+
+    # --- per request -------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> Key:
+        """The caller's Key; `anonymous` when auth is off. Raises Unauthorized."""
         if not self.enabled:
-            return "anonymous"
+            return self.anonymous
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthorized(
                 "missing API key", "send the header `Authorization: Bearer YOUR_KEY`"
             )
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        ok = False
-        for known in self.keys:  # compare with every key, in constant time each
-            ok |= hmac.compare_digest(digest, known)
-        if not ok:
+        self._maybe_reload()
+        key = self._by_digest.get(hashlib.sha256(token.strip().encode()).digest())
+        if key is None:
             raise Unauthorized("invalid API key", "check the key you were given")
-        return key_id(token.strip())
+        return key
 
-    def _for(self, kid: str) -> KeyLimits:
-        if kid not in self._limits:
-            self._limits[kid] = KeyLimits(
-                TokenBucket(self.requests_per_min) if self.requests_per_min else None,
-                TokenBucket(self.tokens_per_min) if self.tokens_per_min else None,
+    def check_model(self, key: Key, model: str) -> None:
+        if key.models is not None and model not in key.models:
+            allowed = ", ".join(sorted(key.models)) or "none"
+            raise ModelNotAllowed(
+                f"the key {key.name!r} may not use the model `{model}`; it may use: {allowed}",
+                "use one of those models, or ask for the key's models to be extended",
+                param="model",
             )
-        return self._limits[kid]
 
-    def admit(self, kid: str, tokens: int) -> None:
-        """Take one request and `tokens` from the key's buckets, or raise RateLimited."""
-        lim = self._for(kid)
+    def admit(self, key: Key, tokens: int) -> None:
+        """Take one request and `tokens` from the key's buckets and budget, or raise
+        RateLimited / BudgetExhausted (nothing taken then)."""
         now = self.clock()
-        if lim.tokens is not None and tokens > lim.tokens.capacity:
+        if key.tokens is not None and tokens > key.tokens.capacity:
             raise RateLimited(
                 f"this request needs {tokens} tokens (prompt + max_tokens) but your key may"
-                f" use at most {int(lim.tokens.capacity)} tokens per minute",
+                f" use at most {int(key.tokens.capacity)} tokens per minute",
                 "lower max_tokens or shorten the prompt",
                 retry_after_s=60,
             )
+        budget = key.budget
+        if budget is not None:
+            wall = self.wall()
+            budget.roll(wall)
+            if budget.used + tokens > budget.tokens:
+                self._exhausted(key, budget, tokens, wall)
         waits = []
-        if lim.requests is not None:
-            waits.append(("requests", self.requests_per_min, lim.requests.wait_s(1, now)))
-        if lim.tokens is not None:
-            waits.append(("tokens", self.tokens_per_min, lim.tokens.wait_s(tokens, now)))
+        if key.requests is not None:
+            waits.append(("requests", key.requests.capacity, key.requests.wait_s(1, now)))
+        if key.tokens is not None:
+            waits.append(("tokens", key.tokens.capacity, key.tokens.wait_s(tokens, now)))
         blocked = [(what, limit, w) for what, limit, w in waits if w > 0]
         if blocked:
             what, limit, wait = max(blocked, key=lambda b: b[2])
             raise RateLimited(
-                f"rate limit reached: {limit} {what} per minute for this key",
+                f"rate limit reached: {int(limit)} {what} per minute for this key",
                 f"retry in {wait:.1f} s",
                 retry_after_s=wait,
             )
-        if lim.requests is not None:
-            lim.requests.take(1, now)
-        if lim.tokens is not None:
-            lim.tokens.take(tokens, now)
+        if key.requests is not None:
+            key.requests.take(1, now)
+        if key.tokens is not None:
+            key.tokens.take(tokens, now)
+        if budget is not None:
+            budget.used += tokens
+        key.usage["requests"].inc()
 
-    def refund(self, kid: str, tokens: int) -> None:
+    def _exhausted(self, key: Key, budget: Budget, tokens: int, wall: float) -> None:
+        left = max(0, int(budget.tokens - budget.used))
+        at = dt.datetime.fromtimestamp(budget.resets_at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        wait = budget.resets_at - wall
+        what = (
+            f"token budget exhausted: the key {key.name!r} has used its {budget.tokens} tokens"
+            f" for this {budget.period}"
+            if left == 0
+            else f"token budget exhausted: this request needs up to {tokens} tokens (prompt +"
+            f" max_tokens) but the key {key.name!r} has {left} of its {budget.tokens} tokens"
+            f" for this {budget.period} left"
+        )
+        what += "."
+        raise BudgetExhausted(
+            what,
+            f"the budget resets at {at} (in {int(wait)} s); lower max_tokens, or ask for a"
+            " larger budget",
+            retry_after_s=wait,
+        )
+
+    def refund(self, key: Key, tokens: int) -> None:
         """Give back reserved tokens the request did not use."""
-        lim = self._limits.get(kid)
-        if lim is not None and lim.tokens is not None and tokens > 0:
-            lim.tokens.give_back(tokens)
+        if tokens <= 0:
+            return
+        if key.tokens is not None:
+            key.tokens.give_back(tokens)
+        if key.budget is not None:
+            key.budget.used = max(0.0, key.budget.used - tokens)
+
+    def record_usage(self, key: Key, prompt: int, completion: int) -> None:
+        key.usage["prompt"].inc(prompt)
+        key.usage["completion"].inc(completion)
+
+    def rejected(self, key: Key, reason: str) -> None:
+        self.metrics.key_rejections.labels(key.name, reason).inc()

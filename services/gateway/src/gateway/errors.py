@@ -8,7 +8,9 @@
         ├── UnsupportedMediaType     415  a body that is not declared as JSON
         ├── Unauthorized             401  missing or wrong API key (reason unauthorized)
         ├── UnknownModel             404  no backend lists the model (reason unknown_model)
+        ├── ModelNotAllowed          403  the key may not use the model (reason model_not_allowed)
         ├── RateLimited              429  per-key requests or tokens per minute (reason rate_limited)
+        ├── BudgetExhausted          429  the key's token budget for the period is spent, until it resets
         ├── Overloaded               429  every eligible backend saturated (reason overloaded)
         ├── UpstreamRejected         the backend's own 4xx/5xx, passed through verbatim
         ├── UpstreamUnavailable      503  no backend reachable after capped retries
@@ -17,7 +19,8 @@
         └── TokenizerUnavailable     503  no tokenizer for the model, so no exact length check
 
 Before a response started, `error_response` gives the status and the OpenAI body
-`{"error": {"message", "type", "param", "code"}}`; once a stream has started,
+`{"error": {"message", "type", "param", "code"}}` (plus `request_id` when the request has
+one); once a stream has started,
 `sse_error_event` gives one `data: {"error": ...}` event, and the stream then closes
 WITHOUT `data: [DONE]`: [DONE] says "the answer is complete", and a client that skips
 unknown events must not take a cut-off answer for a whole one.
@@ -31,6 +34,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from lorastack.errors import LorastackError
 
 
@@ -114,6 +118,18 @@ class RateLimited(_RetryLater):
     reason = "rate_limited"
 
 
+class BudgetExhausted(_RetryLater):
+    code = "budget_exhausted"
+    reason = "budget_exhausted"
+
+
+class ModelNotAllowed(GatewayError):
+    status = 403
+    type = "PermissionDeniedError"
+    code = "model_not_allowed"
+    reason = "model_not_allowed"
+
+
 class Overloaded(_RetryLater):
     code = "overloaded"
     reason = "overloaded"
@@ -171,12 +187,24 @@ def as_gateway_error(exc: BaseException) -> GatewayError:
     return GatewayError("internal error in the gateway; see its log")
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def _body(err: GatewayError, request_id: str | None) -> dict[str, Any]:
+    body = err.body()
+    if request_id is not None and isinstance(body.get("error"), dict):
+        body["error"]["request_id"] = request_id
+    return body
+
+
+def error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
+    """The error's status, headers and OpenAI body; with `request_id`, the id goes into
+    the body (`error.request_id`) and the `X-Request-Id` header."""
     err = as_gateway_error(exc)
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+    headers = err.headers()
+    if request_id is not None:
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(_body(err, request_id), status_code=err.status, headers=headers)
 
 
-def sse_error_event(exc: BaseException) -> bytes:
+def sse_error_event(exc: BaseException, request_id: str | None = None) -> bytes:
     """One SSE error event for a stream that already started (no [DONE] follows)."""
     err = as_gateway_error(exc)
-    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+    return b"data: " + json.dumps(_body(err, request_id)).encode() + b"\n\n"

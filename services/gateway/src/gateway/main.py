@@ -12,18 +12,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
+from gateway.request_id import request_id
+from gateway.scrape import ModelInfo
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream
@@ -37,22 +40,60 @@ class GatewayApp(FastAPI):
     proxy: Proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = PROXIED.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None:
+        if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
-        if scope["method"] == "POST":
+        route = PROXIED.get(scope["path"])
+        if route is not None and scope["method"] == "POST":
             response = await self.proxy.handle(Request(scope, receive), route)
-        else:
-            response = http_error(scope["method"], scope["path"], 405, "Method Not Allowed")
-        await response(scope, receive, send)
+            return await response(scope, receive, send)
+        rid = scope["request_id"] = request_id(_header(scope, b"x-request-id"))
+        if route is not None:
+            response = http_error(scope["method"], scope["path"], 405, "Method Not Allowed", rid)
+            return await response(scope, receive, send)
+        await super().__call__(scope, receive, _with_request_id(send, rid))
 
 
-def http_error(method: str, path: str, status: int, detail: str) -> Response:
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _with_request_id(send: Send, rid: str) -> Send:
+    """`send` that adds `X-Request-Id` to a response that does not carry it yet (the
+    FastAPI routes; off the hot path)."""
+    value = rid.encode()
+
+    async def sender(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if all(k.lower() != b"x-request-id" for k, _ in headers):
+                message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+        await send(message)
+
+    return sender
+
+
+def http_error(method: str, path: str, status: int, detail: str, rid: str | None) -> Response:
     """Starlette's own HTTP errors (404, 405, ...) in the OpenAI error shape."""
     err = GatewayError(f"{method} {path}: {detail}")
     err.status = status
     err.type = "NotFoundError" if status == 404 else "BadRequestError"
-    return error_response(err)
+    return error_response(err, rid)
+
+
+def model_card(m: ModelInfo, created: int) -> dict[str, Any]:
+    """One entry of /v1/models, as OpenAI's API and vLLM shape it."""
+    return {
+        "id": m.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "lorastack",
+        "root": m.root,
+        "parent": m.parent,
+        "max_model_len": m.max_model_len,
+    }
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -60,7 +101,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     scrape_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
     backends = Backends(settings, metrics, TokenizerCache(settings), scrape_client)
     upstream = Upstream(settings, metrics, backends.inflight)
-    auth = Authenticator.from_settings(settings)
+    auth = Authenticator.from_settings(settings, metrics)
     proxy = Proxy(settings, backends, upstream, auth, metrics)
 
     @contextlib.asynccontextmanager
@@ -83,29 +124,44 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return http_error(request.method, request.url.path, exc.status_code, str(exc.detail))
+        rid = request.scope.get("request_id")
+        return http_error(request.method, request.url.path, exc.status_code, str(exc.detail), rid)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            auth.authenticate(request.headers.get("authorization"))
+            key = auth.authenticate(request.headers.get("authorization"))
         except GatewayError as e:
             metrics.rejections.labels("unauthorized").inc()
-            return error_response(e)
+            return error_response(e, request.scope.get("request_id"))
         now = int(time.time())
-        data = [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": now,
-                "owned_by": "lorastack",
-                "root": m.root,
-                "parent": m.parent,
-                "max_model_len": m.max_model_len,
-            }
-            for m in sorted(backends.catalog().values(), key=lambda m: m.id)
-        ]
+        allowed = sorted(
+            (m for m in backends.catalog().values() if key.models is None or m.id in key.models),
+            key=lambda m: m.id,
+        )
+        data = [model_card(m, now) for m in allowed]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """One model (the `openai` client's `models.retrieve`); 404 when no backend has it."""
+        try:
+            key = auth.authenticate(request.headers.get("authorization"))
+            info = await backends.model(model_id)
+            auth.check_model(key, model_id)
+        except GatewayError as e:
+            if e.reason:
+                metrics.rejections.labels(e.reason).inc()
+            return error_response(e, request.scope.get("request_id"))
+        return JSONResponse(model_card(info, int(time.time())))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy.passthrough(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy.passthrough(request, "/detokenize")
 
     @app.get("/health")
     async def health() -> dict[str, str]:

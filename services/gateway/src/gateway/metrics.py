@@ -17,6 +17,8 @@ REJECTION_REASONS = (
     "rate_limited",
     "overloaded",
     "invalid_request",
+    "model_not_allowed",
+    "budget_exhausted",
 )
 # Kinds of failed upstream attempts; each backend's series start at 0, so the dashboard's
 # errors panel shows 0 instead of "No data" while nothing failed.
@@ -120,6 +122,31 @@ class GatewayMetrics:
         )
         self.inflight = Gauge(
             "lorastack_gateway_inflight_requests", "requests being proxied now", registry=r
+        )
+        k = ["key"]  # the key's name, never its secret
+        self.key_requests = Counter(
+            "lorastack_gateway_key_requests_total",
+            "requests admitted (past auth, model check and limits), by key name",
+            k,
+            registry=r,
+        )
+        self.key_prompt_tokens = Counter(
+            "lorastack_gateway_key_prompt_tokens_total",
+            "prompt tokens of answered requests, by key name (the backend's usage)",
+            k,
+            registry=r,
+        )
+        self.key_completion_tokens = Counter(
+            "lorastack_gateway_key_completion_tokens_total",
+            "completion tokens of answered requests, by key name (the backend's usage)",
+            k,
+            registry=r,
+        )
+        self.key_rejections = Counter(
+            "lorastack_gateway_key_rejections_total",
+            "requests of a known key the gateway refused, by key name and reason",
+            [*k, "reason"],
+            registry=r,
         )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)

@@ -1,7 +1,7 @@
 """The request flow of /v1/chat/completions and /v1/completions.
 
-auth -> body limits -> parse -> model check -> exact token count -> length check (or
-clamp) -> per-key limits -> route (admission control) -> upstream with retries ->
+auth -> body limits -> parse -> model check (exists, and the key may use it) -> exact
+token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
 pass the response through (SSE chunk by chunk) -> metrics.
 
 Counting while the backend works: when an upper bound on the prompt's tokens
@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, Key
 from gateway.backends import Backends
 from gateway.errors import (
     BadRequest,
@@ -48,6 +48,8 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.relay import SseRelay, StreamEnd
+from gateway.request_id import HEADER as REQUEST_ID_HEADER
+from gateway.request_id import request_id
 from gateway.routing import RouteRequest, Thresholds, pick_backend
 from gateway.settings import GatewaySettings
 from gateway.tokens import LONG_COUNTS, CountingTokenizer
@@ -80,10 +82,11 @@ class Prepared:
     client_wants_usage: bool
     body: bytes
     headers: dict[str, str]  # for the client
-    key: str
+    key: Key
     reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
+    request_id: str  # also in `headers` (for the client) and sent to the backend
     # set when upper bounds proved the fit (prompt_tokens is then the bound until it runs):
     # the exact counts and their length check, run after forwarding
     count_later: Callable[[], list[int]] | None = None
@@ -109,8 +112,11 @@ class Proxy:
         t0 = time.perf_counter()
         self.metrics.inflight.inc()
         done_here = True  # a streaming response takes the in-flight count over
+        rid = request_id(request.headers.get("x-request-id"))
+        key: Key | None = None
         try:
-            prep = await self._prepare(request, route)
+            key = self.auth.authenticate(request.headers.get("authorization"))
+            prep = await self._prepare(request, route, rid, key)
             call = await (self._open(prep) if prep.count_later is None else self._open_count(prep))
             if prep.stream:
                 done_here = False
@@ -119,19 +125,66 @@ class Proxy:
                     prep.headers,
                     keep_usage=prep.client_wants_usage,
                     t0=t0,
+                    request_id=rid,
                     on_end=lambda end: self._end_stream(prep, call, t0, end),
                 )
             return await self._unary(prep, call, t0)
         except Exception as e:
-            err = as_gateway_error(e)
-            if type(err) is GatewayError:
-                log.exception("unexpected error on %s", route)
-            if err.reason:
-                self.metrics.rejections.labels(err.reason).inc()
-            return error_response(err)
+            return self._fail(e, route, rid, key)
         finally:
             if done_here:
                 self.metrics.inflight.dec()
+
+    def _fail(self, e: Exception, route: str, rid: str, key: Key | None) -> Response:
+        """The one error exit of a proxied request: log line, rejection metric, response."""
+        err = as_gateway_error(e)
+        if type(err) is GatewayError:
+            log.exception("request %s: unexpected error on %s", rid, route)
+        else:
+            log.log(
+                logging.WARNING if err.status >= 500 else logging.INFO,
+                "request %s: %s answered %d: %s",
+                rid,
+                route,
+                err.status,
+                err.message,
+            )
+        if err.reason:
+            self.metrics.rejections.labels(err.reason).inc()
+            if key is not None:
+                self.auth.rejected(key, err.reason)
+        return error_response(err, rid)
+
+    async def passthrough(self, request: Request, path: str) -> Response:
+        """vLLM's `/tokenize` and `/detokenize`: the same auth, body limits and model check
+        as chat, then the body as sent to a backend serving the model, its answer as sent
+        back (no retry beyond `upstream.open`'s, no length check: nothing is generated)."""
+        rid = request_id(request.headers.get("x-request-id"))
+        key: Key | None = None
+        try:
+            key = self.auth.authenticate(request.headers.get("authorization"))
+            body, raw = await self._read_json(request)
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise BadRequest(
+                    "`model` is missing or not a string",
+                    "name a served model (GET /v1/models lists them)",
+                    param="model",
+                )
+            info = await self.backends.model(model)
+            self.auth.check_model(key, model)
+            self.auth.admit(key, 0)  # counts as a request, uses no tokens
+            call = await self._send(
+                RouteRequest(model, adapter=info.parent is not None), path, raw, rid
+            )
+            try:
+                answer = b"".join([chunk async for chunk in call.chunks()])
+            finally:
+                await call.aclose()
+            headers = {REQUEST_ID_HEADER: rid, BACKEND_HEADER: call.backend}
+            return Response(answer, call.status, headers, media_type=call.content_type)
+        except Exception as e:
+            return self._fail(e, path, rid, key)
 
     # --- before the upstream ------------------------------------------------
     async def _read_json(self, request: Request) -> tuple[dict[str, Any], bytes]:
@@ -152,6 +205,7 @@ class Proxy:
 
     async def _count(
         self,
+        key: Key,
         tok: CountingTokenizer,
         req: ChatRequest | CompletionRequest,
         requested: int | None,
@@ -171,7 +225,11 @@ class Proxy:
             return await asyncio.get_running_loop().run_in_executor(LONG_COUNTS, fn), None
         inputs, special = tok.inputs(req)
         bounds = tok.upper_bound(inputs, special)
-        if self.auth.tokens_per_min or any(b + (requested or 1) > max_len for b in bounds):
+        if (
+            key.tokens is not None
+            or key.budget is not None
+            or any(b + (requested or 1) > max_len for b in bounds)
+        ):
             return tok.count(inputs, special), None
 
         def exact() -> list[int]:
@@ -182,8 +240,7 @@ class Proxy:
 
         return bounds, exact
 
-    async def _prepare(self, request: Request, route: str) -> Prepared:
-        key = self.auth.authenticate(request.headers.get("authorization"))
+    async def _prepare(self, request: Request, route: str, rid: str, key: Key) -> Prepared:
         body, original = await self._read_json(request)
         req: ChatRequest | CompletionRequest = (
             parse_chat(body, self.settings.max_messages)
@@ -191,10 +248,11 @@ class Proxy:
             else parse_completion(body)
         )
         info = await self.backends.model(req.model)
+        self.auth.check_model(key, req.model)
         max_len = self.backends.max_model_len(info)
         tok = await self.backends.tokenizer_for(info)
         param, requested = requested_output(req)
-        counts, count_later = await self._count(tok, req, requested, max_len, param)
+        counts, count_later = await self._count(key, tok, req, requested, max_len, param)
         clamp = self.settings.clamp_max_tokens or request.headers.get(CLAMP_HEADER, "").lower() in (
             "1",
             "true",
@@ -202,7 +260,9 @@ class Proxy:
         )
         plans = [plan_tokens(c, requested, max_len, clamp=clamp, param=param) for c in counts]
         out_tokens = min(p.max_tokens for p in plans)  # one value serves every prompt
-        headers = {} if count_later else {PROMPT_TOKENS_HEADER: ",".join(str(c) for c in counts)}
+        headers = {REQUEST_ID_HEADER: rid}
+        if count_later is None:
+            headers[PROMPT_TOKENS_HEADER] = ",".join(str(c) for c in counts)
         changed = False
         if any(p.clamped_from is not None for p in plans):
             body[param] = out_tokens
@@ -227,11 +287,25 @@ class Proxy:
             reserved_tokens=reserved,
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
+            request_id=rid,
             count_later=count_later,
         )
 
     async def _open(self, prep: Prepared) -> UpstreamCall:
         route_req = RouteRequest(prep.model, adapter=prep.adapter)
+        path = "/v1/chat/completions" if prep.route == "chat" else "/v1/completions"
+        try:
+            call = await self._send(route_req, path, prep.body, prep.request_id)
+        except GatewayError:
+            self.auth.refund(prep.key, prep.reserved_tokens)
+            raise
+        prep.headers[BACKEND_HEADER] = call.backend
+        return call
+
+    async def _send(
+        self, route_req: RouteRequest, path: str, body: bytes, rid: str
+    ) -> UpstreamCall:
+        """POST `body` to the backend routing picks (admission control, retries)."""
         interval = self.settings.scrape_interval_s
 
         def pick(tried: Collection[str]) -> str:
@@ -243,16 +317,8 @@ class Proxy:
                 retry_after_s=interval,
             )
 
-        path = "/v1/chat/completions" if prep.route == "chat" else "/v1/completions"
-        try:
-            call = await self.upstream.open(
-                pick, path, prep.body, {"content-type": "application/json"}
-            )
-        except GatewayError:
-            self.auth.refund(prep.key, prep.reserved_tokens)
-            raise
-        prep.headers[BACKEND_HEADER] = call.backend
-        return call
+        headers = {"content-type": "application/json", "x-request-id": rid}
+        return await self.upstream.open(pick, path, body, headers)
 
     async def _open_count(self, prep: Prepared) -> UpstreamCall:
         """`_open`, counting the prompt exactly while it waits for the backend (a callback
@@ -291,6 +357,10 @@ class Proxy:
         if isinstance(out, int):
             m.output_tokens.labels(prep.model, prep.route).observe(out)
             self.auth.refund(prep.key, prep.reserved_tokens - prep.prompt_tokens - out)
+            prompt = usage.get("prompt_tokens") if usage else None
+            self.auth.record_usage(
+                prep.key, prompt if isinstance(prompt, int) else prep.prompt_tokens, out
+            )
         if ttft is not None:
             m.ttft.labels(prep.model, prep.route).observe(ttft)
             if isinstance(out, int) and out >= 2:
@@ -305,7 +375,8 @@ class Proxy:
             kind = "timeout" if isinstance(e, UpstreamTimeout) else "broken_stream"
             self.metrics.upstream_errors.labels(call.backend, kind).inc()
             self._observe(prep, "502", t0, None, None)
-            return error_response(e)
+            log.warning("request %s: %s: %s", prep.request_id, call.backend, e.message)
+            return error_response(e, prep.request_id)
         finally:
             await call.aclose()
         usage = None
@@ -326,6 +397,12 @@ class Proxy:
         (an unfinished response drops its connection: vLLM aborts the request)."""
         if end.error_kind is not None:
             self.metrics.upstream_errors.labels(call.backend, end.error_kind).inc()
+            log.warning(
+                "request %s: the stream from %s ended with %s",
+                prep.request_id,
+                call.backend,
+                end.error_kind,
+            )
         self._observe(prep, end.status, t0, end.ttft, end.usage)
         self.metrics.inflight.dec()
         await call.aclose()

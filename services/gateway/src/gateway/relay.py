@@ -52,6 +52,7 @@ class SseRelay(Response):
         keep_usage: bool,
         t0: float,
         on_end: Callable[[StreamEnd], Awaitable[None]],
+        request_id: str | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -60,6 +61,7 @@ class SseRelay(Response):
         self._keep_usage = keep_usage
         self._t0 = t0
         self._on_end = on_end
+        self._request_id = request_id  # for the error event
         self._ttft: float | None = None  # set by the relay at the first body bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -100,7 +102,11 @@ class SseRelay(Response):
             kind = "timeout" if isinstance(err, UpstreamTimeout) else "broken_stream"
             end = StreamEnd("502", self._ttft, scanner.usage, kind)
             await send(
-                {"type": "http.response.body", "body": sse_error_event(err), "more_body": False}
+                {
+                    "type": "http.response.body",
+                    "body": sse_error_event(err, self._request_id),
+                    "more_body": False,
+                }
             )
         return end
 

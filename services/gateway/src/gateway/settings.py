@@ -77,6 +77,11 @@ class GatewaySettings(CommonSettings):
     auth_enabled: bool = Field(False, description="require `Authorization: Bearer KEY`")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     api_keys_file: Path | None = Field(None, description="one key per line; # comments")
+    keys_file: Path | None = Field(
+        None,
+        description="YAML/JSON keys file: named keys (sha256 at rest) with their models,"
+        " limits and token budget (`lorastack gateway keys add`); re-read when it changes",
+    )
     key_requests_per_min: int = Field(0, ge=0, description="per key; 0 = unlimited")
     key_tokens_per_min: int = Field(
         0, ge=0, description="per key, prompt + max_tokens (refunded to usage); 0 = unlimited"
@@ -116,8 +121,12 @@ class GatewaySettings(CommonSettings):
     def _keys_when_auth(self) -> GatewaySettings:
         if self.api_keys_file is not None and not self.api_keys_file.is_file():
             raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
-        if self.auth_enabled and not self.api_keys and self.api_keys_file is None:
-            raise ValueError("auth_enabled needs api_keys or api_keys_file")
+        if self.keys_file is not None and not self.keys_file.is_file():
+            raise ValueError(
+                f"keys_file {self.keys_file} does not exist (`lorastack gateway keys add` makes it)"
+            )
+        if self.auth_enabled and not (self.api_keys or self.api_keys_file or self.keys_file):
+            raise ValueError("auth_enabled needs api_keys, api_keys_file or keys_file")
         if self.serve_config is not None:
             self.tokenizers = served_tokenizers(self.serve_config) | self.tokenizers
         return self
