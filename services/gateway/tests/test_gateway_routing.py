@@ -10,6 +10,7 @@ from gateway.routing import (
     RouteRequest,
     Thresholds,
     pick_backend,
+    score_capacity,
     score_kv_usage,
     score_lora_affinity,
     score_queue,
@@ -48,6 +49,33 @@ def test_score_kv_usage(views: list[BackendView], expected: dict[str, float]) ->
 )
 def test_score_queue(views: list[BackendView], expected: dict[str, float]) -> None:
     assert score_queue(BASE, views) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("views", "expected"),
+    [
+        # the case: a 1-slot replica busy, an 8-slot one running 4: the free slot wins
+        (
+            [b("one", max_num_seqs=1, running=1, waiting=3), b("eight", max_num_seqs=8, running=4)],
+            {"one": 0.5 / 4, "eight": 0.75},
+        ),
+        # running requests alone do not make a replica look like a queued one
+        (
+            [b("a", max_num_seqs=8, running=7), b("b", max_num_seqs=8, waiting=1)],
+            {"a": 0.5 + 0.5 / 8, "b": 0.25},
+        ),
+        # sent since the scrape fill the free slots, then count as waiting
+        ([b("a", max_num_seqs=2, running=1, sent_since_scrape=1)], {"a": 0.5}),
+        ([b("a", max_num_seqs=2, running=2, sent_since_scrape=2)], {"a": 0.5 / 3}),
+        ([b("a", max_num_seqs=4)], {"a": 1.0}),  # idle
+        ([b("a", waiting=1), b("b")], {"a": 0.25, "b": 0.5}),  # max_num_seqs unknown
+        ([b("a", max_num_seqs=4, running=1, waiting=2)], {"a": 0.5 / 3}),  # free but queued
+    ],
+)
+def test_score_capacity(views: list[BackendView], expected: dict[str, float]) -> None:
+    scores = score_capacity(BASE, views)
+    assert scores == pytest.approx(expected)
+    assert all(0.0 <= s <= 1.0 for s in scores.values())
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Pure routing: score backends for a request from plain scraped data, then pick one.
 
 Each scorer maps `{backend url: score in 0..1}` (1 = best) and is a small plugin for one
-concern: KV-cache usage, queue depth, LoRA affinity. `pick_backend` combines them with
+concern: KV-cache usage, queue depth, free running slots (`score_capacity`, not yet in the
+weighted pick: the scrape does not read `max_num_seqs` yet), LoRA affinity. `pick_backend` combines them with
 weights, drops saturated backends (admission control) and breaks ties by the gateway's
 own in-flight count, then by URL, so the result is deterministic. No I/O here.
 """
@@ -27,6 +28,8 @@ class BackendView:
     loaded_adapters: frozenset[str] = frozenset()  # running or waiting LoRA adapters
     max_lora: int = 0
     inflight: int = 0  # requests this gateway has open on it now (fresher than a scrape)
+    max_num_seqs: int | None = None  # vLLM's running slots; None = not known
+    sent_since_scrape: int = 0  # requests the gateway sent it after its last scrape
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,28 @@ def score_kv_usage(req: RouteRequest, views: list[BackendView]) -> dict[str, flo
 def score_queue(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
     """Shorter queue is better: waiting requests, plus half of the gateway's own in-flight."""
     return {v.url: 1.0 / (1.0 + v.waiting + 0.5 * v.inflight) for v in views}
+
+
+def score_capacity(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """Free running slots first, then the shortest queue.
+
+    free = max_num_seqs - running - requests sent since the scrape (those will take a slot
+    or wait). A backend with a free slot and nothing waiting scores 0.5..1 (more free
+    slots, higher); any other 0..0.5, by what would wait ahead of this request. So a
+    replica busy *running* requests but with a slot left beats one whose requests *wait*,
+    whatever the sizes. Unknown `max_num_seqs`: the queue alone, in the lower half.
+    """
+    out = {}
+    for v in views:
+        if v.max_num_seqs is None or v.max_num_seqs <= 0:
+            out[v.url] = 0.5 / (1.0 + v.waiting + v.sent_since_scrape)
+            continue
+        free = v.max_num_seqs - v.running - v.sent_since_scrape
+        if free > 0 and v.waiting == 0:
+            out[v.url] = 0.5 + 0.5 * free / v.max_num_seqs
+        else:
+            out[v.url] = 0.5 / (1.0 + v.waiting + max(0, -free))
+    return out
 
 
 def score_lora_affinity(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
