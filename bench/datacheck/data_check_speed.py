@@ -88,7 +88,7 @@ def main() -> None:
     t0 = time.monotonic()
     report = check(config, settings, progress=sys.stderr.isatty())
     wall = time.monotonic() - t0
-    shutil.rmtree(work, ignore_errors=True)
+    file_bytes = data.stat().st_size
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(
         json.dumps(
@@ -103,7 +103,7 @@ def main() -> None:
                     "note": "2 vCPUs shared with other work while measured",
                 },
                 "lines": report.lines,
-                "file_bytes": data.stat().st_size,
+                "file_bytes": file_bytes,
                 "wall_s": round(wall, 1),
                 "lines_per_s": round(report.lines / wall),
                 "peak_rss_mib": round(peak / 1024),
@@ -119,6 +119,7 @@ def main() -> None:
             indent=1,
         )
     )
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
