@@ -112,8 +112,13 @@ class _Groups:
             return []
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]
+        repeated = sorted_keys[1:] == sorted_keys[:-1]  # position i equals i + 1
+        member = np.zeros(len(keys), dtype=bool)
+        member[1:] |= repeated
+        member[:-1] |= repeated
+        order, sorted_keys = order[member], sorted_keys[member]  # only lines with a twin
         cuts = np.flatnonzero(np.diff(sorted_keys)) + 1
-        out = [g for g in np.split(order, cuts) if len(g) > 1]
+        out = np.split(order, cuts) if len(order) else []
         out.sort(key=lambda g: int(g[0]))
         return out
 
