@@ -50,8 +50,8 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fields = {"max_steps": 4, "checkpoint_every": 1, "eval_every": 100, "keep_checkpoints": 2}
-    cfg = load_config(write_config("full", demo_jsonl, **fields))
-    root = trainer_env.resolved_runs_dir / "full" / "checkpoints"
+    cfg = load_config(write_config("disk-full", demo_jsonl, **fields))
+    root = trainer_env.resolved_runs_dir / "disk-full" / "checkpoints"
     real_fsync = os.fsync
 
     def full_disk(fd: int) -> None:  # the disk fills up while step 3 is written

@@ -52,24 +52,24 @@ def test_two_processes_train_as_one_and_resume_exactly(
     write_jsonl(data, make_demo(13, seed=3))
     runs = trainer_env.resolved_runs_dir
     one = subprocess.run(
-        [sys.executable, "-m", "lorastack.cli", "train", str(write_config("one", data, **DDP))],
+        [sys.executable, "-m", "lorastack.cli", "train", str(write_config("ddp-one", data, **DDP))],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    out = finish(torchrun(write_config("two", data, **DDP)))
-    assert "training" in out and out.count("published two/adapter") == 1  # rank 0 alone
-    a = read_series(runs / "one" / "metrics", "metrics", "loss")
-    b = read_series(runs / "two" / "metrics", "metrics", "loss")
+    out = finish(torchrun(write_config("ddp-two", data, **DDP)))
+    assert "training" in out and out.count("published ddp-two/adapter") == 1  # rank 0 alone
+    a = read_series(runs / "ddp-one" / "metrics", "metrics", "loss")
+    b = read_series(runs / "ddp-two" / "metrics", "metrics", "loss")
     assert list(a) == list(b) == [1, 2, 3]
     for step in a:  # the same sums, added in another order
         assert b[step] == pytest.approx(a[step], rel=1e-5)
-    assert open_store(trainer_env).versions("two/adapter") == ["1"]
-    assert (runs / "two" / "splits-rank1").is_dir()  # rank 1 staged its data apart
+    assert open_store(trainer_env).versions("ddp-two/adapter") == ["1"]
+    assert (runs / "ddp-two" / "splits-rank1").is_dir()  # rank 1 staged its data apart
 
     # killed after its step-1 checkpoint, then resumed on two processes: bit for bit
-    cut = write_config("cut", data, **DDP)
+    cut = write_config("ddp-cut", data, **DDP)
     proc = torchrun(cut)
-    ckpt = runs / "cut" / "checkpoints" / "step-00000001"
+    ckpt = runs / "ddp-cut" / "checkpoints" / "step-00000001"
     deadline = time.monotonic() + 900
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -81,7 +81,7 @@ def test_two_processes_train_as_one_and_resume_exactly(
         p.send_signal(signal.SIGKILL)
     psutil.wait_procs(family, timeout=60)
     proc.communicate()
-    assert not (runs / "cut" / "training-complete.json").exists()
+    assert not (runs / "ddp-cut" / "training-complete.json").exists()
     resumed = finish(torchrun(cut, "--resume"))
     assert "resumed from" in resumed
-    assert read_series(runs / "cut" / "metrics", "metrics", "loss") == b
+    assert read_series(runs / "ddp-cut" / "metrics", "metrics", "loss") == b
