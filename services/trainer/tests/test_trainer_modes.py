@@ -12,7 +12,8 @@ import pytest
 
 from lorastack.store import open_store
 from trainer.config import load_config
-from trainer.recipe import OVERFIT_LOSS, run_training
+from trainer.modes import OVERFIT_LOSS
+from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 
 

@@ -10,13 +10,17 @@ never changes; only how it is split into micro-batches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.config import RunConfig, with_overrides
 from trainer.errors import TrainingOOM
 from trainer.metrics import OOM_HINT
-from trainer.modeling import loss_sum
+from trainer.modeling import load_model, loss_sum
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe
 
 
 def choose(effective: int, fits: Callable[[int], bool], seq: int) -> tuple[int, int]:
@@ -48,3 +52,24 @@ def probe(model: Any, seq: int, token: int, device: torch.device) -> Callable[[i
             torch.cuda.empty_cache()
 
     return fits
+
+
+def fit(r: Recipe) -> RunConfig:
+    """The run's config with the micro-batch the GPU fits (CUDA only; else unchanged)."""
+    cfg = r.config
+    effective = cfg.micro_batch * cfg.grad_accum
+    if r.device.type != "cuda":
+        r.say(
+            f"auto-batch: probing needs a CUDA device; keeping micro_batch={cfg.micro_batch}, "
+            f"grad_accum={cfg.grad_accum}",
+        )
+        return cfg
+    model = load_model(r.base_dir, cfg, r.device)
+    seq = r.widest()
+    try:
+        best, accum = choose(effective, probe(model, seq, r.eot, r.device), seq)
+    finally:
+        del model
+        torch.cuda.empty_cache()
+    r.say(f"auto-batch: micro_batch={best}, grad_accum={accum} (effective {effective})")
+    return with_overrides(cfg, [f"micro_batch={best}", f"grad_accum={accum}"])

@@ -3,7 +3,10 @@
 `run_training(config, settings, ...)` is the Python API (the CLI and the pipeline call
 it). Modes: "train" (publishes `<output>/data`, `<output>/test`, checkpoints and the
 adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothing) and
-"overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing).
+"overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing): their
+differences live in trainer.modes. The store (resume point, publishing, the selected
+adapter) is trainer.publishing; several processes, trainer.distributed; --auto-batch,
+trainer.auto_batch.
 
 Exact resume: the data position is the step (batch order derives from (seed, epoch));
 a checkpoint restores adapter, AdamW, scheduler and RNG states; `--resume` first
@@ -13,7 +16,6 @@ compares the checkpoint's run manifest with this run's and refuses on a differen
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -28,21 +30,22 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from lorastack.errors import ConfigError, Conflict, LorastackError, NotFound
-from lorastack.manifest import Manifest, git_commit, sha256_file
+from lorastack.errors import LorastackError
+from lorastack.manifest import Manifest, git_commit
 from lorastack.store import ArtifactStore
-from trainer import auto_batch, checkpoint
+from trainer import checkpoint, modes, progress, publishing
+from trainer.auto_batch import fit as fit_micro_batch
 from trainer.batching import Plan, collate, collate_micro_batch, lr_factor, supervised_count
 from trainer.compiling import CompileRun, compile_report, mark_dynamic_width
-from trainer.config import SAFE_TO_CHANGE, RunConfig, with_overrides
+from trainer.config import RunConfig
+from trainer.distributed import my_share, rank0_decides, sum_over_ranks, wrap_ddp
 from trainer.errors import (
-    ResumeRefused,
     SmokeFailed,
     TrainingCrashed,
     TrainingInterrupted,
     TrainingOOM,
 )
-from trainer.live import LiveRun, gpu_reading
+from trainer.live import LiveRun
 from trainer.memory import estimate, human
 from trainer.metrics import (
     OOM_HINT,
@@ -69,19 +72,12 @@ from trainer.modeling import (
 )
 from trainer.preflight import PreflightReport, refuse_unless_ok
 from trainer.prepare import prepare
-from trainer.samples import Sample, end_of_turn_id, prompt_ids, template_hash
-from trainer.selection import selected_step, should_stop, standing
+from trainer.samples import end_of_turn_id, template_hash
+from trainer.selection import should_stop, standing
 from trainer.settings import TrainerSettings
 from trainer.splits import Splits, publish_once
 
 log = logging.getLogger("trainer")
-
-SMOKE_STEPS = 8  # optimizer steps of a smoke run
-SMOKE_SEQ = 128  # tokens: smoke runs use samples at most this long
-SMOKE_MIN_DROP = 0.01  # the last loss must be at least 1% under the first
-SMOKE_NEW_TOKENS = 48  # tokens generated for the smoke sample
-OVERFIT_LOSS = 0.05  # nats/token: --overfit passes below this
-OVERFIT_MAX_STEPS = 300
 
 
 @dataclass
@@ -174,13 +170,15 @@ class Recipe:
         self.say(self.report.render())
         refuse_unless_ok(self.report)
         self.splits: Splits = splits
-        self.train_samples, self.val_samples = self._select(encoded["train"], encoded["validation"])
+        self.train_samples, self.val_samples = modes.select_samples(
+            self, encoded["train"], encoded["validation"]
+        )
         cfg = self.config  # smoke and overfit runs adjust steps and schedule
 
         self.device = resolve_device(cfg.device, settings.local_rank)
         use_expandable_segments(self.device, settings.cuda_alloc_conf)
         if auto_batch:
-            self.config = cfg = self._auto_batch()
+            self.config = cfg = fit_micro_batch(self)
         self.run_manifest = {
             "dataset_digest": self.data_digest,
             "test_digest": self.test_digest,
@@ -194,7 +192,7 @@ class Recipe:
             "device_type": self.device.type,
             "world_size": settings.world_size,
         }
-        resume_from = self._find_resume_point(resume)
+        resume_from = publishing.find_resume_point(self, resume)
         if self.mode == "train" and settings.is_main:
             self.data_manifest = publish_once(
                 self.store,
@@ -215,7 +213,9 @@ class Recipe:
                 "0"
             ) not in self.store.versions(ckpt_name):
                 self.step = int(resume_from.name.removeprefix(checkpoint.PREFIX))
-                self._publish_checkpoint(resume_from)  # killed between local write and upload
+                publishing.publish_checkpoint(
+                    self, resume_from
+                )  # killed between local write and upload
 
         self.memory_estimate = estimate(
             self.model_config,
@@ -224,7 +224,7 @@ class Recipe:
             quantization=cfg.quantization,
             compute_bytes=2 if compute_dtype(self.device) == torch.bfloat16 else 4,
             micro_batch=cfg.micro_batch,
-            seq_len=self._widest(),
+            seq_len=self.widest(),
             gradient_checkpointing=cfg.gradient_checkpointing,
         )
         write_json(self.run_dir / "memory-estimate.json", self.memory_estimate)
@@ -252,7 +252,7 @@ class Recipe:
         # training calls the loss through one module; DDP wraps it on several processes
         self.train_loss: Any = LossModule(self.peft)
         if settings.world_size > 1:
-            self.train_loss = self._wrap_ddp(self.train_loss)
+            self.train_loss = wrap_ddp(self.train_loss, cfg, settings.world_size, self.device)
         self.model.train()
         params = [p for p in self.peft.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
@@ -294,50 +294,12 @@ class Recipe:
         self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._lap_at, 2)
         self._lap_at = now
 
-    def _select(self, train: list[Sample], val: list[Sample]) -> tuple[list[Sample], list[Sample]]:
-        cfg = self.config
-        if self.mode == "smoke":
-            short = [s for s in train if s.length <= SMOKE_SEQ]
-            want = cfg.micro_batch * cfg.grad_accum
-            if not short:
-                raise SmokeFailed(
-                    f"no training sample is at most {SMOKE_SEQ} tokens long",
-                    "smoke needs short samples",
-                )
-            self.config = with_overrides(
-                cfg,
-                [
-                    f"max_steps={SMOKE_STEPS}",
-                    "schedule=constant",
-                    "warmup_steps=0",
-                    f"checkpoint_every={SMOKE_STEPS}",
-                    f"eval_every={SMOKE_STEPS}",
-                    "keep_checkpoints=1",
-                    "epochs=10000",
-                ],
-            )
-            return short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
-        if self.mode == "overfit":
-            n = self.overfit or 1
-            self.config = with_overrides(
-                cfg,
-                [
-                    f"max_steps={cfg.max_steps or OVERFIT_MAX_STEPS}",
-                    "schedule=constant",
-                    "epochs=10000",
-                    "checkpoint_every=1000000",
-                    "eval_every=1000000",
-                ],
-            )
-            return train[:n], train[:n]
-        return train, val
-
     def _total_steps(self) -> int:
         cfg = self.config
         by_epochs = cfg.epochs * self.plan.steps_per_epoch()
         return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
 
-    def _widest(self) -> int:
+    def widest(self) -> int:
         """Tokens per row of the widest micro-batch."""
         if self.config.packing:
             return self.config.max_seq_len
@@ -347,78 +309,6 @@ class Recipe:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-
-    def _find_resume_point(self, resume: bool) -> Path | None:
-        """The checkpoint to continue from (None for a fresh run); refuses a mismatch."""
-        if self.mode != "train":
-            return None
-        name = f"{self.config.output}/checkpoints"
-        local = checkpoint.local_steps(self.ckpt_root)
-        remote = [int(v) for v in self.store.versions(name) if v.isdigit()]
-        latest = max(local + remote, default=None)
-        if not resume:
-            if latest is not None:
-                raise ResumeRefused(
-                    f"run {self.config.output!r} already has checkpoints (latest step {latest})",
-                    "continue it with --resume, or start a new run with another output name "
-                    "(output=NAME)",
-                )
-            return None
-        if latest is None:
-            raise NotFound(
-                f"--resume: run {self.config.output!r} has no checkpoint", "start without --resume"
-            )
-        folder = checkpoint.step_dir(self.ckpt_root, latest)
-        if latest not in local:
-            self.store.get(self.store.manifest(name, str(latest)), folder)
-        old = checkpoint.read_manifest(folder)
-        changed = checkpoint.manifest_diff(old, self.run_manifest)
-        if changed:
-            raise ResumeRefused(
-                f"--resume refused: this run differs from checkpoint step {latest}:\n"
-                + "\n".join(f"  {c}" for c in changed),
-                "restore what changed, or start a new run under another output name; only "
-                f"{', '.join(sorted(SAFE_TO_CHANGE))} may change on resume",
-            )
-        return folder
-
-    def _auto_batch(self) -> RunConfig:
-        cfg = self.config
-        effective = cfg.micro_batch * cfg.grad_accum
-        if self.device.type != "cuda":
-            self.say(
-                f"auto-batch: probing needs a CUDA device; keeping micro_batch={cfg.micro_batch}, "
-                f"grad_accum={cfg.grad_accum}",
-            )
-            return cfg
-        model = load_model(self.base_dir, cfg, self.device)
-        seq = self._widest()
-        try:
-            best, accum = auto_batch.choose(
-                effective, auto_batch.probe(model, seq, self.eot, self.device), seq
-            )
-        finally:
-            del model
-            torch.cuda.empty_cache()
-        self.say(f"auto-batch: micro_batch={best}, grad_accum={accum} (effective {effective})")
-        return with_overrides(cfg, [f"micro_batch={best}", f"grad_accum={accum}"])
-
-    def _wrap_ddp(self, model: Any) -> Any:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
-
-        cfg, world = self.config, self.settings.world_size
-        if cfg.grad_accum % world:
-            raise ConfigError(
-                f"grad_accum={cfg.grad_accum} does not split over {world} processes: each "
-                "takes grad_accum / world_size micro-batches of every optimizer step",
-                f"set grad_accum to a multiple of {world} (the global batch is micro_batch x "
-                "grad_accum, whatever the number of processes)",
-            )
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
 
     def _step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return cast(
@@ -430,22 +320,6 @@ class Recipe:
                 batch.get("position_ids"),
             ),
         )
-
-    def _sum_over_ranks(self, value: float) -> float:
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t.item())
-
-    def _rank0_decides(self, choice: bool) -> bool:
-        if self.settings.world_size == 1:
-            return choice
-        import torch.distributed as dist
-
-        box = [choice]
-        dist.broadcast_object_list(box, src=0)
-        return bool(box[0])
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, frame: Any) -> None:
@@ -483,12 +357,7 @@ class Recipe:
                     f"step {self.step + 1} has no supervised token: every label is masked",
                     "check the masking (lorastack data inspect) and loss_on",
                 )
-            # every process runs as many micro-batches (the last step of an epoch can hold
-            # fewer than grad_accum): a missing one is a repeat that counts zero, so that
-            # the gradient all-reduce of each process meets the others'
-            share = -(-len(batches) // world)
-            mine = [(batches[i], 1.0) if i < len(batches) else (batches[0], 0.0)
-                    for i in range(rank, share * world, world)]  # fmt: skip
+            mine = my_share(batches, rank, world)
             step_loss = 0.0
             step_tokens = sum(s.length for s in flat)  # the whole step, all ranks
             for j, (b, weight) in enumerate(mine):
@@ -509,7 +378,7 @@ class Recipe:
                     loss.backward()
                 step_loss += loss.item() / world
             if world > 1:
-                step_loss = self._sum_over_ranks(step_loss)
+                step_loss = sum_over_ranks(step_loss, self.device)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
             )
@@ -525,22 +394,33 @@ class Recipe:
             dt = time.monotonic() - t0
             session_steps += 1
             line = self.compiler.after_step(
-                self.peft, session_steps, dt, self.total_steps - self.step, self._rank0_decides
+                self.peft,
+                session_steps,
+                dt,
+                self.total_steps - self.step,
+                lambda choice: rank0_decides(choice, world),
             )
             if line:
                 self.say(line)
             if not math.isfinite(step_loss):
                 raise SmokeFailed(f"the loss is {step_loss} at step {self.step}", "lower lr")
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                self._log_step(
-                    step_loss, lr, float(grad_norm), step_tokens, dt, session_start, session_tokens
+                progress.log_step(
+                    self,
+                    step_loss,
+                    lr,
+                    float(grad_norm),
+                    step_tokens,
+                    dt,
+                    session_start,
+                    session_tokens,
                 )
             evaluated = bool(self.val_samples) and (
                 self.step % cfg.eval_every == 0 or self.step == self.total_steps
             )
             if evaluated:
                 self._evaluate()
-            if self.mode == "overfit" and step_loss < OVERFIT_LOSS:
+            if self.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
             new_best = evaluated and self._best_step() == self.step
             if (
@@ -577,57 +457,7 @@ class Recipe:
         )
         return True
 
-    def _log_step(
-        self,
-        loss: float,
-        lr: float,
-        grad_norm: float,
-        tokens: int,
-        dt: float,
-        session_start: float,
-        session_tokens: int,
-    ) -> None:
-        elapsed = time.monotonic() - session_start
-        tps = session_tokens / elapsed if elapsed > 0 else 0.0
-        steps_done = max(1, len(self.losses))
-        eta = (self.total_steps - self.step) * elapsed / steps_done
-        mem = memory_now(self.device)
-        record = {
-            "step": self.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": tokens,
-            "tokens_total": self.tokens_seen,
-            "tokens_per_s": tps,
-            "step_time_s": dt,
-            **mem,
-        }
-        if self.settings.is_main:
-            write_json(self.metrics_dir / f"metrics-step-{self.step}.json", record)
-        shown = mem.get("peak_allocated", mem.get("rss", 0))
-        cost = self._hours() * self.settings.world_size * self.config.price_per_gpu_hour
-        line = (
-            f"step {self.step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
-            f"tok/s {tps:.0f} step {dt:.2f}s eta {_duration(eta)} mem {human(shown)}"
-            + (f" cost {cost:.2f}" if self.config.price_per_gpu_hour else "")
-        )
-        values = {
-            "step": self.step,
-            "loss": loss,
-            "learning_rate": lr,
-            "tokens_per_second": tps,
-            "tokens": self.tokens_seen,
-            "supervised_tokens": self.supervised_seen,
-            "gpu_memory_allocated_bytes": mem.get("peak_allocated", 0),
-            "gpu_memory_reserved_bytes": mem.get("peak_reserved", 0),
-            "eta_seconds": eta,
-            "cost": cost,
-            **gpu_reading(self.device),
-        }
-        self.say(line, show=self.live.step(values, line))
-
-    def _hours(self) -> float:
+    def hours(self) -> float:
         """Hours this run has taken so far, earlier sessions of a resumed run included."""
         return (self.wall_before + time.monotonic() - self.start_time) / 3600
 
@@ -678,47 +508,19 @@ class Recipe:
         self.last_checkpoint = folder
         self.say(f"checkpoint step {self.step}: {folder}")
         if self.mode == "train":
-            self._publish_checkpoint(folder)
-        keep = self._kept_best()
+            publishing.publish_checkpoint(self, folder)
+        keep = publishing.kept_best(self)
         for old in checkpoint.local_steps(self.ckpt_root)[: -self.config.keep_checkpoints]:
             if old != keep:
                 shutil.rmtree(checkpoint.step_dir(self.ckpt_root, old), ignore_errors=True)
         return folder
-
-    def _publish_checkpoint(self, folder: Path) -> None:
-        name = f"{self.config.output}/checkpoints"
-        parents = [self.base.as_parent("base")]
-        if self.data_manifest is not None:
-            parents.append(self.data_manifest.as_parent("dataset"))
-        try:
-            self.store.publish(
-                folder,
-                kind="checkpoint",
-                name=name,
-                service="trainer",
-                version=str(self.step),
-                parents=parents,
-                config=self.config.model_dump(mode="json"),
-                metadata={"step": self.step, "total_steps": getattr(self, "total_steps", None)},
-            )
-        except Conflict:
-            log.warning("%s:%d was already published; keeping that version", name, self.step)
-        versions = sorted(int(v) for v in self.store.versions(name) if v.isdigit())
-        keep = self._kept_best()
-        for v in versions[: -self.config.keep_checkpoints]:
-            if v != keep:
-                self.store.delete(name, str(v))
-
-    def _kept_best(self) -> int | None:
-        """The checkpoint that keep_checkpoints never deletes: the best evaluation's."""
-        return self._best_step() if self.config.select == "best_val_loss" else None
 
     # ---- finish -------------------------------------------------------------------
 
     def finish(self) -> TrainResult:
         cfg = self.config
         self._lap("steps")
-        done = self._already_finished()
+        done = publishing.already_finished(self)
         if done is not None:
             return done
         if self.val_samples and self.step not in self.val_losses and self.step > 0:
@@ -760,18 +562,12 @@ class Recipe:
         )
         result = self._result(completion)
         if self.mode == "smoke":
-            result.verdict = self._smoke_verdict(train_series)
+            result.verdict = modes.smoke_verdict(self, train_series)
         elif self.mode == "overfit":
-            last = self.losses.get(self.step, float("inf"))
-            result.verdict = {
-                "passed": last < OVERFIT_LOSS,
-                "checks": [
-                    f"loss {last:.4f} after {self.step} steps on {len(self.train_samples)} samples (pass below {OVERFIT_LOSS})"
-                ],
-            }
+            result.verdict = modes.overfit_verdict(self)
         if self.mode == "train" and self.settings.is_main:
-            completion["selected"] = self._select_adapter()
-            result.adapter = self._publish_adapter(completion, plot)
+            completion["selected"] = publishing.select_adapter(self)
+            result.adapter = publishing.publish_adapter(self, completion, plot)
             completion["adapter_digest"] = result.adapter.digest
         self._lap("finish")
         completion["phases_s"] = self.phases
@@ -783,18 +579,6 @@ class Recipe:
             for c in result.verdict["checks"]:
                 self.say(f"  {c}")
         return result
-
-    def _select_adapter(self) -> dict[str, Any]:
-        """Load the weights of the step `select` picks into the model (trainer.selection)."""
-        step, why = selected_step(self.val_losses, self.config.select, self.step)
-        if step != self.step:
-            folder = checkpoint.step_dir(self.ckpt_root, step)
-            if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
-                name = f"{self.config.output}/checkpoints"
-                self.store.get(self.store.manifest(name, str(step)), folder)
-            checkpoint.load_adapter(folder, self.peft)
-        self.say(f"publishing the adapter of step {step}: {why}")
-        return {"step": step, "why": why}
 
     def _result(self, completion: dict[str, Any]) -> TrainResult:
         return TrainResult(
@@ -809,142 +593,6 @@ class Recipe:
             preflight=self.report,
         )
 
-    def _already_finished(self) -> TrainResult | None:
-        """A --resume of a run that had finished and published: nothing was trained, so the
-        published adapter and the run's completion record stay as they are (no new version
-        with this no-op session's wall time, memory and an empty final loss)."""
-        if self.mode != "train" or self.resumed_at is None or self.step != self.resumed_at:
-            return None
-        path = self.run_dir / "training-complete.json"
-        try:
-            completion = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if completion.get("steps") != self.step or not completion.get("adapter_digest"):
-            return None
-        m = self.store.find(f"{self.config.output}/adapter", completion["adapter_digest"])
-        if m is None:
-            return None
-        self.say(f"the run had already finished at step {self.step}; keeping {m.ref}")
-        result = self._result(completion)
-        result.adapter = m
-        return result
-
-    def _smoke_verdict(self, series: dict[int, float]) -> dict[str, Any]:
-        checks, ok = [], True
-        first, last = self.losses.get(1, float("nan")), self.losses.get(self.step, float("nan"))
-        down = last < first * (1 - SMOKE_MIN_DROP)
-        ok &= down
-        checks.append(
-            f"{'ok ' if down else 'BAD'} loss went down (by {SMOKE_MIN_DROP:.0%} at least): "
-            f"{first:.4f} -> {last:.4f}"
-        )
-        reload_ok = False
-        if self.last_checkpoint is not None:
-            from safetensors.torch import load_file
-
-            saved = load_file(str(self.last_checkpoint / "adapter" / "adapter_model.safetensors"))
-            from peft import get_peft_model_state_dict
-
-            live = get_peft_model_state_dict(self.peft)
-            reload_ok = (
-                bool(saved)
-                and set(saved) == set(live)
-                and all(torch.equal(saved[k], live[k].detach().cpu()) for k in saved)
-            )
-        ok &= reload_ok
-        checks.append(
-            f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {self.last_checkpoint}"
-        )
-        conv = (self.splits.validation or self.splits.train)[0].conv
-        ids = torch.tensor([prompt_ids(conv, self.tokenizer)], device=self.device)
-        self.model.eval()
-        with torch.no_grad():
-            out = self.peft.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=SMOKE_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=self.eot,
-                pad_token_id=self.pad,
-                use_cache=True,
-            )
-        new = out[0, ids.shape[1] :].tolist()
-        stopped = bool(new) and new[-1] == self.eot
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        gen_ok = bool(text.strip()) and stopped
-        ok &= gen_ok
-        checks.append(
-            f"{'ok ' if gen_ok else 'BAD'} sample in the serving format "
-            f"({'stopped at end-of-turn' if stopped else f'no end-of-turn in {SMOKE_NEW_TOKENS} tokens'}): "
-            f"{text.strip()[:80]!r} (expected {conv.messages[-1].content[:40]!r})"
-        )
-        return {"passed": bool(ok), "checks": checks, "losses": series}
-
-    def _publish_adapter(self, completion: dict[str, Any], plot: Path) -> Manifest:
-        cfg = self.config
-        folder = self.run_dir / "adapter"
-        shutil.rmtree(folder, ignore_errors=True)
-        self.peft.save_pretrained(folder)
-        adapter_cfg = folder / "adapter_config.json"
-        data = json.loads(adapter_cfg.read_text())
-        data["base_model_name_or_path"] = (
-            self.base.ref
-        )  # a store ref, never a hub id or a local path
-        adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        self.tokenizer.save_pretrained(folder)
-        shutil.copytree(self.metrics_dir, folder / "metrics")
-        shutil.copy(plot, folder / "loss.png")
-        shutil.copy(self.run_dir / "run-manifest.json", folder / "run-manifest.json")
-        shutil.copy(self.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
-        completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
-        write_json(folder / "training-complete.json", completion)
-        assert self.data_manifest is not None and self.test_manifest is not None
-        m = self.store.publish(
-            folder,
-            kind="adapter",
-            name=f"{cfg.output}/adapter",
-            service="trainer",
-            parents=[self.base.as_parent("base"), self.data_manifest.as_parent("dataset")],
-            config=cfg.model_dump(mode="json"),
-            metadata={
-                "test_split": {"ref": self.test_manifest.ref, "digest": self.test_manifest.digest},
-                "steps": self.step,
-                "selected_step": completion["selected"]["step"],
-                "selected_because": completion["selected"]["why"],
-                "final_val_loss": completion["final_val_loss"],
-                "best_val_loss": completion["best_val_loss"],
-                "lora_r": cfg.lora.r,
-                "quantization": cfg.quantization,
-            },
-        )
-        self.say(f"published {m.ref} ({m.digest[:19]})")
-        return m
-
-    def facts(self) -> dict[str, Any]:
-        cfg = self.config
-        facts: dict[str, Any] = {
-            "step": self.step,
-            "failing_step": self.step + 1,
-            "max_seq_len": cfg.max_seq_len,
-            "micro_batch": cfg.micro_batch,
-            "grad_accum": cfg.grad_accum,
-            "quantization": cfg.quantization,
-            "config": cfg.model_dump(mode="json"),
-        }
-        try:
-            facts |= device_facts(self.device)
-        except Exception:
-            facts["device"] = str(self.device)
-        tok = getattr(self, "tokenizer", None)
-        if tok is not None:
-            facts["template"] = {
-                "name": type(tok).__name__,
-                "hash": template_hash(tok),
-                "text": getattr(tok, "chat_template", None),
-            }
-        return facts
-
     def cleanup(self) -> None:
         self.live.close()
         for sig, old in self._old_handlers.items():
@@ -955,11 +603,6 @@ class Recipe:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def run_training(
@@ -992,7 +635,7 @@ def run_training(
         bundle = write_support_bundle(
             recipe.run_dir / "support-bundle.json",
             e,
-            recipe.facts(),
+            progress.facts(recipe),
             list(tail.lines),
             dict(os.environ),
         )

@@ -1,0 +1,65 @@
+"""Several processes under torchrun: DistributedDataParallel around the loss, each
+process's share of a step's micro-batches, and the few values the processes agree on.
+
+The global batch is micro_batch x grad_accum whatever the number of processes: each of N
+takes grad_accum / N micro-batches of every step. Gradients are averaged by DDP, so the
+recipe scales each process's loss by N to keep their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+
+from lorastack.errors import ConfigError
+from trainer.config import RunConfig
+
+T = TypeVar("T")
+
+
+def wrap_ddp(module: Any, cfg: RunConfig, world: int, device: torch.device) -> Any:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if cfg.grad_accum % world:
+        raise ConfigError(
+            f"grad_accum={cfg.grad_accum} does not split over {world} processes: each "
+            "takes grad_accum / world_size micro-batches of every optimizer step",
+            f"set grad_accum to a multiple of {world} (the global batch is micro_batch x "
+            "grad_accum, whatever the number of processes)",
+        )
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids)
+
+
+def my_share(batches: list[T], rank: int, world: int) -> list[tuple[T, float]]:
+    """This process's micro-batches of a step, each with its weight. Every process runs as
+    many (the last step of an epoch can hold fewer than grad_accum): a missing one is a
+    repeat of weight 0, so that each process's gradient all-reduce meets the others'."""
+    share = -(-len(batches) // world)
+    return [
+        (batches[i], 1.0) if i < len(batches) else (batches[0], 0.0)
+        for i in range(rank, share * world, world)
+    ]
+
+
+def sum_over_ranks(value: float, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def rank0_decides(choice: Any, world: int) -> Any:
+    """Rank 0's value of `choice` on every process."""
+    if world == 1:
+        return choice
+    import torch.distributed as dist
+
+    box = [choice]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,132 @@
+"""What the smoke and overfit runs change in the training recipe: which samples they
+train on and with which schedule, and the verdict they end with. They publish nothing.
+
+smoke: a fixed short batch for SMOKE_STEPS steps; passes when the loss fell by at least
+SMOKE_MIN_DROP, the checkpoint reloads bit for bit and a greedy sample in the serving
+format stops at the end-of-turn token. overfit: N samples until the loss is under
+OVERFIT_LOSS (the data and masking can be learned at all).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.config import with_overrides
+from trainer.errors import SmokeFailed
+from trainer.samples import Sample, prompt_ids
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe
+
+SMOKE_STEPS = 8  # optimizer steps of a smoke run
+SMOKE_SEQ = 128  # tokens: smoke runs use samples at most this long
+SMOKE_MIN_DROP = 0.01  # the last loss must be at least 1% under the first
+SMOKE_NEW_TOKENS = 48  # tokens generated for the smoke sample
+OVERFIT_LOSS = 0.05  # nats/token: --overfit passes below this
+OVERFIT_MAX_STEPS = 300
+
+
+def select_samples(
+    r: Recipe, train: list[Sample], val: list[Sample]
+) -> tuple[list[Sample], list[Sample]]:
+    cfg = r.config
+    if r.mode == "smoke":
+        short = [s for s in train if s.length <= SMOKE_SEQ]
+        want = cfg.micro_batch * cfg.grad_accum
+        if not short:
+            raise SmokeFailed(
+                f"no training sample is at most {SMOKE_SEQ} tokens long",
+                "smoke needs short samples",
+            )
+        r.config = with_overrides(
+            cfg,
+            [
+                f"max_steps={SMOKE_STEPS}",
+                "schedule=constant",
+                "warmup_steps=0",
+                f"checkpoint_every={SMOKE_STEPS}",
+                f"eval_every={SMOKE_STEPS}",
+                "keep_checkpoints=1",
+                "epochs=10000",
+            ],
+        )
+        return short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
+    if r.mode == "overfit":
+        n = r.overfit or 1
+        r.config = with_overrides(
+            cfg,
+            [
+                f"max_steps={cfg.max_steps or OVERFIT_MAX_STEPS}",
+                "schedule=constant",
+                "epochs=10000",
+                "checkpoint_every=1000000",
+                "eval_every=1000000",
+            ],
+        )
+        return train[:n], train[:n]
+    return train, val
+
+
+def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
+    checks, ok = [], True
+    first, last = r.losses.get(1, float("nan")), r.losses.get(r.step, float("nan"))
+    down = last < first * (1 - SMOKE_MIN_DROP)
+    ok &= down
+    checks.append(
+        f"{'ok ' if down else 'BAD'} loss went down (by {SMOKE_MIN_DROP:.0%} at least): "
+        f"{first:.4f} -> {last:.4f}"
+    )
+    reload_ok = False
+    if r.last_checkpoint is not None:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(r.last_checkpoint / "adapter" / "adapter_model.safetensors"))
+        from peft import get_peft_model_state_dict
+
+        live = get_peft_model_state_dict(r.peft)
+        reload_ok = (
+            bool(saved)
+            and set(saved) == set(live)
+            and all(torch.equal(saved[k], live[k].detach().cpu()) for k in saved)
+        )
+    ok &= reload_ok
+    checks.append(
+        f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {r.last_checkpoint}"
+    )
+    conv = (r.splits.validation or r.splits.train)[0].conv
+    ids = torch.tensor([prompt_ids(conv, r.tokenizer)], device=r.device)
+    r.model.eval()
+    with torch.no_grad():
+        out = r.peft.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=SMOKE_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=r.eot,
+            pad_token_id=r.pad,
+            use_cache=True,
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    stopped = bool(new) and new[-1] == r.eot
+    text = r.tokenizer.decode(new, skip_special_tokens=True)
+    gen_ok = bool(text.strip()) and stopped
+    ok &= gen_ok
+    checks.append(
+        f"{'ok ' if gen_ok else 'BAD'} sample in the serving format "
+        f"({'stopped at end-of-turn' if stopped else f'no end-of-turn in {SMOKE_NEW_TOKENS} tokens'}): "
+        f"{text.strip()[:80]!r} (expected {conv.messages[-1].content[:40]!r})"
+    )
+    return {"passed": bool(ok), "checks": checks, "losses": series}
+
+
+def overfit_verdict(r: Recipe) -> dict[str, Any]:
+    last = r.losses.get(r.step, float("inf"))
+    return {
+        "passed": last < OVERFIT_LOSS,
+        "checks": [
+            f"loss {last:.4f} after {r.step} steps on {len(r.train_samples)} samples "
+            f"(pass below {OVERFIT_LOSS})"
+        ],
+    }

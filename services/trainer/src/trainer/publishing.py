@@ -1,0 +1,164 @@
+"""Where a run meets the artifact store: the checkpoint a resumed run continues from
+(refused when the run changed), checkpoints and the adapter published, the best
+checkpoint kept, the adapter `select` picks, and a finished run left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lorastack.errors import Conflict, NotFound
+from lorastack.manifest import Manifest, sha256_file
+from trainer import checkpoint
+from trainer.config import SAFE_TO_CHANGE
+from trainer.errors import ResumeRefused
+from trainer.metrics import write_json
+from trainer.selection import selected_step, standing
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe, TrainResult
+
+log = logging.getLogger("trainer")
+
+
+def find_resume_point(r: Recipe, resume: bool) -> Path | None:
+    """The checkpoint to continue from (None for a fresh run); refuses a mismatch."""
+    if r.mode != "train":
+        return None
+    name = f"{r.config.output}/checkpoints"
+    local = checkpoint.local_steps(r.ckpt_root)
+    remote = [int(v) for v in r.store.versions(name) if v.isdigit()]
+    latest = max(local + remote, default=None)
+    if not resume:
+        if latest is not None:
+            raise ResumeRefused(
+                f"run {r.config.output!r} already has checkpoints (latest step {latest})",
+                "continue it with --resume, or start a new run with another output name "
+                "(output=NAME)",
+            )
+        return None
+    if latest is None:
+        raise NotFound(
+            f"--resume: run {r.config.output!r} has no checkpoint", "start without --resume"
+        )
+    folder = checkpoint.step_dir(r.ckpt_root, latest)
+    if latest not in local:
+        r.store.get(r.store.manifest(name, str(latest)), folder)
+    old = checkpoint.read_manifest(folder)
+    changed = checkpoint.manifest_diff(old, r.run_manifest)
+    if changed:
+        raise ResumeRefused(
+            f"--resume refused: this run differs from checkpoint step {latest}:\n"
+            + "\n".join(f"  {c}" for c in changed),
+            "restore what changed, or start a new run under another output name; only "
+            f"{', '.join(sorted(SAFE_TO_CHANGE))} may change on resume",
+        )
+    return folder
+
+
+def publish_checkpoint(r: Recipe, folder: Path) -> None:
+    name = f"{r.config.output}/checkpoints"
+    parents = [r.base.as_parent("base")]
+    if r.data_manifest is not None:
+        parents.append(r.data_manifest.as_parent("dataset"))
+    try:
+        r.store.publish(
+            folder,
+            kind="checkpoint",
+            name=name,
+            service="trainer",
+            version=str(r.step),
+            parents=parents,
+            config=r.config.model_dump(mode="json"),
+            metadata={"step": r.step, "total_steps": getattr(r, "total_steps", None)},
+        )
+    except Conflict:
+        log.warning("%s:%d was already published; keeping that version", name, r.step)
+    versions = sorted(int(v) for v in r.store.versions(name) if v.isdigit())
+    keep = kept_best(r)
+    for v in versions[: -r.config.keep_checkpoints]:
+        if v != keep:
+            r.store.delete(name, str(v))
+
+
+def kept_best(r: Recipe) -> int | None:
+    """The checkpoint that keep_checkpoints never deletes: the best evaluation's."""
+    return standing(r.val_losses).best_step if r.config.select == "best_val_loss" else None
+
+
+def select_adapter(r: Recipe) -> dict[str, Any]:
+    """Load the weights of the step `select` picks into the model (trainer.selection)."""
+    step, why = selected_step(r.val_losses, r.config.select, r.step)
+    if step != r.step:
+        folder = checkpoint.step_dir(r.ckpt_root, step)
+        if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
+            name = f"{r.config.output}/checkpoints"
+            r.store.get(r.store.manifest(name, str(step)), folder)
+        checkpoint.load_adapter(folder, r.peft)
+    r.say(f"publishing the adapter of step {step}: {why}")
+    return {"step": step, "why": why}
+
+
+def already_finished(r: Recipe) -> TrainResult | None:
+    """A --resume of a run that had finished and published: nothing was trained, so the
+    published adapter and the run's completion record stay as they are (no new version
+    with this no-op session's wall time, memory and an empty final loss)."""
+    if r.mode != "train" or r.resumed_at is None or r.step != r.resumed_at:
+        return None
+    path = r.run_dir / "training-complete.json"
+    try:
+        completion = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if completion.get("steps") != r.step or not completion.get("adapter_digest"):
+        return None
+    m = r.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
+    if m is None:
+        return None
+    r.say(f"the run had already finished at step {r.step}; keeping {m.ref}")
+    result = r._result(completion)
+    result.adapter = m
+    return result
+
+
+def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manifest:
+    cfg = r.config
+    folder = r.run_dir / "adapter"
+    shutil.rmtree(folder, ignore_errors=True)
+    r.peft.save_pretrained(folder)
+    adapter_cfg = folder / "adapter_config.json"
+    data = json.loads(adapter_cfg.read_text())
+    data["base_model_name_or_path"] = r.base.ref  # a store ref, never a hub id or a local path
+    adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    r.tokenizer.save_pretrained(folder)
+    shutil.copytree(r.metrics_dir, folder / "metrics")
+    shutil.copy(plot, folder / "loss.png")
+    shutil.copy(r.run_dir / "run-manifest.json", folder / "run-manifest.json")
+    shutil.copy(r.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
+    completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
+    write_json(folder / "training-complete.json", completion)
+    assert r.data_manifest is not None and r.test_manifest is not None
+    m = r.store.publish(
+        folder,
+        kind="adapter",
+        name=f"{cfg.output}/adapter",
+        service="trainer",
+        parents=[r.base.as_parent("base"), r.data_manifest.as_parent("dataset")],
+        config=cfg.model_dump(mode="json"),
+        metadata={
+            "test_split": {"ref": r.test_manifest.ref, "digest": r.test_manifest.digest},
+            "steps": r.step,
+            "selected_step": completion["selected"]["step"],
+            "selected_because": completion["selected"]["why"],
+            "final_val_loss": completion["final_val_loss"],
+            "best_val_loss": completion["best_val_loss"],
+            "lora_r": cfg.lora.r,
+            "quantization": cfg.quantization,
+        },
+    )
+    r.say(f"published {m.ref} ({m.digest[:19]})")
+    return m
