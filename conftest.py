@@ -41,33 +41,6 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
-def s3_settings(home: Path, endpoint: str, **extra: object) -> object:
-    """CommonSettings for a new bucket (created here) on the S3 server at `endpoint`."""
-    import uuid
-
-    import boto3
-
-    from lorastack.settings import CommonSettings
-
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    ).create_bucket(Bucket=bucket)
-    return CommonSettings(
-        home=home,
-        store_url=f"s3://{bucket}/team",
-        s3_endpoint_url=endpoint,
-        s3_access_key_id="test",  # type: ignore[arg-type]
-        s3_secret_access_key="test",  # type: ignore[arg-type]
-        s3_max_attempts=2,
-        **extra,  # type: ignore[arg-type]
-    )
-
-
 @pytest.fixture(scope="session")
 def embedded_model() -> Path:
     """The SmolLM2-135M-Instruct HF folder, converted from the GGUF once per machine."""

@@ -17,11 +17,11 @@ from lorastack.store.backend import blob_key
 
 
 def make_settings(kind: str, tmp_path: Path, endpoint: str) -> CommonSettings:
-    from conftest import s3_settings
+    from lorastack_testing.s3 import s3_settings
 
     if kind == "file":
         return CommonSettings(home=tmp_path / "home")
-    return s3_settings(tmp_path / "home", endpoint)  # type: ignore[return-value]
+    return s3_settings(tmp_path / "home", endpoint)
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -159,7 +159,7 @@ def test_traversal_and_bad_names_refused(store: ArtifactStore, tmp_path: Path, b
 
 
 def test_unreachable_s3_is_retried_then_explained(tmp_path: Path) -> None:
-    from conftest import free_port
+    from lorastack_testing.net import free_port
 
     settings = CommonSettings(
         home=tmp_path,

@@ -29,15 +29,14 @@ PART_MB = 5  # the smallest part S3 accepts
 
 
 def test_s3_down_mid_publish_then_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from conftest import free_port, s3_settings
+    from lorastack_testing.net import free_port
+    from lorastack_testing.s3 import s3_settings
 
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    settings: CommonSettings = s3_settings(  # type: ignore[assignment]
-        tmp_path / "home", endpoint, s3_multipart_mb=PART_MB
-    )
+    settings: CommonSettings = s3_settings(tmp_path / "home", endpoint, s3_multipart_mb=PART_MB)
     bucket = settings.resolved_store_url.removeprefix("s3://").split("/")[0]
     store = open_store(settings)
     s3 = store.backend._client  # type: ignore[attr-defined]
