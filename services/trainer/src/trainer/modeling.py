@@ -3,7 +3,8 @@
 `load_model` is the one place a base model is loaded (fp32 on CPU, bf16 on CUDA;
 nf4 + double quant for QLoRA, same code path) and wrapped with LoRA. `loss_sum` is the
 one place the loss is computed. Both are the fast path, on CPU and CUDA alike
-(bench/trainer_gpu.py measures it against the plain transformers+peft recipe):
+(bench/trainer/trainer_gpu.py measures it against the plain transformers+peft recipe,
+bench/trainer/gpu_e2e.py the whole `lorastack train` against TRL):
 
 - no `prepare_model_for_kbit_training`: it upcasts every non-quantized weight
   (embeddings, norms, a 128k-vocabulary lm_head) to fp32, which costs memory and runs
