@@ -17,25 +17,6 @@ from trainer.config import RunConfig
 from trainer.modeling import load_model, loss_sum
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
 def build(path: Path, fused: bool, **fields: Any) -> Any:
     config = RunConfig.model_validate(
         {"dataset": {"path": "unused.jsonl"}, "device": "cpu", "fused_lora": fused, **fields}

@@ -23,7 +23,7 @@ from trainer.recipe import run_training
 from trainer.samples import Sample
 from trainer.settings import TrainerSettings
 
-VOCAB = 96
+VOCAB = 96  # the tiny_llama fixture's vocabulary (conftest)
 
 
 def long_tailed(n: int, seed: int, low: int = 3, high: int = 60) -> list[int]:
@@ -69,25 +69,11 @@ def sample(rng: np.random.Generator, length: int) -> Sample:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama-packing")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+def tiny(tiny_llama: Path) -> Any:
     config = RunConfig.model_validate(
         {"dataset": {"path": "unused.jsonl"}, "device": "cpu", "lora": {"dropout": 0.0}}
     )
-    model = load_model(Path(path), config, torch.device("cpu"))
+    model = load_model(tiny_llama, config, torch.device("cpu"))
     torch.manual_seed(1)
     for name, p in model.named_parameters():
         if "lora_B" in name:
