@@ -9,6 +9,11 @@ Names: one or more segments joined by "/", each made of letters, digits, ".", "_
 "-", starting with a letter or digit, at most 64 characters per segment and 200 in all.
 Versions: one segment of the same characters. No "..", no absolute paths, no empty
 segments. File paths inside an artifact follow the same rules, segment by segment.
+
+Refs: `NAME` (the latest version), `NAME:VERSION`, or `NAME@LABEL` (the version a label
+points at now, e.g. `runs/demo/adapter@promoted`; labels live in the store, see
+`lorastack.store.labels`). A label is one segment starting with a letter that does not
+look like a served version suffix (`v3`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from lorastack.errors import InvalidName
 
 SCHEMA_VERSION = 1
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
+_VERSION_SUFFIX = re.compile(r"^v[0-9]+$")  # `<name>-v<version>` is a served adapter's name
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
 KINDS = ("base-model", "dataset", "adapter", "checkpoint", "merged-model", "report")
@@ -57,13 +64,39 @@ def validate_version(version: str) -> str:
     return validate_name(version, "version")
 
 
-def parse_ref(ref: str) -> tuple[str, str | None]:
-    """Split 'NAME[:VERSION]' into (name, version or None for the latest)."""
+def validate_label(label: str) -> str:
+    """Return `label` if it may name a label (`NAME@LABEL`), else raise InvalidName."""
+    if not _LABEL.match(label) or _VERSION_SUFFIX.match(label):
+        raise InvalidName(
+            f"invalid label {label!r}",
+            "a label is one word of letters, digits, '.', '_' and '-' starting with a letter "
+            "and not of the form v<digits>, e.g. 'promoted'",
+        )
+    return label
+
+
+def split_ref(ref: str) -> tuple[str, str | None, str | None]:
+    """Split 'NAME', 'NAME:VERSION' or 'NAME@LABEL' into (name, version, label)."""
+    if "@" in ref:
+        name, _, label = ref.partition("@")
+        if ":" in label:
+            raise InvalidName(
+                f"invalid ref {ref!r}: a ref names a version or a label, not both",
+                "write NAME:VERSION or NAME@LABEL",
+            )
+        return validate_name(name), None, validate_label(label)
     name, _, version = ref.partition(":")
     validate_name(name)
     if version:
         validate_version(version)
-    return name, version or None
+    return name, version or None, None
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """Split 'NAME[:VERSION]' into (name, version or None for the latest). 'NAME@LABEL' is
+    accepted and gives (name, None): only the store knows which version a label names."""
+    name, version, _ = split_ref(ref)
+    return name, version
 
 
 def served_name(model_ref: str, served_model_name: str = "") -> str:

@@ -4,6 +4,7 @@ Layout inside a store, the same for both backends:
 
     blobs/sha256/<hh>/<sha256>            file contents, addressed by their sha256
     manifests/<name>/@<version>.json      one manifest per published version
+    labels/<name>/@<label>/<seq>.json     moves of a label (NAME@LABEL), see labels.py
 
 Files are uploaded first as content-addressed blobs (idempotent, so concurrent writers
 never overwrite each other's bytes); the manifest is written last with an exclusive
@@ -13,5 +14,6 @@ version gets `Conflict`. Downloads are verified against the sha256 and cached by
 
 from lorastack.store.artifacts import ArtifactStore, open_store
 from lorastack.store.backend import Backend
+from lorastack.store.labels import LabelRecord
 
-__all__ = ["ArtifactStore", "Backend", "open_store"]
+__all__ = ["ArtifactStore", "Backend", "LabelRecord", "open_store"]

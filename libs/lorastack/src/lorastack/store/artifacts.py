@@ -37,12 +37,15 @@ from lorastack.manifest import (
     now_iso,
     scan_folder,
     sha256_file,
+    split_ref,
     validate_name,
     validate_version,
     walk_files,
 )
 from lorastack.settings import CommonSettings
+from lorastack.store import labels as label_store
 from lorastack.store.backend import Backend
+from lorastack.store.labels import LabelRecord
 
 log = logging.getLogger(__name__)
 _AUTO_VERSION_TRIES = 5
@@ -146,9 +149,58 @@ class ArtifactStore:
         return None
 
     def resolve(self, ref: str) -> Manifest:
-        """Look up 'NAME[:VERSION]'."""
-        name, _, version = ref.partition(":")
-        return self.manifest(name, version or None)
+        """Look up 'NAME', 'NAME:VERSION' or 'NAME@LABEL' (the version the label names now)."""
+        name, version, label = split_ref(ref)
+        if label is None:
+            return self.manifest(name, version)
+        record = label_store.current(self.backend, name, label)
+        try:
+            manifest = self.manifest(name, record.version)
+        except NotFound:
+            raise NotFound(
+                f"{record.ref} points at {record.target}, which is no longer in {self.url}",
+                f"move the label to a published version: lorastack promote {name}:VERSION",
+            ) from None
+        if manifest.digest != record.digest:
+            raise IntegrityError(
+                f"{record.target} is not the content {record.ref} was set on "
+                f"({manifest.digest[:19]}…, label says {record.digest[:19]}…)",
+                "the version was deleted and published again; promote it again on its evidence",
+            )
+        return manifest
+
+    # ---- labels (NAME@LABEL, see lorastack.store.labels) ------------------------
+
+    def label(self, name: str, label: str) -> LabelRecord:
+        """The record in force for `NAME@LABEL`."""
+        return label_store.current(self.backend, name, label)
+
+    def label_history(self, name: str, label: str) -> list[LabelRecord]:
+        return label_store.history(self.backend, name, label)
+
+    def labels(self, prefix: str = "") -> list[LabelRecord]:
+        """The record in force of every label whose artifact name starts with `prefix`."""
+        return label_store.all_current(self.backend, prefix)
+
+    def move_label(
+        self,
+        label: str,
+        target: Manifest,
+        *,
+        forced: bool = False,
+        reason: str = "",
+        evidence: dict[str, Any] | None = None,
+    ) -> LabelRecord:
+        """Point `TARGET_NAME@label` at `target` (a published version), keeping the history."""
+        published = self.manifest(target.name, target.version)
+        if published.digest != target.digest:
+            raise Conflict(
+                f"{target.ref} in {self.url} is other content than the one given",
+                "look it up again with 'lorastack store show'",
+            )
+        return label_store.move(
+            self.backend, label, published, forced=forced, reason=reason, evidence=evidence
+        )
 
     def ls(self, prefix: str = "") -> list[Manifest]:
         """Every published version whose name starts with `prefix`, sorted."""

@@ -17,6 +17,14 @@ def manifest_key(name: str, version: str) -> str:
     return f"manifests/{name}/@{version}.json"
 
 
+def label_key(name: str, label: str, seq: int) -> str:
+    """One record of a label's history; `seq` is zero-padded so keys sort by it."""
+    return f"{LABELS}{name}/@{label}/{seq:08d}.json"
+
+
+LABELS = "labels/"  # key prefix of every label record
+
+
 class Backend(Protocol):
     url: str
 
@@ -38,3 +46,12 @@ class Backend(Protocol):
 
     def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
         """(name, version) of every manifest whose name starts with `prefix`."""
+
+    def put_record(self, key: str, data: bytes) -> None:
+        """Create the small object `key` (e.g. a label record); raise Conflict if it exists."""
+
+    def get_record(self, key: str) -> bytes:
+        """Return the bytes of `key`; raise NotFound if absent."""
+
+    def list_records(self, prefix: str) -> list[str]:
+        """Every record key that starts with `prefix` (e.g. 'labels/runs/')."""

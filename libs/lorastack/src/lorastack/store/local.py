@@ -46,26 +46,44 @@ class LocalBackend:
         shutil.copyfile(src, dest)
 
     def put_manifest(self, name: str, version: str, data: bytes) -> None:
-        dest = self.root / manifest_key(name, version)
+        try:
+            self.put_record(manifest_key(name, version), data)
+        except Conflict:
+            raise Conflict(
+                f"{name}:{version} was already published in {self.url}",
+                "publish under a new version (omit the version to take the next one)",
+            ) from None
+
+    def get_manifest(self, name: str, version: str) -> bytes:
+        try:
+            return self.get_record(manifest_key(name, version))
+        except NotFound:
+            raise NotFound(f"{name}:{version} is not in {self.url}") from None
+
+    def put_record(self, key: str, data: bytes) -> None:
+        dest = self.root / key
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp()
         try:
             tmp.write_bytes(data)
             os.link(tmp, dest)  # exclusive and atomic: fails if dest exists
         except FileExistsError:
-            raise Conflict(
-                f"{name}:{version} was already published in {self.url}",
-                "publish under a new version (omit the version to take the next one)",
-            ) from None
+            raise Conflict(f"{key} already exists in {self.url}", "write the next one") from None
         finally:
             tmp.unlink(missing_ok=True)
 
-    def get_manifest(self, name: str, version: str) -> bytes:
-        path = self.root / manifest_key(name, version)
+    def get_record(self, key: str) -> bytes:
         try:
-            return path.read_bytes()
+            return (self.root / key).read_bytes()
         except FileNotFoundError:
-            raise NotFound(f"{name}:{version} is not in {self.url}") from None
+            raise NotFound(f"{key} is not in {self.url}") from None
+
+    def list_records(self, prefix: str) -> list[str]:
+        top = self.root / prefix.split("/", 1)[0]
+        if not top.is_dir():
+            return []
+        keys = (p.relative_to(self.root).as_posix() for p in top.rglob("*.json"))
+        return sorted(k for k in keys if k.startswith(prefix))
 
     def delete_manifest(self, name: str, version: str) -> None:
         (self.root / manifest_key(name, version)).unlink(missing_ok=True)

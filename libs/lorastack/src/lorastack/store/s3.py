@@ -214,34 +214,55 @@ class S3Backend:
             raise
 
     def put_manifest(self, name: str, version: str, data: bytes) -> None:
-        key = self._key(manifest_key(name, version))
+        try:
+            self.put_record(manifest_key(name, version), data)
+        except Conflict:
+            raise Conflict(
+                f"{name}:{version} was already published in {self.url}",
+                "publish under a new version (omit the version to take the next one)",
+            ) from None
+
+    def get_manifest(self, name: str, version: str) -> bytes:
+        try:
+            return self.get_record(manifest_key(name, version))
+        except NotFound:
+            raise NotFound(f"{name}:{version} is not in {self.url}") from None
+
+    def put_record(self, key: str, data: bytes) -> None:
         try:
             self._call(
                 lambda: self._client.put_object(
-                    Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*"
+                    Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
                 ),
-                "manifest write",
+                f"write of {key}",
             )
         except ClientError as e:
             if _status(e) in (409, 412):
                 raise Conflict(
-                    f"{name}:{version} was already published in {self.url}",
-                    "publish under a new version (omit the version to take the next one)",
+                    f"{key} already exists in {self.url}", "write the next one"
                 ) from None
             raise
 
-    def get_manifest(self, name: str, version: str) -> bytes:
-        key = self._key(manifest_key(name, version))
+    def get_record(self, key: str) -> bytes:
         try:
             resp = self._call(
-                lambda: self._client.get_object(Bucket=self.bucket, Key=key), "manifest read"
+                lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key)),
+                f"read of {key}",
             )
         except ClientError as e:
             if _status(e) == 404:
-                raise NotFound(f"{name}:{version} is not in {self.url}") from None
+                raise NotFound(f"{key} is not in {self.url}") from None
             raise
         body: bytes = resp["Body"].read()
         return body
+
+    def list_records(self, prefix: str) -> list[str]:
+        root = self._key("")
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = self._call(
+            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=root + prefix)), "list"
+        )
+        return sorted(obj["Key"][len(root) :] for page in pages for obj in page.get("Contents", []))
 
     def delete_manifest(self, name: str, version: str) -> None:
         key = self._key(manifest_key(name, version))

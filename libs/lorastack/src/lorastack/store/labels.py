@@ -1,0 +1,155 @@
+"""Labels: a movable name for one published version, `NAME@LABEL` (`runs/demo/adapter@promoted`).
+
+Owns the label record, its keys and its history; not who may move a label (that is the
+caller's rule, e.g. `lorastack promote` asks for an improvement verdict first).
+
+    labels/<name>/@<label>/<seq>.json     one immutable record per move; seq 1, 2, 3 ...
+
+The record with the highest seq is in force; the earlier ones are the history (what it
+pointed at, who moved it, when, why, on what evidence). A move is written with the
+backend's exclusive create, on `file://` and `s3://` alike, so two people moving one
+label at once never overwrite each other: the second takes the next seq. Reading a label
+is one list and one small read, cheap enough to repeat every few seconds.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from lorastack.errors import Conflict, NotFound
+from lorastack.manifest import Manifest, now_iso, validate_label, validate_name
+from lorastack.store.backend import LABELS, Backend, label_key
+
+_MOVE_TRIES = 5
+SCHEMA_VERSION = 1
+
+
+class LabelRecord(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    name: str  # the artifact name the label belongs to
+    label: str
+    seq: int = Field(ge=1)  # this move's number in the label's history
+    version: str  # what `NAME@LABEL` resolves to
+    digest: str  # content digest of that version when the label was moved
+    kind: str
+    created: str
+    by: str  # user@host that moved it
+    forced: bool = False  # moved without the evidence the caller asks for
+    reason: str = ""  # why (required by `lorastack promote --force`)
+    evidence: dict[str, Any] = {}  # e.g. the evaluation report and its numbers
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.label}"
+
+    @property
+    def target(self) -> str:
+        return f"{self.name}:{self.version}"
+
+
+def who() -> str:
+    """`user@host` for a record, as far as this process can tell."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _seqs(backend: Backend, name: str, label: str) -> list[int]:
+    prefix = f"{LABELS}{name}/@{label}/"
+    out = []
+    for key in backend.list_records(prefix):
+        leaf = key[len(prefix) :]
+        if "/" not in leaf and leaf.endswith(".json") and leaf[:-5].isdigit():
+            out.append(int(leaf[:-5]))
+    return sorted(out)
+
+
+def history(backend: Backend, name: str, label: str) -> list[LabelRecord]:
+    """Every move of `NAME@LABEL`, oldest first."""
+    validate_name(name)
+    validate_label(label)
+    return [
+        LabelRecord.model_validate(json.loads(backend.get_record(label_key(name, label, seq))))
+        for seq in _seqs(backend, name, label)
+    ]
+
+
+def current(backend: Backend, name: str, label: str) -> LabelRecord:
+    """The record in force for `NAME@LABEL`; NotFound says how to set one."""
+    validate_name(name)
+    validate_label(label)
+    seqs = _seqs(backend, name, label)
+    if not seqs:
+        raise NotFound(
+            f"no label {name}@{label} in {backend.url}",
+            f"set it: lorastack promote {name}:VERSION"
+            + ("" if label == "promoted" else f" --label {label}")
+            + "; list labels: lorastack promote --list",
+        )
+    raw = backend.get_record(label_key(name, label, seqs[-1]))
+    return LabelRecord.model_validate(json.loads(raw))
+
+
+def move(
+    backend: Backend,
+    label: str,
+    target: Manifest,
+    *,
+    forced: bool = False,
+    reason: str = "",
+    evidence: dict[str, Any] | None = None,
+    by: str | None = None,
+) -> LabelRecord:
+    """Point `TARGET_NAME@label` at `target` with a new record (exclusive create)."""
+    validate_label(label)
+    for _ in range(_MOVE_TRIES):
+        seqs = _seqs(backend, target.name, label)
+        record = LabelRecord(
+            name=target.name,
+            label=label,
+            seq=(seqs[-1] + 1) if seqs else 1,
+            version=target.version,
+            digest=target.digest,
+            kind=target.kind,
+            created=now_iso(),
+            by=by or who(),
+            forced=forced,
+            reason=reason,
+            evidence=evidence or {},
+        )
+        try:
+            backend.put_record(
+                label_key(target.name, label, record.seq),
+                (record.model_dump_json(indent=2) + "\n").encode(),
+            )
+            return record
+        except Conflict:
+            continue  # someone moved it meanwhile: take the next seq
+    raise Conflict(
+        f"could not move {target.name}@{label} after {_MOVE_TRIES} tries",
+        "another writer is moving the same label; retry",
+    )
+
+
+def all_current(backend: Backend, prefix: str = "") -> list[LabelRecord]:
+    """The record in force of every label whose artifact name starts with `prefix`."""
+    latest: dict[tuple[str, str], int] = {}
+    for key in backend.list_records(LABELS + prefix):
+        name, sep, rest = key[len(LABELS) :].rpartition("/@")
+        label, slash, leaf = rest.partition("/")
+        if not (sep and slash and leaf.endswith(".json") and leaf[:-5].isdigit()):
+            continue
+        seq = int(leaf[:-5])
+        if seq > latest.get((name, label), 0):
+            latest[(name, label)] = seq
+    return [
+        LabelRecord.model_validate(json.loads(backend.get_record(label_key(n, lab, seq))))
+        for (n, lab), seq in sorted(latest.items())
+    ]
