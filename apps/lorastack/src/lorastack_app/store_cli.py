@@ -30,6 +30,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'NAME:VERSION':44} {'KIND':13} {'SIZE':>9}  {'CREATED':25} DIGEST")
     for m in manifests:
         print(f"{m.ref:44} {m.kind:13} {_human(m.size):>9}  {m.created:25} {m.digest[7:19]}")
+    labels = store.labels(args.prefix)
+    if labels:
+        print("\nLABELS (NAME@LABEL -> version; moved; by; grounds)")
+        for r in labels:
+            print(r.line())
     return 0
 
 

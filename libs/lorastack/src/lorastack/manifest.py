@@ -106,6 +106,12 @@ def served_name(model_ref: str, served_model_name: str = "") -> str:
     return served_model_name or name.rsplit("/", 1)[-1]
 
 
+def served_label_name(name: str, label: str) -> str:
+    """The adapter id vLLM serves `NAME@LABEL` under: `NAME-LABEL`, the same whichever
+    version the label points at (a version is served as `NAME-vVERSION`)."""
+    return validate_name(f"{name}-{validate_label(label)}", "served adapter name")
+
+
 class FileEntry(BaseModel):
     path: str  # relative, '/'-separated
     size: int = Field(ge=0)  # bytes

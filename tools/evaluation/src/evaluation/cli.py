@@ -30,6 +30,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "limit": args.limit,
         "adapter": args.adapter,
+        "primary_metric": args.primary_metric,
     }
     if args.scorer:
         overrides["scorers"] = args.scorer
@@ -47,6 +48,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(
             f"{name:14} {m.baseline_mean:8.3f} {m.candidate_mean:8.3f} "
             f"{m.mean_difference:+8.3f}  {ci:19} {m.verdict}"
+            + ("  (primary)" if name == config.primary_metric else "")
         )
     print(f"report: {out / 'report.md'}")
     if report.published:
@@ -96,6 +98,9 @@ def _register_eval(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="bootstrap and sampling seed (default 0)")
     p.add_argument("--limit", type=int, help="evaluate the first N items only")
     p.add_argument("--adapter", help="adapter ref or folder: training/validation numbers")
+    p.add_argument(
+        "--primary-metric", help="scorer that `lorastack promote` decides on (default: the first)"
+    )
     p.add_argument("--out", default="eval-report", help="folder for report.md/json, samples.jsonl")
     p.add_argument("--publish", metavar="NAME", help="report artifact name (default <run>/eval)")
     p.add_argument("--no-publish", action="store_true", help="write --out only")
@@ -345,6 +350,9 @@ def _register_cost(sub: Any) -> None:
 
 
 def register(sub: Any) -> None:
+    from evaluation.promote_cli import register as register_promote
+
     _register_eval(sub)
     _register_loadtest(sub)
     _register_cost(sub)
+    register_promote(sub)

@@ -8,6 +8,7 @@
     few_shot:                            # baseline only, put before the test prompt
       - {user: "March 3, 2021", assistant: "2021-03-03"}
     scorers: [exact, normalised, contains, {name: regex, pattern: '^\\d{4}-\\d{2}-\\d{2}$'}]
+    primary_metric: exact                # the one `lorastack promote` decides on; default: the first scorer
     max_tokens: 64                       # tokens per answer; greedy (temperature 0)
     concurrency: 4                       # requests in flight
 
@@ -20,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from evaluation.scorers import build_scorer
 from lorastack.errors import ConfigError, NotFound
@@ -52,6 +60,7 @@ class EvalConfig(BaseModel):
     seed: int = 0  # bootstrap seed; also sent to the server
     limit: int | None = Field(None, ge=1)  # evaluate the first N items only
     adapter: str | None = None  # store ref or folder: training/validation numbers for the report
+    primary_metric: str | None = None  # a scorer's name; what promotion decides on (default: first)
 
     @field_validator("scorers")
     @classmethod
@@ -64,6 +73,17 @@ class EvalConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"scorer names repeat: {names}; give each a distinct 'label'")
         return v
+
+    @model_validator(mode="after")
+    def _primary(self) -> EvalConfig:
+        names = [build_scorer(s).name for s in self.scorers]
+        if self.primary_metric is None:
+            self.primary_metric = names[0]
+        elif self.primary_metric not in names:
+            raise ValueError(
+                f"primary_metric {self.primary_metric!r} is not one of the scorers {names}"
+            )
+        return self
 
 
 def load_eval_config(path: Path | None, overrides: dict[str, Any]) -> EvalConfig:

@@ -132,6 +132,12 @@ def build_report(
     )
 
 
+def primary_metric(r: EvalReport) -> str:
+    """The metric promotion decides on: the config's primary_metric, else the first one
+    (reports from before the setting existed)."""
+    return str(r.config.get("primary_metric") or next(iter(r.metrics)))
+
+
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -169,7 +175,9 @@ def render_markdown(r: EvalReport) -> str:
     lines += [
         "",
         "Verdict rule: improvement if the whole CI is above 0, regression if below 0, "
-        "uncertain if it contains 0.",
+        "uncertain if it contains 0. "
+        f"Primary metric: {primary_metric(r)} (`lorastack promote` serves the adapter as "
+        "`NAME@promoted` only on its improvement).",
         "",
         f"Requests: baseline {r.baseline.errors} failed, {r.baseline.truncated} cut at max_tokens, "
         f"mean latency {r.baseline.mean_latency_s:.2f} s; LoRA {r.lora.errors} failed, "

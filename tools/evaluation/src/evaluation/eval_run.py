@@ -218,7 +218,11 @@ async def run_eval_async(
             service="evaluation",
             parents=parents,
             config=report.config,
-            metadata={"verdicts": {k: v.verdict for k, v in results.items()}, "n": report.n},
+            metadata={
+                "verdicts": {k: v.verdict for k, v in results.items()},
+                "primary_metric": config.primary_metric,
+                "n": report.n,
+            },
         )
         report.published = manifest.ref  # not in the files: they are what was published
     return report

@@ -51,6 +51,14 @@ class LabelRecord(BaseModel):
     def target(self) -> str:
         return f"{self.name}:{self.version}"
 
+    def line(self) -> str:
+        """One line for listings: where it points, when, who, on what grounds."""
+        ev = self.evidence
+        why = f"{ev['metric']} {ev['verdict']} in {ev['report']}" if ev.get("report") else ""
+        if self.forced:
+            why = f"FORCED: {self.reason}" + (f" [{why}]" if why else "")
+        return f"{self.ref:40} -> {self.target:40} {self.created:25} {self.by}  {why or '-'}"
+
 
 def who() -> str:
     """`user@host` for a record, as far as this process can tell."""
