@@ -1,12 +1,17 @@
-"""Supervised tokens are exactly the assistant content plus the end-of-turn token."""
+"""Supervised tokens are exactly the assistant content plus the end-of-turn token (for a
+tool chat: the assistant's rendered calls and answers, never the tool results)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from lorastack.chat_data import Conversation
+from lorastack.chat_data import Conversation, Message
+from trainer.chat_templates import apply_choice
+from trainer.demo_tools import make_tool_demo
 from trainer.masking import (
     IGNORE,
     MaskingError,
@@ -17,7 +22,7 @@ from trainer.masking import (
     supervised_mask,
     targets_end_with,
 )
-from trainer.samples import encode
+from trainer.samples import encode, render
 
 EOT = 2
 
@@ -104,3 +109,73 @@ def test_real_template_supervises_assistant_content_and_end_of_turn(embedded_mod
     # the default system prompt, the user turns and the headers are never supervised
     assert last.parts["target"] == len(tok("1999-07-04")["input_ids"]) + 1
     assert sum(last.parts.values()) == last.length
+
+
+def _runs(labels: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    prev = IGNORE
+    for lab in labels:
+        if lab != IGNORE:
+            if prev == IGNORE:
+                runs.append([])
+            runs[-1].append(lab)
+        prev = lab
+    return runs
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(embedded_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model)
+
+
+def test_tool_chat_supervises_the_calls_and_answers_never_the_results(
+    smollm2_tokenizer: Any,
+) -> None:
+    tok = apply_choice(copy.deepcopy(smollm2_tokenizer), "chatml-tools")
+    conv = make_tool_demo(1, seed=3)[0]
+    sample = encode(conv, tok, "all_assistant")
+
+    def call_text(m: Message) -> str:
+        assert m.tool_calls
+        f = m.tool_calls[0].function
+        return f'<tool_call>\n{{"name": "{f.name}", "arguments": {f.arguments}}}\n</tool_call>'
+
+    _, _, call1, result, answer, _, call2 = conv.messages
+    expected = [call_text(call1), str(answer.content), call_text(call2)]
+    assert [tok.decode(r) for r in _runs(sample.labels)] == [e + "<|im_end|>" for e in expected]
+    # the tool result, the tools list and the user turns are context
+    assert str(result.content) in sample.rendered
+    supervised = "".join(tok.decode(r) for r in _runs(sample.labels))
+    assert str(result.content) not in supervised and "get_weather" in sample.rendered
+    assert sample.supervised == sum(len(tok(e)["input_ids"]) + 1 for e in expected)
+
+    last = encode(conv, tok, "last_assistant")
+    assert tok.decode([t for t in last.labels if t != IGNORE]) == expected[2] + "<|im_end|>"
+
+
+def test_chatml_tools_renders_a_plain_chat_as_smollm2_does(smollm2_tokenizer: Any) -> None:
+    tools_tok = apply_choice(copy.deepcopy(smollm2_tokenizer), "chatml-tools")
+    for msgs in (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+    ):
+        for prompt in (False, True):
+            assert render(tools_tok, msgs, prompt) == render(smollm2_tokenizer, msgs, prompt)
+
+
+def test_a_template_without_tool_support_is_refused(smollm2_tokenizer: Any) -> None:
+    conv = make_tool_demo(1, seed=3)[0]
+    with pytest.raises(MaskingError, match=r"no tool support.*chat_template: chatml-tools"):
+        encode(conv, smollm2_tokenizer, "all_assistant")  # SmolLM2's own template
+    # a template that names tools and tool_calls but writes only the content
+    dropping = copy.deepcopy(smollm2_tokenizer)
+    dropping.chat_template = (
+        "{# tool_calls #}{% if tools %}{{ tools | tojson }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(MaskingError, match=r"drops the tool call (calculate|get_weather)"):
+        encode(conv, dropping, "all_assistant")

@@ -1,5 +1,7 @@
 """Chat datasets in the OpenAI fine-tuning format: one JSON object per line,
-`{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`.
+`{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`, and
+tool-calling chats (a `tools` list, assistant `tool_calls`, `tool` messages: the shapes
+and their checks live in `lorastack.chat_tools`).
 
 Owns parsing and schema checks with line numbers. It does not tokenise (that needs the
 model's tokenizer: see the trainer's preflight) and does no I/O beyond reading a file.
@@ -10,30 +12,62 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError, field_validator, model_validator
 
+from lorastack.chat_tools import Tool, ToolCall, tool_problems
 from lorastack.errors import ConfigError, InvalidInput, NotFound
 from lorastack.untrusted_json import loads_object, schema_error
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 
 class Message(BaseModel):
     role: Role
-    content: str
+    content: str | None = None  # None only for an assistant message that calls tools
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this message answers
 
-    @field_validator("content")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
+    @model_validator(mode="after")
+    def _has_content(self) -> Message:
+        if self.tool_calls:
+            return self
+        if self.content is None:
+            raise ValueError(
+                f"content is missing (null): only an assistant message that calls tools "
+                f"(tool_calls) may have none, this is a {self.role} message"
+            )
+        if not self.content.strip():
             raise ValueError("content is empty")
-        return v
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as written in the file (and as chat templates take it): role and
+        content always, the tool fields only when set."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    @property
+    def text(self) -> str:
+        """The content, or "" for a message that only calls tools."""
+        return self.content or ""
+
+    @property
+    def flat_text(self) -> str:
+        """The content and every call (name and arguments) as one string: what the
+        duplicate and special-token checks read."""
+        calls = [f"{c.function.name}({c.function.arguments})" for c in self.tool_calls or []]
+        return "\n".join([self.text, *calls]) if calls else self.text
 
 
 class Conversation(BaseModel):
     messages: list[Message]
+    tools: list[Tool] | None = None  # the functions the assistant may call
 
     @field_validator("messages")
     @classmethod
@@ -48,8 +82,28 @@ class Conversation(BaseModel):
             raise ValueError("there is no user message")
         return msgs
 
+    @model_validator(mode="after")
+    def _calls(self) -> Conversation:
+        problems = tool_problems(self.messages, self.tools)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def has_tools(self) -> bool:
+        return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(), ensure_ascii=False)
+        data: dict[str, Any] = {"messages": self.message_dicts()}
+        if self.tools:
+            data["tools"] = self.tool_dicts()
+        return json.dumps(data, ensure_ascii=False)
 
 
 class LineError(BaseModel):
@@ -97,7 +151,8 @@ def load_jsonl(path: Path) -> list[Conversation]:
         raise ConfigError(
             f"{len(errors)} invalid line(s) in {path}:\n{shown}{more}",
             'each line must be {"messages": [{"role": ..., "content": ...}, ...]} ending with '
-            "an assistant message",
+            'an assistant message (tool chats add "tools", assistant "tool_calls" and "tool" '
+            "messages, as in OpenAI's fine-tuning format)",
         )
     if not convs:
         raise ConfigError(f"{path} holds no conversations", "add at least one JSONL line")

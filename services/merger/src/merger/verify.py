@@ -73,15 +73,15 @@ class Probe:
     """One validation conversation: the prompt (without the final answer) and the whole."""
 
     index: int  # line order in the probe source, 0-based
-    prompt: list[dict[str, str]]  # messages minus the final assistant answer
-    full: list[dict[str, str]]  # every message, for teacher-forced logits
+    prompt: list[dict[str, Any]]  # messages minus the final assistant answer
+    full: list[dict[str, Any]]  # every message, for teacher-forced logits
 
 
 def pick_probes(convs: list[Conversation], n: int) -> list[Probe]:
     """The first `n` conversations, as probes (deterministic, so reruns compare)."""
     out = []
     for i, c in enumerate(convs[:n]):
-        msgs = [m.model_dump() for m in c.messages]
+        msgs = c.message_dicts()
         out.append(Probe(index=i, prompt=msgs[:-1], full=msgs))
     return out
 

@@ -112,6 +112,13 @@ class RunConfig(_Strict):
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
     seed: int = Field(0, ge=0, description="LoRA init, dropout and batch order")
     loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    chat_template: str | None = Field(
+        None,
+        description="what renders the chats: unset = the base model's own template; "
+        "'chatml-tools' = ChatML with Hermes-style tool calls, shipped with the trainer (for "
+        "tool-calling data when the model's template has no tool support); or a .jinja file. "
+        "The adapter carries it, so serving renders the same way (trainer.chat_templates)",
+    )
     gradient_checkpointing: bool = False
     compile: bool | Literal["auto"] = Field(
         "auto",
@@ -161,6 +168,8 @@ class RunConfig(_Strict):
         data = self.model_dump(mode="json")
         for key in SAFE_TO_CHANGE:
             data.pop(key, None)
+        if data.get("chat_template") is None:  # the hash of runs from before the field
+            data.pop("chat_template", None)
         return "sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

@@ -5,7 +5,9 @@ end-of-turn token are the same id (2), so masking "every pad" would also mask th
 end-of-turn and the model would never learn to stop.
 
 A target is the content of an assistant message plus the end-of-turn token that the
-chat template puts right after it. Everything else (system prompt, user turns, role
+chat template puts right after it; for an assistant turn that calls tools, everything
+the template writes between the turn's header and its end-of-turn (the calls, and any
+content before them). Everything else (system prompt, user turns, tool results, role
 headers, the newline after the end-of-turn, padding) gets the label IGNORE.
 """
 
@@ -36,6 +38,43 @@ def locate_target(rendered: str, prompt_end: int, content: str) -> Span:
         f"the chat template does not render the assistant content verbatim after its header "
         f"(expected {content[:40]!r} at char {prompt_end})"
     )
+
+
+def locate_calls(
+    rendered: str, prompt_end: int, end_of_turn: str, calls: Sequence[tuple[str, Sequence[str]]]
+) -> Span:
+    """The span of an assistant turn that calls tools: from `prompt_end` (after its
+    header) to its end-of-turn text. `calls` are (function name, argument names): each
+    must be written inside the span, or the template dropped the call."""
+    end = rendered.find(end_of_turn, prompt_end) if end_of_turn else -1
+    if end < 0:
+        raise MaskingError(
+            f"no end-of-turn {end_of_turn!r} after the tool call at char {prompt_end}"
+        )
+    text = rendered[prompt_end:end]
+    for name, arguments in calls:
+        missing = [repr(a) for a in (name, *arguments) if a not in text]
+        if missing:
+            raise MaskingError(
+                f"the chat template drops the tool call {name}: {', '.join(missing)} not in the "
+                f"rendered assistant turn {text[:80]!r}; the template has no tool support"
+            )
+    return Span(prompt_end, end)
+
+
+def check_tools_rendered(rendered: str, functions: Sequence[str], results: Sequence[str]) -> None:
+    """Every function of `tools` and every tool result is in the text the model sees."""
+    for name in functions:
+        if name not in rendered:
+            raise MaskingError(
+                f"the chat template drops the tools list (function {name!r} is not rendered): "
+                "the model would be trained to call functions it is never shown"
+            )
+    for result in results:
+        if result not in rendered:
+            raise MaskingError(
+                f"the chat template drops a tool result ({result[:40]!r} is not rendered)"
+            )
 
 
 def supervised_mask(

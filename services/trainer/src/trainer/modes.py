@@ -116,7 +116,7 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     checks.append(
         f"{'ok ' if gen_ok else 'BAD'} sample in the serving format "
         f"({'stopped at end-of-turn' if stopped else f'no end-of-turn in {SMOKE_NEW_TOKENS} tokens'}): "
-        f"{text.strip()[:80]!r} (expected {conv.messages[-1].content[:40]!r})"
+        f"{text.strip()[:80]!r} (expected {conv.messages[-1].flat_text[:40]!r})"
     )
     return {"passed": bool(ok), "checks": checks, "losses": series}
 

@@ -156,7 +156,7 @@ def check_sample(
 ) -> tuple[Sample | None, list[tuple[str, str]]]:
     """Encode one conversation: (the sample, or None when it cannot be trained on; its
     problems as (kind, message), kind one of "special_token", "template", "eos")."""
-    bad = sorted({t for m in conv.messages for t in specials if t in m.content})
+    bad = sorted({t for m in conv.messages for t in specials if t in m.flat_text})
     if bad:  # the template's own markers inside a content: encoding it would mislead
         return None, [
             ("special_token", f"content holds special token(s) {', '.join(map(repr, bad))}")

@@ -15,6 +15,7 @@ from typing import Any
 from lorastack.errors import NotFound
 from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore, open_store
+from trainer.chat_templates import apply_choice
 from trainer.config import RunConfig
 from trainer.modeling import check_target_modules, read_model_config
 from trainer.preflight import PreflightReport, check_dataset, check_disk
@@ -63,7 +64,7 @@ def prepare(config: RunConfig, settings: TrainerSettings, staging: Path) -> Prep
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer = apply_choice(AutoTokenizer.from_pretrained(base_dir), config.chat_template)
     report, encoded = check_dataset(
         splits,
         tokenizer,
@@ -104,7 +105,7 @@ def check(
     with quiet_transformers():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        tokenizer = apply_choice(AutoTokenizer.from_pretrained(base_dir), config.chat_template)
     report = scan_file(path, source, tokenizer, config, progress=progress)
     staging = settings.resolved_runs_dir / config.output
     check_disk(report, config, read_model_config(base_dir), base.size, staging)

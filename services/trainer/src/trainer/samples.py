@@ -3,6 +3,12 @@
 Owns rendering (the exact text the model sees), tokenising with char offsets, and
 handing both to the pure masking functions. It never truncates: a sample longer than
 the maximum is reported by the preflight and refused or dropped there.
+
+Tool-calling chats render with `tools=` and their messages keep their `tool_calls`; an
+assistant turn that calls tools is supervised from its header to its end-of-turn (the
+calls as the template writes them), and tool results are context like user turns. A
+template without tool support, or one that drops a function, a call or a result from
+the text, is refused (MaskingError) rather than trained on.
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lorastack.chat_data import Conversation
+from trainer.chat_templates import NoToolSupport, require_tool_support
 from trainer.masking import (
     MaskingError,
     Span,
+    check_tools_rendered,
     labels_from_mask,
+    locate_calls,
     locate_target,
     part_lengths,
     supervised_mask,
@@ -55,25 +64,54 @@ def template_hash(tokenizer: Any) -> str:
     return "sha256:" + hashlib.sha256(str(template).encode()).hexdigest()
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], prompt: bool = False) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    kwargs = {"tools": tools} if tools else {}  # a plain chat renders as it always did
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=prompt, **kwargs
+    )
     return str(text)
+
+
+def render_conv(tokenizer: Any, conv: Conversation) -> str:
+    """The whole conversation as the model sees it in training."""
+    return render(tokenizer, _dicts(conv), tools=conv.tool_dicts())
 
 
 def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
     """Render `conv` and label its assistant targets; raises MaskingError when the
     template does not put each target verbatim between its header and end-of-turn."""
-    msgs = _dicts(conv)
-    rendered = render(tokenizer, msgs)
+    if conv.has_tools:
+        try:
+            require_tool_support(tokenizer)
+        except NoToolSupport as e:
+            raise MaskingError(str(e)) from None
+    msgs, tools = _dicts(conv), conv.tool_dicts()
+    rendered = render(tokenizer, msgs, tools=tools)
+    if conv.has_tools:
+        check_tools_rendered(
+            rendered,
+            [t.function.name for t in conv.tools or []],
+            [m.text for m in conv.messages if m.role == "tool"],
+        )
     assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if loss_on == "last_assistant":
         assistant_at = assistant_at[-1:]
     spans: list[Span] = []
     for i in assistant_at:
-        prompt = render(tokenizer, msgs[:i], prompt=True)
+        prompt = render(tokenizer, msgs[:i], prompt=True, tools=tools)
         if not rendered.startswith(prompt):
             raise MaskingError("the chat template renders a conversation's prefix differently")
-        spans.append(locate_target(rendered, len(prompt), msgs[i]["content"]))
+        calls = conv.messages[i].tool_calls
+        if calls:
+            named = [(c.function.name, list(c.function.parsed_arguments())) for c in calls]
+            spans.append(locate_calls(rendered, len(prompt), str(tokenizer.eos_token or ""), named))
+        else:
+            spans.append(locate_target(rendered, len(prompt), msgs[i]["content"]))
     enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     offsets = [(s, e) for s, e in enc["offset_mapping"]]
@@ -81,7 +119,7 @@ def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
     mask = supervised_mask(offsets, ids, spans, eot)
     last = spans[-1]
     eot_end = next(e for (s, e), t in zip(offsets, ids, strict=True) if s >= last.end and t == eot)
-    first_user = next(m["content"] for m in msgs if m["role"] == "user")
+    first_user = next(str(m["content"]) for m in msgs if m["role"] == "user")
     user_at = rendered.find(first_user)
     header = rendered.rfind(str(tokenizer.bos_token or ""), 0, user_at) if user_at > 0 else 0
     system_end = header if header > 0 else max(user_at, 0)
@@ -100,7 +138,7 @@ class Pretokenized:
         texts = []
         for conv in convs:
             with contextlib.suppress(Exception):  # encode() itself reports what fails
-                texts.append(render(tokenizer, _dicts(conv)))
+                texts.append(render_conv(tokenizer, conv))
         self._known: dict[str, dict[str, Any]] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         if texts and backend is not None:
@@ -118,13 +156,19 @@ class Pretokenized:
         return getattr(self._tokenizer, name)
 
 
-def _dicts(conv: Conversation) -> list[dict[str, str]]:
-    return [m.model_dump() for m in conv.messages]
+def _dicts(conv: Conversation) -> list[dict[str, Any]]:
+    """The messages as templates take them: tool-call arguments parsed into objects
+    (templates write `arguments | tojson`; a string would be quoted twice)."""
+    out = conv.message_dicts()
+    for d, m in zip(out, conv.messages, strict=True):
+        if m.tool_calls:
+            d["tool_calls"] = [c.as_dict() for c in m.tool_calls]
+    return out
 
 
 def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     """Token ids of everything before the last assistant answer, in the serving format
     (chat template with the generation prompt)."""
-    msgs = [m.model_dump() for m in conv.messages[:-1]]
-    text = render(tokenizer, msgs, prompt=True)
+    msgs = _dicts(conv)[:-1]
+    text = render(tokenizer, msgs, prompt=True, tools=conv.tool_dicts())
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]

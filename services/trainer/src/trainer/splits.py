@@ -55,7 +55,7 @@ def normalise(text: str) -> str:
 
 
 def prompt_key(conv: Conversation) -> str:
-    return normalise("\n".join(f"{m.role}: {m.content}" for m in conv.messages[:-1]))
+    return normalise("\n".join(f"{m.role}: {m.flat_text}" for m in conv.messages[:-1]))
 
 
 def split_groups(sizes: Sequence[int], validation: float, test: float, seed: int) -> list[int]:
