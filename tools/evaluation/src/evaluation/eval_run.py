@@ -37,13 +37,13 @@ from lorastack.chat_data import Conversation
 from lorastack.errors import ConfigError
 from lorastack.store import ArtifactStore
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def split_item(conv: Conversation) -> tuple[Messages, str]:
     """(prompt messages, reference): everything before the final assistant turn, and it."""
-    msgs = [m.model_dump() for m in conv.messages]
-    return msgs[:-1], msgs[-1]["content"]
+    msgs = conv.message_dicts()
+    return msgs[:-1], conv.messages[-1].text
 
 
 def baseline_prompt(prompt: Messages, config: EvalConfig) -> Messages:
