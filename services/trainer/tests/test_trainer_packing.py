@@ -139,4 +139,8 @@ def test_a_packed_run_resumes_exactly(
     resumed = run_training(cut_cfg, trainer_env, resume=True)
     assert list(full.losses) == [1, 2, 3, 4]
     assert resumed.losses == {3: full.losses[3], 4: full.losses[4]}  # float equality
-    assert full.completion["tokens"] > 2 * full.completion["supervised_tokens"] > 0
+    done = full.completion
+    assert done["tokens"] > 2 * done["supervised_tokens"] > 0
+    assert done["tokens_per_s"] == pytest.approx(done["tokens"] / done["wall_s"], abs=0.06)
+    assert 0 < done["supervised_tokens_per_s"] < done["tokens_per_s"]
+    assert done["nvml"] is None  # no GPU here; on one: used, total, utilisation, power

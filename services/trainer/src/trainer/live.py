@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from trainer.metrics import nvml_reading
+
 # (name, help) of each gauge; all carry the label `run`
 GAUGES = {
     "step": "optimizer steps done",
@@ -38,19 +40,10 @@ GAUGES = {
 
 def gpu_reading(device: torch.device) -> dict[str, float]:
     """Utilisation (0..1) and power (W) from NVML; empty without a GPU or NVML."""
-    if device.type != "cuda":
+    nvml = nvml_reading(device)
+    if not nvml:
         return {}
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        return {
-            "gpu_utilization_ratio": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,
-            "gpu_power_watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000,
-        }
-    except Exception:  # NVML missing in some containers: the torch numbers remain
-        return {}
+    return {"gpu_utilization_ratio": nvml["utilization"], "gpu_power_watts": nvml["power_watts"]}
 
 
 class LiveRun:

@@ -35,6 +35,28 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def nvml_reading(device: torch.device) -> dict[str, float]:
+    """What nvidia-smi would show for the run's GPU: memory used and total (bytes),
+    utilisation over NVML's last sample period (0..1) and power draw (W); empty without a
+    GPU or where NVML is missing (some containers): the torch numbers remain."""
+    if device.type != "cuda":
+        return {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return {
+            "used_bytes": int(mem.used),
+            "total_bytes": int(mem.total),
+            "utilization": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,
+            "power_watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+        }
+    except Exception:
+        return {}
+
+
 def memory_now(device: torch.device) -> dict[str, int]:
     """Bytes: peak allocated/reserved from torch and NVML used on GPU; RSS on CPU."""
     if device.type == "cuda":
@@ -42,14 +64,9 @@ def memory_now(device: torch.device) -> dict[str, int]:
             "peak_allocated": int(torch.cuda.max_memory_allocated(device)),
             "peak_reserved": int(torch.cuda.max_memory_reserved(device)),
         }
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            out["nvml_used"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-        except Exception:  # NVML missing in some containers: the torch numbers remain
-            pass
+        nvml = nvml_reading(device)
+        if nvml:
+            out["nvml_used"] = int(nvml["used_bytes"])
         return out
     import psutil
 
@@ -214,7 +231,9 @@ def write_support_bundle(
             "traceback": traceback.format_exception(exc),
         },
         "oom": is_oom(exc),
-        "hint": OOM_HINT if is_oom(exc) else "attach this file to a bug report",
+        "hint": OOM_HINT
+        if is_oom(exc)
+        else getattr(exc, "hint", "") or "attach this file to a bug report",
         "environment": environment_summary(env or {}),
     }
     write_json(path, bundle)

@@ -162,3 +162,28 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     )
     r.say(f"published {m.ref} ({m.digest[:19]})")
     return m
+
+
+def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
+    """The support memo into the store beside the run (`OUTPUT/support`, a report), so it
+    outlives the host. A store that cannot take it (it may be the failure) is logged and
+    never hides the original error; a failure before the store opened keeps the local file."""
+    store = getattr(r, "store", None)
+    if store is None or not r.settings.is_main:
+        return None
+    folder = bundle.parent / "support"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(bundle, folder / bundle.name)
+    try:
+        m = store.publish(
+            folder,
+            kind="report",
+            name=f"{r.config.output}/support",
+            service="trainer",
+            metadata={"step": r.step, "mode": r.mode},
+        )
+    except Exception as e:  # the run's own error is the one to raise
+        log.warning("the support bundle stays local (%s): the store refused it: %s", bundle, e)
+        return None
+    print(f"support bundle published: {m.ref}", flush=True)
+    return m

@@ -54,6 +54,7 @@ from trainer.metrics import (
     is_oom,
     library_versions,
     memory_now,
+    nvml_reading,
     peak_bytes,
     plot_losses,
     process_age,
@@ -543,6 +544,9 @@ class Recipe:
             "steps": self.step,
             "tokens": self.tokens_seen,
             "supervised_tokens": self.supervised_seen,
+            # over the whole wall time, set-up included: what the bill pays for
+            "tokens_per_s": round(self.tokens_seen / wall, 1) if wall > 0 else None,
+            "supervised_tokens_per_s": round(self.supervised_seen / wall, 1) if wall > 0 else None,
             "peak_memory": peak,
             "peak_reserved": measured.get("peak_reserved"),
             "memory_estimate": self.memory_estimate.get("total", 0),
@@ -554,6 +558,7 @@ class Recipe:
             "price_per_gpu_hour": cfg.price_per_gpu_hour,
             "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
             "device": device_facts(self.device),
+            "nvml": nvml_reading(self.device) or None,  # the nvidia-smi reading at the end
             "compile": compile_report() if self.compiler.active else None,
         }
         self.say(
@@ -628,8 +633,6 @@ def run_training(
         recipe.setup(resume=resume and mode == "train", auto_batch=auto_batch)
         recipe.train()
         result = recipe.finish()
-    except LorastackError:
-        raise
     except Exception as e:
         recipe.run_dir.mkdir(parents=True, exist_ok=True)
         bundle = write_support_bundle(
@@ -640,6 +643,9 @@ def run_training(
             dict(os.environ),
         )
         print(f"support bundle: {bundle}", flush=True)
+        publishing.publish_support_bundle(recipe, bundle)
+        if isinstance(e, LorastackError):
+            raise
         if is_oom(e):
             raise TrainingOOM(
                 f"out of memory at step {recipe.step + 1} (micro_batch={recipe.config.micro_batch}, "
