@@ -1,6 +1,6 @@
 """`lorastack data ...` and `lorastack train ...`: argument parsing and printing only.
 
-    lorastack data make-demo OUT.jsonl [--n 200] [--seed 0]
+    lorastack data make-demo OUT.jsonl [--n 200] [--seed 0] [--tools]
     lorastack data inspect CONFIG [--index N] [--split train] [key=value ...]
     lorastack data check CONFIG [--json] [key=value ...]  (exit 0 ok, 1 warnings, 3 refused)
     lorastack train CONFIG [--smoke] [--resume [auto]] [--overfit N] [--auto-batch] [key=value ...]
@@ -28,14 +28,20 @@ def _config(args: argparse.Namespace) -> RunConfig:
 def cmd_make_demo(args: argparse.Namespace) -> int:
     from lorastack.chat_data import write_jsonl
     from trainer.demo_data import make_demo
+    from trainer.demo_tools import make_tool_demo
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    convs = make_demo(args.n, args.seed)
+    convs = (make_tool_demo if args.tools else make_demo)(args.n, args.seed)
     write_jsonl(out, convs)
     first = convs[0].messages
     print(f"wrote {len(convs)} conversations to {out}")
-    print(f"  e.g. user: {first[1].content!r} -> assistant: {first[2].content!r}")
+    print(f"  e.g. user: {first[1].content!r} -> assistant: {first[2].flat_text!r}")
+    if args.tools:
+        print(
+            "  train with chat_template: chatml-tools unless the base model's own template "
+            "renders tools (SmolLM2's does not)"
+        )
     return 0
 
 
@@ -77,6 +83,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{s.length} tokens = system {p['system']} + history {p['history']} + target {p['target']}; "
         f"supervised {s.supervised} (loss_on={config.loss_on}, max_seq_len={config.max_seq_len})"
     )
+    if item.conv.has_tools:
+        msgs, template = item.conv.messages, config.chat_template or "the base model's own"
+        print(
+            f"tools: {', '.join(t.function.name for t in item.conv.tools or [])}; "
+            f"{sum(len(m.tool_calls or []) for m in msgs)} call(s) (supervised), "
+            f"{sum(m.role == 'tool' for m in msgs)} tool result(s) (context, never supervised); "
+            f"template: {template}"
+        )
     print("--- rendered context; supervised text between ⟦ and ⟧ ---")
     text, prev = [], False
     for (a, b), lab in zip(s.offsets, s.labels, strict=True):
@@ -199,6 +213,11 @@ def register(sub: Any) -> None:
     p.add_argument("out", help="output JSONL path")
     p.add_argument("--n", type=int, default=200, help="conversations (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tools",
+        action="store_true",
+        help="the tool-calling task instead (weather and calculator functions)",
+    )
     p.set_defaults(handler=cmd_make_demo)
     for name, fn, text in (
         ("inspect", cmd_inspect, "show one sample as the model sees it, supervised tokens marked"),

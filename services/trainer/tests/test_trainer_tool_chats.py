@@ -1,0 +1,84 @@
+"""Tool-calling data end to end, short of training: `data make-demo --tools` writes a
+deterministic task; `data check` refuses it under a template without tool support and
+names the line of every badly tied call; `data inspect` marks the calls and answers as
+supervised and the tool results as context."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lorastack.chat_data import load_jsonl
+from lorastack.cli import main
+from trainer.config import load_config
+from trainer.prepare import check
+from trainer.settings import TrainerSettings
+
+
+@pytest.fixture
+def tools_jsonl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    path = tmp_path / "tools.jsonl"
+    assert main(["data", "make-demo", str(path), "--tools", "--n", "24", "--seed", "2"]) == 0
+    assert "chat_template: chatml-tools" in capsys.readouterr().out
+    return path
+
+
+def test_make_demo_tools_is_deterministic_and_valid(tools_jsonl: Path) -> None:
+    again = tools_jsonl.with_name("again.jsonl")
+    assert main(["data", "make-demo", str(again), "--tools", "--n", "24", "--seed", "2"]) == 0
+    assert again.read_bytes() == tools_jsonl.read_bytes()
+    convs = load_jsonl(tools_jsonl)  # every call tied right, arguments JSON objects
+    assert len(convs) == 24 and len({c.to_json() for c in convs}) == 24
+    last_calls = [c.messages[-1].tool_calls for c in convs]
+    names = {calls[0].function.name for calls in last_calls if calls}
+    assert names == {"get_weather", "calculate"}  # the last call needs choosing
+
+
+def test_check_refuses_a_template_without_tools_and_names_bad_lines(
+    trainer_env: TrainerSettings, tools_jsonl: Path, write_config: Callable[..., Path]
+) -> None:
+    lines = tools_jsonl.read_text().splitlines()
+    bad = json.loads(lines[0])
+    bad["messages"][2]["tool_calls"][0]["function"]["name"] = "get_time"
+    unanswered = json.loads(lines[1])
+    del unanswered["messages"][3]  # the tool result of the first call
+    messy = tools_jsonl.with_name("messy.jsonl")
+    messy.write_text("\n".join([*lines, json.dumps(bad), json.dumps(unanswered)]) + "\n")
+
+    own = check(load_config(write_config("own", tools_jsonl, max_seq_len=1024)), trainer_env)
+    assert own.verdict == "refused"
+    assert {p.kind for p in own.line_problems} == {"template"}
+    assert len(own.line_problems) == 24
+    assert "no tool support" in own.line_problems[0].message
+    assert "chat_template: chatml-tools" in own.line_problems[0].message
+
+    cfg = write_config("shipped", messy, max_seq_len=1024, chat_template="chatml-tools")
+    report = check(load_config(cfg), trainer_env)
+    by_line = {p.line: p.message for p in report.line_problems}
+    assert set(by_line) == {25, 26}, by_line
+    assert "messages.2.tool_calls.0.function.name: 'get_time' is not in tools" in by_line[25]
+    assert "call_" in by_line[26] and "is never answered by a tool message" in by_line[26]
+    assert report.counts["train"] > 0 and report.counts["test"] > 0
+    assert report.supervised_tokens > 0
+
+
+def test_inspect_marks_calls_and_answers_not_tool_results(
+    trainer_env: TrainerSettings,
+    tools_jsonl: Path,
+    write_config: Callable[..., Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = write_config("inspect-tools", tools_jsonl, max_seq_len=1024, chat_template="chatml-tools")
+    capsys.readouterr()
+    assert main(["data", "inspect", str(cfg), "--index", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "tools: get_weather, calculate; 2 call(s) (supervised), 1 tool result(s)" in out
+    rendered = out.split("⟧ ---\n", 1)[1].split("--- tokens")[0]
+    marked = [part.split("⟧")[0] for part in rendered.split("⟦")[1:]]
+    assert len(marked) == 3  # call, worded answer, call
+    assert marked[0].startswith("<tool_call>\n{") and marked[2].startswith("<tool_call>\n{")
+    assert all(m.endswith("<|im_end|>") for m in marked)
+    assert "<tool_response>" in rendered and not any("<tool_response>" in m for m in marked)
