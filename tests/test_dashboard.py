@@ -1,5 +1,5 @@
 """The Grafana dashboard queries only metrics that the gateway, the inference
-supervisor or vLLM really export. (The end-to-end test checks them again against the
+supervisor, the trainer or vLLM really export. (The end-to-end test checks them again against the
 live stack's /metrics.)"""
 
 from __future__ import annotations
@@ -23,6 +23,13 @@ PANELS_PEOPLE_EXPECT = (
     "lorastack_gateway_request_duration_seconds_count",
     "lorastack_gateway_rejections_total",
     "vllm:lora_requests_info",
+    "lorastack_trainer_loss",
+    "lorastack_trainer_val_loss",
+    "lorastack_trainer_tokens_per_second",
+    "lorastack_trainer_gpu_memory_reserved_bytes",
+    "lorastack_trainer_cost",
+    "lorastack_gateway_key_requests_total",
+    "lorastack_gateway_key_completion_tokens_total",
 )
 
 
@@ -55,6 +62,12 @@ def exported_by_supervisor() -> set[str]:
     return names | {n + "_total" for n in names}
 
 
+def exported_by_trainer() -> set[str]:
+    from trainer.live import GAUGES
+
+    return {f"lorastack_trainer_{name}" for name in GAUGES}
+
+
 def test_dashboard_has_the_panels_people_expect() -> None:
     text = DASHBOARD.read_text()
     for name in PANELS_PEOPLE_EXPECT:
@@ -62,6 +75,11 @@ def test_dashboard_has_the_panels_people_expect() -> None:
 
 
 def test_every_query_names_an_exported_metric() -> None:
-    exposed = exported_by_vllm() | exported_by_gateway() | exported_by_supervisor()
+    exposed = (
+        exported_by_vllm()
+        | exported_by_gateway()
+        | exported_by_supervisor()
+        | exported_by_trainer()
+    )
     assert dashboard_exprs()
     assert missing_from(exposed) == {}

@@ -143,8 +143,9 @@ def test_the_readme_walk_on_the_cpu_override(
 ) -> None:
     from openai import BadRequestError, OpenAI
 
-    # 4. The store.
-    compose("up", "-d", "minio", "minio-init")
+    # 4. The store, and Prometheus to watch the training run.
+    walk_start = time.time()
+    compose("up", "-d", "minio", "minio-init", "prometheus")
     compose.wait_healthy(("minio",), 120)
 
     # 5. A base model from the (test's) hub, gated: HF_TOKEN reaches the container.
@@ -172,7 +173,7 @@ def test_the_readme_walk_on_the_cpu_override(
             "lorastack", "data", "check", "/config/train.yaml")  # fmt: skip
     steps = f"max_steps={TRAIN_STEPS}"
     every = [f"eval_every={TRAIN_STEPS}", f"checkpoint_every={TRAIN_STEPS}"]
-    compose("--profile", "train", "run", "--rm", "trainer",
+    compose("--profile", "train", "run", "--rm", "--use-aliases", "trainer",
             "lorastack", "train", "/config/train.yaml", steps, *every)  # fmt: skip
 
     # 8. Merge, verified against base + adapter; it publishes chat/merged.
@@ -210,13 +211,15 @@ def test_the_readme_walk_on_the_cpu_override(
     assert refused.value.status_code == 400
     say(f"over-long: 400 {refused.value.message[:160]}")
 
-    # 11. Every query of the Grafana dashboard answers with data from Prometheus.
+    # 11. Every query of the Grafana dashboard answers with data from Prometheus, over the
+    # walk's time range as a Grafana panel asks (the training row's run ended minutes ago).
     time.sleep(12)  # two more scrapes after the last request
     prometheus = f"http://127.0.0.1:{compose.env['PROMETHEUS_PORT']}"
     empty = []
     for expr in dashboard_exprs():
         query = expr.replace("$__rate_interval", "1m")
-        url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+        span = {"start": f"{walk_start:.0f}", "end": f"{time.time():.0f}", "step": "5"}
+        url = f"{prometheus}/api/v1/query_range?" + urllib.parse.urlencode({"query": query, **span})
         with urllib.request.urlopen(url, timeout=10) as resp:
             result = json.load(resp)["data"]["result"]
         say(f"  {len(result)} series  {query}")

@@ -60,3 +60,18 @@ def test_a_running_trainer_serves_its_metrics(
     assert seen["lorastack_trainer_val_loss"] > 0  # the evaluation at step 3
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         scrape(port)  # closed with the run
+
+
+def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes() -> None:
+    from trainer.live import LiveRun
+
+    port = free_port()
+    live = LiveRun("live", 6, port, "127.0.0.1", bar=False)
+    live.gauges["step"].set(6)
+    closing = threading.Thread(target=live.close, kwargs={"linger_s": 1.5})
+    closing.start()
+    time.sleep(0.3)
+    assert scrape(port)["lorastack_trainer_step"] == 6  # after the run's end, before the scrape
+    closing.join()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        scrape(port)

@@ -13,6 +13,7 @@ with the run.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
@@ -82,11 +83,14 @@ class LiveRun:
         if "val_loss" in self.gauges:
             self.gauges["val_loss"].set(val_loss)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the bar; stop the metrics server after `linger_s` seconds of serving the
+        final values (a run shorter than a scrape interval is otherwise never seen)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         if self.server is not None:
+            time.sleep(linger_s)
             self.server.shutdown()
             self.server.server_close()
             self.server = None

@@ -599,7 +599,7 @@ class Recipe:
         )
 
     def cleanup(self) -> None:
-        self.live.close()
+        self.live.close(linger_s=self.settings.metrics_linger_s)
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()

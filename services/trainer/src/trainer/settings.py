@@ -30,6 +30,13 @@ class TrainerSettings(CommonSettings):
     metrics_host: str = Field(
         "127.0.0.1", description="address the metrics listen on (0.0.0.0 in a container)"
     )
+    metrics_linger_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="keep serving the metrics this long after the run ends, so that "
+        "Prometheus scrapes the final values (one scrape interval or more)",
+    )
     cuda_alloc_conf: str | None = Field(
         None,
         validation_alias=AliasChoices("PYTORCH_CUDA_ALLOC_CONF"),
