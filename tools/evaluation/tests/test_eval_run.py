@@ -198,3 +198,42 @@ def test_cli_eval(
     code = cli_main(["eval", "--base-url", fake.base_url, "--test", str(tmp_path / "missing.jsonl"),
                      "--base-model", "a", "--lora-model", "b", "--out", str(out)])  # fmt: skip
     assert code == 2
+
+
+def _tool_answer(model: str, prompt: str) -> str:
+    # the "LoRA" calls the function with the city of the question; the base model talks
+    if model != "fake-lora":
+        return "I cannot look up the weather."
+    city = prompt.split()[-1].rstrip("?")
+    return f'<tool_call> {{"name": "get_weather", "arguments": {{"city": "{city}"}}}} </tool_call>'
+
+
+def test_tool_calls_are_sent_read_and_scored(tmp_path: Path) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    convs = [
+        Conversation.model_validate(
+            {"tools": tools, "messages": [
+                {"role": "user", "content": f"Weather in City{i}?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": f"c{i}", "type": "function",
+                    "function": {"name": "get_weather", "arguments": f'{{"city": "City{i}"}}'}}]},
+            ]}
+        )
+        for i in range(20)
+    ]  # fmt: skip
+    path = tmp_path / "tools.jsonl"
+    write_jsonl(path, convs)
+    models = [{"id": "fake-base"}, {"id": "fake-lora"}]
+    with FakeServer(models=models, answer=_tool_answer, prompt_tokens=None) as fake:
+        cfg = EvalConfig(base_url=fake.base_url, test=str(path), base_model="fake-base",
+                         lora_model="fake-lora", scorers=["tool_call", {"name": "tool_call", "arguments": "equal", "label": "args_equal"}],
+                         max_tokens=32)  # fmt: skip
+        report = run_eval(cfg, out_dir=tmp_path / "eval")
+        bodies = fake.requests
+    assert all(b["tools"] == tools for b in bodies if "messages" in b)
+    assert report.metrics["tool_call"].candidate_mean == 1.0
+    assert report.metrics["tool_call"].baseline_mean == 0.0
+    assert report.verdicts == {"tool_call": "improvement", "args_equal": "improvement"}
+    sample = json.loads((tmp_path / "eval" / "samples.jsonl").read_text().splitlines()[0])
+    assert json.loads(sample["reference"])["tool_calls"][0]["name"] == "get_weather"
+    assert json.loads(sample["lora"]["output"]) == json.loads(sample["reference"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evaluation.scorers import SCORERS, build_scorer, normalise, register_scorer
+from evaluation.tool_calls import calls_text, message_calls
 from lorastack.errors import ConfigError
 
 
@@ -35,6 +36,72 @@ from lorastack.errors import ConfigError
 def test_builtin_scorers(spec: object, output: str, reference: str, expected: float) -> None:
     scorer = build_scorer(spec)  # type: ignore[arg-type]
     assert scorer(output, reference) == expected
+
+
+CALL = calls_text([("get_weather", '{"city": "Oslo", "unit": "celsius"}')])
+
+
+@pytest.mark.parametrize(
+    ("spec", "output", "expected"),
+    [
+        ("tool_call", CALL, 1.0),
+        ("tool_call", calls_text([("get_weather", '{"city": "Lima"}')]), 1.0),  # valid is enough
+        ("tool_call:keys", calls_text([("get_weather", '{"city": "Lima"}')]), 0.0),
+        ("tool_call:keys", calls_text([("get_weather", '{"unit": "x", "city": "y"}')]), 1.0),
+        (
+            "tool_call:equal",
+            calls_text([("get_weather", '{"unit": "celsius", "city": "Oslo"}')]),
+            1.0,
+        ),
+        ("tool_call:equal", calls_text([("get_weather", '{"city": "Oslo"}')]), 0.0),
+        ("tool_call", calls_text([("calculate", '{"city": "Oslo", "unit": "celsius"}')]), 0.0),
+        ("tool_call", calls_text([("get_weather", '{"city": "Oslo"')]), 0.0),  # not JSON
+        ("tool_call", calls_text([("get_weather", '["Oslo"]')]), 0.0),  # not an object
+        ("tool_call", calls_text([("get_weather", "{}"), ("get_weather", "{}")]), 0.0),
+        ("tool_call", "It is 4 degrees in Oslo.", 0.0),  # answered instead of calling
+        ("tool_call", '{"tool_calls": "nope"}', 0.0),
+    ],
+)
+def test_tool_call_scorer(spec: str, output: str, expected: float) -> None:
+    assert build_scorer(spec)(output, CALL) == expected
+
+
+def test_tool_call_scorer_wants_no_call_where_the_reference_has_none() -> None:
+    scorer = build_scorer("tool_call")
+    assert scorer("It is 4 degrees.", "It is 4 degrees.") == 1.0
+    assert scorer(CALL, "It is 4 degrees.") == 0.0
+    with pytest.raises(ConfigError, match="not a level"):
+        build_scorer("tool_call:exact")
+
+
+@pytest.mark.parametrize(
+    ("message", "calls"),
+    [
+        (
+            {
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "calculate", "arguments": '{"a": 1}'},
+                    }
+                ],
+            },
+            [("calculate", '{"a": 1}')],
+        ),
+        (  # a server without a tool parser leaves the Hermes block in the text
+            {"content": '<tool_call>\n{"name": "calculate", "arguments": {"a": 1}}\n</tool_call>'},
+            [("calculate", '{"a": 1}')],
+        ),
+        ({"content": "<tool_call>\nnot json\n</tool_call>"}, [("", "not json")]),
+        ({"content": "The answer is 3."}, []),
+    ],
+)
+def test_message_calls_reads_tool_calls_or_hermes_blocks(
+    message: dict[str, object], calls: list[tuple[str, str]]
+) -> None:
+    assert message_calls(message) == calls
 
 
 def test_normalise() -> None:

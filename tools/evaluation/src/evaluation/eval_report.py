@@ -40,8 +40,8 @@ class Answer(BaseModel):
 class Sample(BaseModel):
     index: int
     reference: str
-    baseline_prompt: list[dict[str, str]]
-    lora_prompt: list[dict[str, str]]
+    baseline_prompt: list[dict[str, Any]]  # as sent (tool chats: tool_calls, null content)
+    lora_prompt: list[dict[str, Any]]  # as sent (tool chats: tool_calls, null content)
     baseline: Answer
     lora: Answer
 

@@ -32,6 +32,7 @@ from evaluation.eval_data import (
 )
 from evaluation.eval_report import Answer, EvalReport, Sample, build_report, write_report
 from evaluation.scorers import NamedScorer, build_scorer
+from evaluation.tool_calls import calls_text, message_calls
 from evaluation.verdict import paired_bootstrap
 from lorastack.chat_data import Conversation
 from lorastack.errors import ConfigError
@@ -41,9 +42,14 @@ Messages = list[dict[str, Any]]
 
 
 def split_item(conv: Conversation) -> tuple[Messages, str]:
-    """(prompt messages, reference): everything before the final assistant turn, and it."""
-    msgs = conv.message_dicts()
-    return msgs[:-1], conv.messages[-1].text
+    """(prompt messages, reference): everything before the final assistant turn, and it
+    (a turn that calls tools: its calls in `evaluation.tool_calls`' text form)."""
+    msgs, last = conv.message_dicts(), conv.messages[-1]
+    if last.tool_calls:
+        return msgs[:-1], calls_text(
+            [(c.function.name, c.function.arguments) for c in last.tool_calls]
+        )
+    return msgs[:-1], last.text
 
 
 def baseline_prompt(prompt: Messages, config: EvalConfig) -> Messages:
@@ -68,6 +74,7 @@ async def _ask(
     messages: Messages,
     config: EvalConfig,
     gate: asyncio.Semaphore,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Answer:
     payload: dict[str, Any] = {
         "model": model,
@@ -77,6 +84,8 @@ async def _ask(
         "seed": config.seed,
         "stream": False,
     }
+    if tools:
+        payload["tools"] = tools
     async with gate:
         start = time.perf_counter()
         try:
@@ -91,6 +100,8 @@ async def _ask(
     try:
         choice = data["choices"][0]
         text = choice["message"].get("content") or ""
+        if tools and (calls := message_calls(choice["message"])):
+            text = calls_text(calls)
         finish = str(choice.get("finish_reason") or "")
     except (KeyError, IndexError, TypeError, AttributeError):
         return Answer(
@@ -120,9 +131,12 @@ async def _check_models(client: httpx.AsyncClient, root: str, config: EvalConfig
 
 
 async def collect_answers(
-    config: EvalConfig, prompts: list[tuple[Messages, Messages]]
+    config: EvalConfig,
+    prompts: list[tuple[Messages, Messages]],
+    tools: list[list[dict[str, Any]] | None] | None = None,
 ) -> list[tuple[Answer, Answer]]:
-    """(baseline answer, candidate answer) per item, at most `concurrency` requests in flight."""
+    """(baseline answer, candidate answer) per item, at most `concurrency` requests in
+    flight; `tools[i]` (the item's functions, for tool-calling items) goes with both."""
     root = api_root(config.base_url)
     url = root + "/chat/completions"
     key = config.api_key.get_secret_value() if config.api_key else None
@@ -130,9 +144,10 @@ async def collect_answers(
     async with make_client(key, config.timeout_s, max_connections=config.concurrency) as client:
         await _check_models(client, root, config)
         tasks = []
-        for base_msgs, lora_msgs in prompts:
-            tasks.append(_ask(client, url, config.base_model, base_msgs, config, gate))
-            tasks.append(_ask(client, url, config.lora_model, lora_msgs, config, gate))
+        for i, (base_msgs, lora_msgs) in enumerate(prompts):
+            fns = tools[i] if tools else None
+            tasks.append(_ask(client, url, config.base_model, base_msgs, config, gate, fns))
+            tasks.append(_ask(client, url, config.lora_model, lora_msgs, config, gate, fns))
         answers = await asyncio.gather(*tasks)
     return [(answers[i], answers[i + 1]) for i in range(0, len(answers), 2)]
 
@@ -182,7 +197,7 @@ async def run_eval_async(
         prompt, _ = split_item(conv)
         prompts.append((baseline_prompt(prompt, config), prompt))
     start = time.monotonic()
-    answers = await collect_answers(config, prompts)
+    answers = await collect_answers(config, prompts, [conv.tool_dicts() for conv in items])
     elapsed = time.monotonic() - start
     samples = score_samples(test, prompts, answers, scorers)
     if all(s.baseline.error and s.lora.error for s in samples):

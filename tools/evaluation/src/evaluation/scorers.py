@@ -10,6 +10,11 @@ import). `build_scorer(spec)` turns a config entry (`exact`, `regex:^\\d+$`, or
     contains    the normalised reference occurs inside the normalised output
     regex       the pattern (re.search) matches the output; the pattern comes from the config
     json_valid  the whole output (trimmed; one ```json fence allowed) parses as JSON
+    tool_call   right function(s), valid arguments: the answer calls the reference's
+                functions in order, each with arguments that are a JSON object
+                (`arguments: keys` also wants the reference's argument names, `equal` its
+                values); a reference without calls wants an answer without calls.
+                Both sides in `evaluation.tool_calls`' text form.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from evaluation.tool_calls import read_calls
 from lorastack.errors import ConfigError
 
 
@@ -105,6 +111,42 @@ def json_valid() -> Scorer:
     return score
 
 
+def _object(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@register_scorer("tool_call")
+def tool_call(arguments: str = "valid", pattern: str | None = None) -> Scorer:
+    arguments = pattern or arguments  # the flag form: tool_call:equal
+    if arguments not in ("valid", "keys", "equal"):
+        raise ConfigError(
+            f"tool_call arguments={arguments!r} is not a level",
+            "use valid (a JSON object), keys (the reference's names) or equal (its values)",
+        )
+
+    def score(output: str, reference: str) -> float:
+        want, got = read_calls(reference), read_calls(output)
+        if want is None:  # the item expects a plain answer
+            return float(not got)
+        if not got or len(got) != len(want):
+            return 0.0
+        for (name, args), (want_name, want_args) in zip(got, want, strict=True):
+            parsed, expected = _object(args), _object(want_args) or {}
+            if name != want_name or parsed is None:
+                return 0.0
+            if arguments == "keys" and set(parsed) != set(expected):
+                return 0.0
+            if arguments == "equal" and parsed != expected:
+                return 0.0
+        return 1.0
+
+    return score
+
+
 @dataclass(frozen=True)
 class NamedScorer:
     name: str  # the metric's name in reports, e.g. "exact" or "regex"
@@ -140,6 +182,7 @@ def build_scorer(spec: str | dict[str, Any]) -> NamedScorer:
     except TypeError as e:
         raise ConfigError(
             f"scorer {name!r} got options it does not take: {sorted(options)}",
-            "check the scorer's options (regex takes 'pattern'; the others take none)",
+            "check the scorer's options (regex takes 'pattern', tool_call 'arguments'; the "
+            "others take none)",
         ) from e
     return NamedScorer(name=label, score=fn, options=options)
