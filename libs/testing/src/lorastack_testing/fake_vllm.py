@@ -15,6 +15,10 @@ lorastack_testing.fake_vllm --port N`). Routes as vLLM 0.32 answers them: `/v1/m
     queueing    at most `max_running` requests generate at once (0: no limit); the others
                 wait, reported as vllm:num_requests_waiting
     tokenize    `/tokenize` and `/detokenize` (vLLM's extension): one token per word
+    LoRAs       `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's runtime API,
+                VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter joins `models` with
+                its path as `root` and the first model as `parent`; a name already
+                loaded is refused (400) unless `load_inplace`, an unknown unload is 404
     failures    an HTTP error before the first byte (`fail_status` for `fail_count`
                 requests, or every `fail_every`th), a connection that dies mid-stream
     metrics     the gauges set in the state, plus the requests generating and waiting now;
@@ -141,6 +145,31 @@ def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None)
 
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def lora_update(s: FakeState, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """vLLM 0.32's answers to a runtime LoRA load or unload, applied to `s.models`."""
+    name = body.get("lora_name")
+    loaded = {m["id"]: m for m in s.models if m.get("parent")}
+    if path.endswith("unload_lora_adapter"):
+        if name not in loaded:
+            message = f"The lora adapter '{name}' cannot be found."
+            return 404, _error(404, message, "NotFoundError")
+        s.models.remove(loaded[name])
+        return 200, f"Success: LoRA adapter '{name}' removed successfully.".encode()
+    if not name or not body.get("lora_path"):
+        message = "Both 'lora_name' and 'lora_path' must be provided."
+        return 400, _error(400, message, "InvalidUserInput")
+    if name in loaded and not body.get("load_inplace"):
+        message = f"The lora adapter '{name}' has already been loaded."
+        return 400, _error(400, message, "InvalidUserInput")
+    card = {"id": name, "root": body["lora_path"], "parent": s.models[0]["id"]}
+    if name in loaded:
+        loaded[name].update(card)
+    else:
+        s.models.append(card)
+    return 200, f"Success: LoRA adapter '{name}' added successfully.".encode()
 
 
 def _tokenize(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +223,7 @@ class FakeVLLM:
             return await _send(send, 200, metrics_text(s), "text/plain; version=0.0.4")
         if method == "GET" and path == "/health":
             return await _send(send, 200, b"")
-        if method != "POST" or path not in ROUTES:
+        if method != "POST" or path not in ROUTES + LORA_ROUTES:
             return await _send(send, 404, b'{"error":{"message":"not found"}}')
         raw = b""
         while True:
@@ -205,6 +234,11 @@ class FakeVLLM:
         body = json.loads(raw)
         s.received.append((path, body))
         s.received_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        if path in LORA_ROUTES:
+            status, answer = lora_update(s, path, body)
+            return await _send(
+                send, status, answer, "application/json" if status != 200 else "text/plain"
+            )
         if path in ("/tokenize", "/detokenize"):
             return await _send(send, 200, json.dumps(_tokenize(path, body)).encode())
         if s.first_byte_delay_s:

@@ -3,18 +3,24 @@
 Every folder comes from `ArtifactStore.fetch` (downloaded once, sha256-verified, cached).
 Each adapter version gets its own served name, `<name>-v<version>`, and is never
 reloaded under an old name (vllm#42125: a same-name reload can reuse stale prefix-cache
-blocks). vLLM needs only `adapter_config.json` and `adapter_model.safetensors` in an
-adapter folder; the tokenizer and config come from the served model.
+blocks). An adapter named by a label (`NAME@LABEL`) is the one exception: it is served
+as `NAME-LABEL` whichever version the label points at, and every version is handed to
+vLLM under a path of its own (`WORKDIR/labels/NAME-LABEL/v<version>-<digest>`, a link to
+the verified folder): vLLM 0.32 keys prefix-cache blocks by the LoRA's name AND path, so
+blocks of the old weights are never reused, and `/v1/models` shows the version as the
+adapter's `root`. vLLM needs only `adapter_config.json` and `adapter_model.safetensors`
+in an adapter folder; the tokenizer and config come from the served model.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorastack.errors import ConfigError, NotFound, Refused
-from lorastack.manifest import Manifest, parse_ref, validate_name
+from lorastack.manifest import Manifest, parse_ref, served_label_name, split_ref, validate_name
 from lorastack.store import ArtifactStore
 
 MODEL_KINDS = ("base-model", "merged-model")
@@ -34,6 +40,7 @@ class ServedAdapter:
     path: Path  # verified local folder
     rank: int
     source: str  # "preload" or "runtime"
+    follows: str = ""  # the labelled ref (NAME@LABEL) this adapter follows, if any
 
     def describe(self) -> dict[str, object]:
         return {
@@ -42,6 +49,8 @@ class ServedAdapter:
             "digest": self.manifest.digest,
             "rank": self.rank,
             "source": self.source,
+            "follows": self.follows or None,
+            "path": str(self.path),
         }
 
 
@@ -76,10 +85,20 @@ def fetch_model(store: ArtifactStore, ref: str) -> ServedModel:
 
 
 def fetch_adapter(
-    store: ArtifactStore, ref: str, model: ServedModel, *, max_lora_rank: int, source: str
+    store: ArtifactStore,
+    ref: str,
+    model: ServedModel,
+    *,
+    max_lora_rank: int,
+    source: str,
+    workdir: Path,
+    manifest: Manifest | None = None,
 ) -> ServedAdapter:
-    """Resolve, check and fetch (verified) an adapter made for the served model."""
-    manifest = resolve(store, ref)
+    """Resolve, check and fetch (verified) an adapter made for the served model. A labelled
+    `ref` is served under `NAME-LABEL` from a path of the version's own (see above);
+    `manifest` skips the resolution when the caller has just done it."""
+    name, _, label = split_ref(ref)
+    manifest = manifest or resolve(store, ref)
     if manifest.kind != "adapter":
         raise ConfigError(
             f"{manifest.ref} is a {manifest.kind}, not an adapter",
@@ -100,7 +119,24 @@ def fetch_adapter(
             f"{manifest.ref} has LoRA rank {rank}, above max_lora_rank {max_lora_rank}",
             f"restart the server with max_lora_rank >= {rank}",
         )
-    return ServedAdapter(served_adapter_name(manifest), manifest, path, rank, source)
+    if label is None:
+        return ServedAdapter(served_adapter_name(manifest), manifest, path, rank, source)
+    served = served_label_name(name, label)
+    link = version_link(workdir / "labels" / served, manifest, path)
+    return ServedAdapter(served, manifest, link, rank, source, follows=ref)
+
+
+def version_link(folder: Path, manifest: Manifest, target: Path) -> Path:
+    """`folder/v<version>-<digest12>`, a link to the verified `target` (made or repaired)."""
+    link = folder / f"v{manifest.version}-{manifest.digest.removeprefix('sha256:')[:12]}"
+    if link.is_symlink() and link.resolve() == target.resolve():
+        return link
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{link.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.resolve(), target_is_directory=True)
+    os.replace(tmp, link)
+    return link
 
 
 def check_adapter_base(adapter: Manifest, model: Manifest) -> None:

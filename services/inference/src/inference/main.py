@@ -6,15 +6,16 @@ Routes (the supervisor's own port; vLLM's OpenAI API is on `settings.port`):
     GET    /ready                        200 once loaded and warmed up, else 503
     GET    /status                       model, adapters, KV estimate vs vLLM, restarts, log
     GET    /metrics                      Prometheus text
-    POST   /admin/adapters               {"ref": "NAME[:VERSION]"} -> load from the store
+    POST   /admin/adapters               {"ref": "NAME[:VERSION]" or "NAME@LABEL"} -> load
     DELETE /admin/adapters/{served_name}  unload
+    POST   /admin/labels/refresh         look where followed labels point now; switch moved ones
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,9 +27,10 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.artifacts import fetch_adapter, fetch_model
-from inference.engine import detect_platform
+from inference.engine import VllmServer, detect_platform
 from inference.errors import AdminDenied, error_body, http_status
 from inference.kv_cache import Platform, estimate, read_shape
+from inference.label_follow import LabelFollower
 from inference.metrics import build_registry, render
 from inference.settings import InferenceSettings
 from inference.supervisor import ServePlan, Supervisor
@@ -59,7 +61,14 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
     platform: Platform = detect_platform() if settings.engine == "auto" else settings.engine
     model = fetch_model(store, settings.model)
     adapters = [
-        fetch_adapter(store, ref, model, max_lora_rank=settings.max_lora_rank, source="preload")
+        fetch_adapter(
+            store,
+            ref,
+            model,
+            max_lora_rank=settings.max_lora_rank,
+            source="preload",
+            workdir=settings.resolved_workdir,
+        )
         for ref in settings.adapters
     ]
     names = [a.served_name for a in adapters]
@@ -156,21 +165,28 @@ def create_app(
     *,
     plan: ServePlan | None = None,
     store: ArtifactStore | None = None,
+    server_factory: Callable[..., VllmServer] = VllmServer,
 ) -> FastAPI:
+    """The supervisor's app; `server_factory` makes the vLLM process (a fake in tests)."""
     store = store or open_store(settings)
-    supervisor = Supervisor(settings, plan or prepare(settings, store), store)
+    plan = plan or prepare(settings, store)
+    supervisor = Supervisor(settings, plan, store, server_factory=server_factory)
+    follower = LabelFollower(supervisor)
     registry = build_registry(supervisor)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         supervisor.start()
+        follower.start()
         try:
             yield
         finally:
+            follower.stop()
             supervisor.stop()
 
     app = FastAPI(title="lorastack inference supervisor", lifespan=lifespan)
     app.state.supervisor = supervisor
+    app.state.follower = follower
 
     @app.exception_handler(LorastackError)
     async def _error(request: Request, exc: LorastackError) -> JSONResponse:
@@ -212,7 +228,7 @@ def create_app(
 
     @app.get("/status")
     def status() -> dict[str, Any]:
-        return supervisor.status()
+        return {**supervisor.status(), "labels": follower.status()}
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -237,6 +253,12 @@ def create_app(
     def unload_adapter(served_name: str, request: Request) -> dict[str, object]:
         require_admin(settings, request.headers.get("authorization"))
         return {"unloaded": supervisor.unload_adapter(served_name).describe()}
+
+    @app.post("/admin/labels/refresh")
+    async def refresh_labels(request: Request) -> dict[str, object]:
+        require_admin(settings, request.headers.get("authorization"))
+        switched = await anyio.to_thread.run_sync(follower.check)
+        return {"switched": switched, **follower.status()}
 
     return app
 

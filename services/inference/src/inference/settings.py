@@ -7,7 +7,8 @@ so a typo does not silently fall back to a default.
     # serve.yaml
     model: smollm2-135m-instruct          # store ref NAME[:VERSION]: base or merged model
     served_model_name: smollm2            # name clients send as "model"
-    adapters: [demo/adapter:3]            # served as demo/adapter-v3 beside the base
+    adapters: [demo/adapter:3, demo/adapter@promoted]  # demo/adapter-v3 and demo/adapter-promoted
+    label_refresh_s: 30                   # seconds between looks at where @labels point now
     max_model_len: 2048                   # tokens, prompt + output, per request
     max_num_seqs: 8                       # requests running at once
     kv_cache_gib: 1                       # CPU only: KV cache space in GiB
@@ -33,7 +34,15 @@ class InferenceSettings(CommonSettings):
     model: str = Field("", description="store ref NAME[:VERSION] of a base or merged model")
     served_model_name: str = Field("", description="model name clients use; default: model name")
     adapters: list[str] = Field(
-        default_factory=list, description="adapter refs to preload; each served as NAME-vVERSION"
+        default_factory=list,
+        description="adapter refs to preload: NAME[:VERSION] served as NAME-vVERSION, "
+        "NAME@LABEL served as NAME-LABEL and following the label",
+    )
+    label_refresh_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="seconds between re-resolving NAME@LABEL adapters in the store (a moved "
+        "label is loaded in place under NAME-LABEL); 0 = only on POST /admin/labels/refresh",
     )
     enable_lora: bool = Field(False, description="allow adapters (on when adapters are listed)")
     max_loras: int = Field(2, ge=1, le=64, description="adapters in one batch")

@@ -250,12 +250,15 @@ class Supervisor:
             self.plan.model,
             max_lora_rank=self.settings.max_lora_rank,
             source="runtime",
+            workdir=self.settings.resolved_workdir,
         )
         with self._lock:
             if adapter.served_name in self._adapters:
                 raise Conflict(
                     f"{adapter.served_name} is already loaded",
-                    "a new version gets a new name: publish and load the next version",
+                    "it follows its label: POST /admin/labels/refresh to look now"
+                    if adapter.follows
+                    else "a new version gets a new name: publish and load the next version",
                 )
         server = self._require_ready()
         vllm_api.load_lora(server.base_url, adapter.served_name, adapter.path)
@@ -263,6 +266,27 @@ class Supervisor:
             self._adapters[adapter.served_name] = adapter
         log.info("loaded adapter %s as %s", adapter.manifest.ref, adapter.served_name)
         return adapter
+
+    def switch_adapter(self, new: ServedAdapter) -> ServedAdapter:
+        """Serve `new` in place of the adapter of the same served name (a followed label
+        moved); returns the one it replaced. vLLM loads it in place from the version's own
+        path, so requests never find the name missing."""
+        with self._lock:
+            old = self._adapters.get(new.served_name)
+        if old is None:
+            raise NotFound(f"no adapter {new.served_name!r} is loaded", "it was unloaded")
+        server = self._require_ready()
+        vllm_api.load_lora(server.base_url, new.served_name, new.path, inplace=True)
+        with self._lock:
+            self._adapters[new.served_name] = new
+        log.info(
+            "%s moved: %s now serves %s (was %s)",
+            new.follows,
+            new.served_name,
+            new.manifest.ref,
+            old.manifest.ref,
+        )
+        return old
 
     def unload_adapter(self, served_name: str) -> ServedAdapter:
         validate_name(served_name, "served adapter name")

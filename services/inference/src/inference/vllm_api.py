@@ -48,11 +48,17 @@ def get_metrics(base_url: str, timeout_s: float = 5.0) -> str:
     return r.text if r.status_code == 200 else ""
 
 
-def load_lora(base_url: str, served_name: str, path: Path, timeout_s: float = 120.0) -> None:
+def load_lora(
+    base_url: str, served_name: str, path: Path, *, inplace: bool = False, timeout_s: float = 120.0
+) -> None:
+    """Load an adapter; `inplace` replaces the one of the same name (vLLM's load_inplace)."""
+    body: dict[str, object] = {"lora_name": served_name, "lora_path": str(path)}
+    if inplace:
+        body["load_inplace"] = True
     try:
         r = httpx.post(
             f"{base_url}/v1/load_lora_adapter",
-            json={"lora_name": served_name, "lora_path": str(path)},
+            json=body,
             timeout=timeout_s,
         )
     except httpx.HTTPError as e:

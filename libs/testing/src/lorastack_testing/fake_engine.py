@@ -1,0 +1,80 @@
+"""A stand-in for the inference supervisor's vLLM process (`inference.engine.VllmServer`):
+the one fake vLLM, started in a thread on the port the supervisor asks for.
+
+Pass the class as the supervisor's `server_factory`. It takes the same keyword arguments
+(those it does not need are ignored): the served model and `lora_modules` become the
+fake's `/v1/models`, as `--served-model-name` and `--lora-modules` would; runtime LoRA
+loads go through the fake's `/v1/load_lora_adapter`. Every start is a fresh server whose
+state is in `FakeEngine.started` (newest last), so a test can look at what vLLM would
+serve now, or `kill()` one to make the supervisor restart.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+from lorastack_testing.fake_vllm import FakeServer, FakeState
+
+
+class FakeEngine:
+    started: ClassVar[list[FakeEngine]] = []  # every engine started, newest last
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        served_name: str,
+        port: int,
+        max_model_len: int = 2048,
+        lora_modules: dict[str, Path] | None = None,
+        workdir: Path,
+        **_: Any,
+    ) -> None:
+        models: list[dict[str, Any]] = [{"id": served_name, "max_model_len": max_model_len}]
+        models += [
+            {"id": name, "root": str(path), "parent": served_name}
+            for name, path in (lora_modules or {}).items()
+        ]
+        self.state = FakeState(models=models)
+        self.port = port
+        self.log_path = Path(workdir) / "vllm.log"
+        self.returncode: int | None = None
+        self._server: FakeServer | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None and not self._stopped.is_set()
+
+    def start(self) -> None:
+        self._server = FakeServer(self.state, port=self.port).__enter__()
+        FakeEngine.started.append(self)
+
+    def wait_ready(self, timeout_s: float = 0.0, cancel: threading.Event | None = None) -> None:
+        """Up as soon as it started."""
+
+    def kill(self) -> None:
+        self.stop()
+
+    def stop(self, grace_s: float = 0.0) -> int | None:
+        if self._server is not None and not self._stopped.is_set():
+            self._stopped.set()
+            self._server.__exit__(None, None, None)
+            self.returncode = 0
+        return self.returncode
+
+    def log_tail(self, n: int = 50) -> str:
+        return ""
+
+    def read_log(self) -> str:
+        return ""
