@@ -267,7 +267,16 @@ class ArtifactStore:
             log.warning("cached blob %s of %s is damaged; fetching it again", sha256[:12], path)
             blob.unlink()
         blob.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=blob.parent, prefix=".tmp-")
+        tmp = self._download_checked(manifest, path, sha256, blob.parent)
+        try:
+            os.replace(tmp, blob)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return blob
+
+    def _download_checked(self, manifest: Manifest, path: str, sha256: str, where: Path) -> Path:
+        """Download one blob into a new file in `where`; IntegrityError when its sha256 differs."""
+        fd, tmp_name = tempfile.mkstemp(dir=where, prefix=".tmp-")
         os.close(fd)
         tmp = Path(tmp_name)
         try:
@@ -277,17 +286,35 @@ class ArtifactStore:
                 while chunk := fh.read(1 << 20):
                     h.update(chunk)
             got = h.hexdigest()
-            if got != sha256:
-                raise IntegrityError(
-                    f"{manifest.ref}: file {path} is corrupted in {self.url} "
-                    f"(sha256 {got[:16]}…, manifest says {sha256[:16]}…)",
-                    "the stored object was altered or damaged; publish the artifact again "
-                    "from its source",
-                )
-            os.replace(tmp, blob)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
-        return blob
+            raise
+        if got != sha256:
+            tmp.unlink(missing_ok=True)
+            raise IntegrityError(
+                f"{manifest.ref}: file {path} is corrupted in {self.url} "
+                f"(sha256 {got[:16]}…, manifest says {sha256[:16]}…)",
+                "the stored object was altered or damaged; publish the artifact again "
+                "from its source",
+            )
+        return tmp
+
+    def verify_remote(self, manifest: Manifest) -> None:
+        """Read `manifest` back from the store and download every file of it afresh (never
+        from the cache), checking each sha256: the proof that the store itself holds the
+        artifact. Raises IntegrityError (a file or the manifest differs), NotFound or
+        StoreUnavailable."""
+        stored = self.manifest(manifest.name, manifest.version)
+        if stored.digest != manifest.digest:
+            raise IntegrityError(
+                f"{manifest.ref} in {self.url} has digest {stored.digest[:19]}…, "
+                f"not the published {manifest.digest[:19]}…",
+                "another writer replaced it; publish the artifact again under a new version",
+            )
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix=".verify-") as scratch:
+            for f in stored.files:
+                self._download_checked(stored, f.path, f.sha256, Path(scratch)).unlink()
 
 
 def _stamp(target: Path) -> Path:
