@@ -35,7 +35,7 @@ def test_a_running_trainer_serves_its_metrics(
 ) -> None:
     port = free_port()
     settings = trainer_env.model_copy(update={"metrics_port": port})
-    config = load_config(write_config("live", demo_jsonl, price_per_gpu_hour=2.0))
+    config = load_config(write_config("live", demo_jsonl, price_per_gpu_hour=2.0, max_cost=1000.0))
     done: list[TrainResult] = []
     thread = threading.Thread(target=lambda: done.append(run_training(config, settings)))
     thread.start()
@@ -57,6 +57,9 @@ def test_a_running_trainer_serves_its_metrics(
     assert seen["lorastack_trainer_loss"] > 0 and seen["lorastack_trainer_tokens"] > 0
     assert 0 < seen["lorastack_trainer_supervised_tokens"] < seen["lorastack_trainer_tokens"]
     assert seen["lorastack_trainer_cost"] > 0 and seen["lorastack_trainer_eta_seconds"] >= 0
+    assert (
+        seen["lorastack_trainer_max_cost"] == 1000 and seen["lorastack_trainer_elapsed_hours"] > 0
+    )
     assert seen["lorastack_trainer_val_loss"] > 0  # the evaluation at step 3
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         scrape(port)  # closed with the run

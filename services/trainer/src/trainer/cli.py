@@ -12,6 +12,7 @@ Settings are built once here and passed down; heavy imports stay inside handlers
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume=_resume(args, config, settings),
         overfit=args.overfit,
         auto_batch=args.auto_batch,
+        command=shlex.join(
+            ["lorastack", "train", args.config, *args.overrides]
+            + (["--auto-batch"] if args.auto_batch else [])
+        ),
     )
     c = result.completion
     print(
@@ -132,6 +137,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if result.adapter is not None:
         print(f"adapter: {result.adapter.ref} {result.adapter.digest[:19]}")
+    if result.hook is not None and not result.hook.ok:
+        from trainer.errors import HookFailed
+
+        raise HookFailed(
+            f"{result.hook.describe()}; the adapter and the run's records stay published and "
+            "verified in the store",
+            "fix the hook command (it is run with sh -c) and run it by hand, or raise "
+            "on_complete.timeout_s",
+        )
     return 0
 
 

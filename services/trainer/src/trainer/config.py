@@ -29,8 +29,15 @@ SAFE_TO_CHANGE = frozenset(
         "log_every",
         "keep_checkpoints",
         "price_per_gpu_hour",
+        "currency",
         "select",
         "early_stopping",
+        "max_cost",
+        "max_hours",
+        "setup_hours",
+        "seconds_per_step",
+        "on_complete",
+        "on_failure",
     }
 )
 
@@ -85,6 +92,20 @@ class EarlyStoppingConfig(_Strict):
     )
     min_delta: float = Field(
         0.0, ge=0.0, description="nats: a smaller fall of the validation loss is no improvement"
+    )
+
+
+class HookConfig(_Strict):
+    command: str = Field(
+        min_length=1,
+        description="shell command (sh -c) run on this host; its environment names the run, "
+        "the artifact refs and the cost (LORASTACK_RUN, LORASTACK_ADAPTER_REF, LORASTACK_COST, ...)",
+    )
+    timeout_s: float = Field(300.0, gt=0, le=86400, description="seconds before it is killed")
+    allow_local_store: bool = Field(
+        False,
+        description="run it even when the store is a file:// folder on this host (e.g. a network "
+        "mount that outlives the host); by default such a hook is refused",
     )
 
 
@@ -149,6 +170,31 @@ class RunConfig(_Strict):
     log_every: int = Field(1, ge=1, description="optimizer steps between metrics files")
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="checkpoint versions kept")
     price_per_gpu_hour: float = Field(0.0, ge=0.0, description="currency units per GPU-hour")
+    currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="of the prices and caps")
+    max_cost: float | None = Field(
+        None,
+        gt=0.0,
+        description="cost cap in currency units (needs price_per_gpu_hour): refused at preflight "
+        "when the estimate exceeds it; stops at a published checkpoint when reached",
+    )
+    max_hours: float | None = Field(
+        None, gt=0.0, description="wall-clock cap in hours, all sessions of the run together"
+    )
+    setup_hours: float = Field(
+        0.25, ge=0.0, description="set-up allowance the preflight estimate adds (hours)"
+    )
+    seconds_per_step: float | None = Field(
+        None,
+        gt=0.0,
+        description="measured seconds per optimizer step for the preflight estimate (e.g. from "
+        "'lorastack cost estimate'); default: this output's --smoke run",
+    )
+    on_complete: HookConfig | None = Field(
+        None, description="run after the adapter, records and last checkpoint are verified off-host"
+    )
+    on_failure: HookConfig | None = Field(
+        None, description="run after a failed run's support memo is verified off-host"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @model_validator(mode="after")
@@ -161,6 +207,10 @@ class RunConfig(_Strict):
         unknown = [m for m in self.lora.target_modules if not m.replace("_", "").isalnum()]
         if unknown:
             raise ValueError(f"lora.target_modules holds invalid module names {unknown}")
+        if self.max_cost is not None and self.price_per_gpu_hour == 0:
+            raise ValueError(
+                "max_cost needs price_per_gpu_hour (the cost of a run is GPU-hours x that price)"
+            )
         return self
 
     def config_hash(self) -> str:

@@ -5,8 +5,8 @@ bar on a terminal (plain lines otherwise, as in a log file or a container's outp
 `evaluated` after each validation pass. The metrics (names `lorastack_trainer_*`,
 label `run` = the config's output name) are what the Grafana dashboard's training row
 plots: step, loss, validation loss, learning rate, tokens/s, tokens and supervised tokens,
-GPU memory allocated/reserved, GPU utilisation and power (NVML, where present), ETA and
-cost so far. The server starts only when a port is set (LORASTACK_METRICS_PORT) and stops
+GPU memory allocated/reserved, GPU utilisation and power (NVML, where present), ETA, cost
+so far and the cost cap. The server starts only when a port is set (LORASTACK_METRICS_PORT) and stops
 with the run.
 """
 
@@ -36,6 +36,8 @@ GAUGES = {
     "gpu_power_watts": "GPU power draw (NVML)",
     "eta_seconds": "seconds left at this session's pace",
     "cost": "cost so far (price_per_gpu_hour x GPUs x hours)",
+    "max_cost": "the run's cost cap (max_cost; 0 = none)",
+    "elapsed_hours": "wall-clock hours so far, every session of the run (max_hours caps it)",
 }
 
 

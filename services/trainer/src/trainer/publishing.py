@@ -1,6 +1,7 @@
 """Where a run meets the artifact store: the checkpoint a resumed run continues from
 (refused when the run changed), checkpoints and the adapter published, the best
-checkpoint kept, the adapter `select` picks, and a finished run left as it was.
+checkpoint kept, the adapter `select` picks, a finished run left as it was, and the
+stop at a cost cap (at a published checkpoint; the arithmetic is trainer.budget).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
-from trainer import checkpoint
+from trainer import budget, checkpoint
 from trainer.config import SAFE_TO_CHANGE
-from trainer.errors import ResumeRefused
+from trainer.errors import CostCapReached, ResumeRefused
 from trainer.metrics import write_json
 from trainer.selection import selected_step, standing
 
@@ -162,6 +163,45 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     )
     r.say(f"published {m.ref} ({m.digest[:19]})")
     return m
+
+
+def check_budget(r: Recipe, resume_from: Path | None) -> str:
+    """The preflight of a capped run (trainer.budget): its line, or PreflightRefused. A
+    resumed run counts the steps and hours of its checkpoint (trainer-state.json)."""
+    state: dict[str, Any] = {}
+    if resume_from is not None:
+        state = json.loads((resume_from / "trainer-state.json").read_text())
+    return budget.check_preflight(
+        r.meter.caps,
+        steps_left=r.total_steps - int(state.get("step", 0)),
+        timing=step_time(r),
+        setup_hours=r.config.setup_hours,
+        hours_so_far=float(state.get("wall_s", 0.0)) / 3600 + r.meter.hours(),
+    )
+
+
+def step_time(r: Recipe) -> tuple[float, str] | None:
+    """Seconds per step for the cost estimate: the config's, else the steps this run took
+    before it was resumed, else this output's smoke run's."""
+    if r.config.seconds_per_step is not None:
+        return r.config.seconds_per_step, "seconds_per_step in the run config"
+    return budget.measured_step_time(r.metrics_dir, "this run") or budget.measured_step_time(
+        r.run_dir / "smoke" / "metrics", "the smoke run"
+    )
+
+
+def cap_reached(r: Recipe, over: list[str]) -> CostCapReached:
+    """The stop at a cap, once the checkpoint of this step is published."""
+    return budget.stop_error(
+        r.meter.caps,
+        r.meter,
+        over,
+        step=r.step,
+        total_steps=r.total_steps,
+        checkpoint_ref=f"{r.config.output}/checkpoints:{r.step}",
+        command=r.command,
+        setup_hours=r.config.setup_hours,
+    )
 
 
 def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:

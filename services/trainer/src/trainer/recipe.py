@@ -23,6 +23,7 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -30,28 +31,20 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from lorastack.errors import LorastackError
 from lorastack.manifest import Manifest, git_commit
 from lorastack.store import ArtifactStore
-from trainer import checkpoint, modes, progress, publishing
+from trainer import budget, checkpoint, hooks, modes, progress, publishing
 from trainer.auto_batch import fit as fit_micro_batch
 from trainer.batching import Plan, collate, collate_micro_batch, lr_factor, supervised_count
 from trainer.compiling import CompileRun, compile_report, mark_dynamic_width
 from trainer.config import RunConfig
 from trainer.distributed import my_share, rank0_decides, sum_over_ranks, wrap_ddp
-from trainer.errors import (
-    SmokeFailed,
-    TrainingCrashed,
-    TrainingInterrupted,
-    TrainingOOM,
-)
+from trainer.errors import SmokeFailed, TrainingInterrupted
 from trainer.live import LiveRun
 from trainer.memory import estimate, human
 from trainer.metrics import (
-    OOM_HINT,
     LogTail,
     device_facts,
-    is_oom,
     library_versions,
     memory_now,
     nvml_reading,
@@ -61,7 +54,6 @@ from trainer.metrics import (
     read_series,
     warm_plotting,
     write_json,
-    write_support_bundle,
 )
 from trainer.modeling import (
     LossModule,
@@ -94,6 +86,7 @@ class TrainResult:
     completion: dict[str, Any] = field(default_factory=dict)
     verdict: dict[str, Any] | None = None
     preflight: PreflightReport | None = None
+    hook: hooks.HookOutcome | None = None  # on_complete's, when it ran
 
 
 class Recipe:
@@ -104,8 +97,11 @@ class Recipe:
         mode: str,
         overfit: int | None,
         tail: LogTail,
+        command: str = "lorastack train CONFIG",
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.tail = tail
+        self.command = command  # how the run was started: the resume command repeats it
         self.config = config
         self.settings = settings
         self.mode = mode
@@ -125,6 +121,8 @@ class Recipe:
         self.wall_before = 0.0  # seconds spent in earlier sessions of a resumed run
         self.resumed_at: int | None = None  # the step a resumed run started from
         self.start_time = time.monotonic()
+        caps = budget.Caps.of(config, settings.world_size)
+        self.meter = budget.Meter(caps, clock=clock)  # billed time, all sessions
         # seconds per phase of this session (completion record, last line): imports and
         # set-up before the recipe, data, model, steps, saving and publishing
         self.phases: dict[str, float] = {"startup": process_age()}
@@ -241,6 +239,9 @@ class Recipe:
             cfg.grad_accum,
             cfg.max_seq_len if cfg.packing else None,
         )
+        self.total_steps = self._total_steps()
+        if self.mode == "train" and self.meter.caps.any:  # before the model loads
+            self.say(publishing.check_budget(self, resume_from))
         self._lap("prepare")
         self._seed_everything(cfg.seed)
         self.model = load_model(self.base_dir, cfg, self.device)
@@ -258,7 +259,6 @@ class Recipe:
         params = [p for p in self.peft.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.total_steps = self._total_steps()
         total, warmup, schedule = self.total_steps, cfg.warmup_steps, cfg.schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, total, warmup, schedule)
@@ -269,6 +269,7 @@ class Recipe:
             self.tokens_seen = int(state.get("tokens_seen", 0))
             self.supervised_seen = int(state.get("supervised_seen", 0))
             self.wall_before = float(state.get("wall_s", 0.0))
+            self.meter.hours_before = self.wall_before / 3600
             self.val_losses = {int(k): float(v) for k, v in state.get("val_losses", {}).items()}
             checkpoint.set_rng_states(checkpoint.load_rng(resume_from))
             self.resumed_at = self.step
@@ -343,6 +344,7 @@ class Recipe:
         if self.val_losses and self._early_stop():  # a resumed run that had stopped early
             return
         warm_plotting()
+        self.meter.mark()
         while self.step < self.total_steps:
             compiled = self.compiler.active
             fixed_rows = cfg.micro_batch if compiled else 0  # few shapes for the compiler
@@ -432,11 +434,15 @@ class Recipe:
                 self.save_checkpoint()
             if evaluated and self._early_stop():
                 break
-            if self.stop_signal is not None:
+            capped = self.mode == "train" and self.meter.caps.any  # rank 0's clock decides
+            over = rank0_decides(self.meter.check(), world) if capped else []
+            if self.stop_signal is not None or (over and self.step < self.total_steps):
                 if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
                     f"{self.step:08d}"
                 ):
                     self.save_checkpoint()
+                if self.stop_signal is None:
+                    raise publishing.cap_reached(self, over)
                 name = signal.Signals(self.stop_signal).name
                 raise TrainingInterrupted(
                     f"{name} received: stopped after step {self.step}; checkpoint {self.last_checkpoint}",
@@ -457,10 +463,6 @@ class Recipe:
             f"{best.best_loss:.4f} at step {best.best_step})"
         )
         return True
-
-    def hours(self) -> float:
-        """Hours this run has taken so far, earlier sessions of a resumed run included."""
-        return (self.wall_before + time.monotonic() - self.start_time) / 3600
 
     def _evaluate(self) -> float:
         self.model.eval()
@@ -494,7 +496,7 @@ class Recipe:
             "epoch": (self.step - 1) // max(1, self.plan.steps_per_epoch()),
             "tokens_seen": self.tokens_seen,
             "supervised_seen": self.supervised_seen,
-            "wall_s": self.wall_before + time.monotonic() - self.start_time,
+            "wall_s": self.wall_before + self.meter.seconds(),
             "val_losses": {str(k): v for k, v in self.val_losses.items()},
         }
         folder = checkpoint.save(
@@ -534,7 +536,7 @@ class Recipe:
         plot = self.run_dir / "loss.png"
         if self.settings.is_main:
             plot_losses(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
-        wall = self.wall_before + time.monotonic() - self.start_time
+        wall = self.wall_before + self.meter.seconds()
         billed_h = wall / 3600 * self.settings.world_size
         peak = peak_bytes(self.device)
         measured = memory_now(self.device)
@@ -618,45 +620,36 @@ def run_training(
     resume: bool = False,
     overfit: int | None = None,
     auto_batch: bool = False,
+    command: str = "lorastack train CONFIG",
+    clock: Callable[[], float] | None = None,
 ) -> TrainResult:
     """Run one training (or smoke / overfit run) end to end; see the module docstring.
 
     Raises PreflightRefused, ResumeRefused, SmokeFailed (failing verdict),
-    TrainingInterrupted (SIGTERM/SIGINT, after a checkpoint), TrainingOOM and
-    TrainingCrashed (both after writing support-bundle.json).
+    TrainingInterrupted (SIGTERM/SIGINT, after a checkpoint), CostCapReached (after a
+    checkpoint; the message resumes it: `command` is how the run was started), TrainingOOM
+    and TrainingCrashed (both after writing support-bundle.json). `clock` (seconds) bills
+    the run; tests give a fake one.
     """
     mode = "smoke" if smoke else "overfit" if overfit is not None else "train"
     tail = LogTail()
-    recipe = Recipe(config, settings, mode, overfit, tail)
+    if mode == "train":
+        hooks.refuse_local_store(config, settings.resolved_store_url)
+    recipe = Recipe(config, settings, mode, overfit, tail, command, clock)
     logging.getLogger().addHandler(tail)
     try:
         recipe.setup(resume=resume and mode == "train", auto_batch=auto_batch)
         recipe.train()
         result = recipe.finish()
     except Exception as e:
-        recipe.run_dir.mkdir(parents=True, exist_ok=True)
-        bundle = write_support_bundle(
-            recipe.run_dir / "support-bundle.json",
-            e,
-            progress.facts(recipe),
-            list(tail.lines),
-            dict(os.environ),
-        )
-        print(f"support bundle: {bundle}", flush=True)
-        publishing.publish_support_bundle(recipe, bundle)
-        if isinstance(e, LorastackError):
+        error, memo = progress.failed(recipe, e)
+        try:
+            hooks.after_failure(recipe, error, memo, dict(os.environ))
+        except Exception as h:  # never hide the run's own error behind the hook's
+            recipe.say(f"on_failure hook not run: {type(h).__name__}: {h}")
+        if error is e:
             raise
-        if is_oom(e):
-            raise TrainingOOM(
-                f"out of memory at step {recipe.step + 1} (micro_batch={recipe.config.micro_batch}, "
-                f"max_seq_len={recipe.config.max_seq_len}); support bundle: {bundle}",
-                OOM_HINT,
-            ) from e
-        raise TrainingCrashed(
-            f"training crashed at step {recipe.step + 1}: {type(e).__name__}: {e}\n"
-            f"  support bundle: {bundle}",
-            "the bundle holds the traceback, versions and last log lines; attach it to a bug report",
-        ) from e
+        raise error from e
     finally:
         recipe.cleanup()
         logging.getLogger().removeHandler(tail)
@@ -665,4 +658,5 @@ def run_training(
             f"{mode} run failed:\n" + "\n".join(f"  {c}" for c in result.verdict["checks"]),
             "see the failing checks above; 'lorastack data inspect' shows what is supervised",
         )
+    result.hook = hooks.after_success(recipe, result, dict(os.environ))
     return result

@@ -1,0 +1,285 @@
+"""Run-config hooks: `on_complete` and `on_failure`, the commands that end a paid run
+(stop the rental, notify someone) once its results are safe.
+
+Owns when a hook may run and what it gets: only after the results are published to a
+store off this host and read back from there, every file's sha256 checked (`on_complete`:
+the adapter, the data and test records and the last checkpoint; `on_failure`: the
+support memo and the last checkpoint, if any); never with a `file://` store unless the
+hook says `allow_local_store: true`. The environment it gets (`hook_env`) names the run,
+the artifact refs and the cost; its output goes to the run log and to
+RUN_DIR/hooks/EVENT.log; a hook that fails or times out is reported and changes nothing
+that was published. The recipe (trainer.recipe) calls `after_success` / `after_failure`;
+this module never trains.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+from lorastack.errors import ConfigError, LorastackError
+from lorastack.manifest import Manifest
+from lorastack.store import ArtifactStore
+from trainer.config import HookConfig, RunConfig
+from trainer.errors import CostCapReached, HookNotRun, TrainingInterrupted
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe, TrainResult
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+
+
+def refuse_local_store(config: RunConfig, store_url: str) -> None:
+    """ConfigError when a hook would run with the results only on this host."""
+    for event, hook in (("on_complete", config.on_complete), ("on_failure", config.on_failure)):
+        if hook is None or hook.allow_local_store or not store_url.startswith("file://"):
+            continue
+        raise ConfigError(
+            f"{event} needs a store off this host, but the store is {store_url}, a folder on "
+            "this host: a hook that stops the host could take the only copy of the results "
+            "with it",
+            "set LORASTACK_STORE_URL=s3://BUCKET/PREFIX (a store that outlives this host), or, "
+            f"when that folder is a mount that outlives it, set {event}.allow_local_store: true",
+        )
+
+
+def store_warning(store_url: str, endpoint: str | None) -> str | None:
+    """A line for an S3 store whose endpoint is this host's loopback (a local MinIO)."""
+    host = urlparse(endpoint or "").hostname or ""
+    if store_url.startswith("s3://") and host in LOOPBACK:
+        return (
+            f"hooks: the S3 endpoint {endpoint} is on this host; the results count as off the "
+            "host only when that server's data outlives it"
+        )
+    return None
+
+
+def verify_all(
+    store: ArtifactStore, refs: dict[str, Manifest], event: str, say: Callable[[str], None]
+) -> None:
+    """Read every artifact back from the store and check each file; HookNotRun when one
+    cannot be (the message says which and why)."""
+    for m in refs.values():
+        try:
+            store.verify_remote(m)
+        except LorastackError as e:
+            raise not_run(event, f"{m.ref} could not be verified in {store.url}: {e}") from e
+        say(f"{event}: verified {m.ref} in {store.url} (every file's sha256)")
+
+
+def not_run(event: str, why: str) -> HookNotRun:
+    return HookNotRun(
+        f"{event} hook not run: {why}",
+        "the results are still in the run folder; once the store answers again, run the "
+        "same command with --resume auto: it publishes what is missing, verifies it and "
+        "runs the hook",
+    )
+
+
+def hook_env(
+    event: str,
+    *,
+    run: str,
+    run_dir: Path,
+    store_url: str,
+    status: str,
+    steps: int,
+    hours: float,
+    cost: float,
+    currency: str,
+    refs: dict[str, Manifest],
+    error: str = "",
+) -> dict[str, str]:
+    """The variables a hook gets (on top of the trainer's own environment)."""
+    env = {
+        "LORASTACK_EVENT": event,
+        "LORASTACK_RUN": run,
+        "LORASTACK_RUN_DIR": str(run_dir),
+        "LORASTACK_STORE_URL": store_url,
+        "LORASTACK_STATUS": status,  # complete | cost_cap | failed
+        "LORASTACK_STEPS": str(steps),
+        "LORASTACK_BILLED_HOURS": f"{hours:.6f}",
+        "LORASTACK_COST": f"{cost:.6f}",
+        f"LORASTACK_COST_{currency}": f"{cost:.6f}",
+        "LORASTACK_CURRENCY": currency,
+    }
+    for what, m in refs.items():
+        env[f"LORASTACK_{what.upper()}_REF"] = m.ref
+        env[f"LORASTACK_{what.upper()}_DIGEST"] = m.digest
+    if error:
+        env["LORASTACK_ERROR"] = error.splitlines()[0][:500]
+    return env
+
+
+@dataclass
+class HookOutcome:
+    event: str
+    exit_code: int | None  # None: killed at the timeout
+    seconds: float
+    log: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def describe(self) -> str:
+        if self.exit_code is None:
+            what = f"timed out after {self.seconds:.1f} s and was killed"
+        else:
+            what = f"exited {self.exit_code} after {self.seconds:.1f} s"
+        return f"{self.event} hook {what} (output: {self.log})"
+
+
+def run_hook(
+    event: str,
+    hook: HookConfig,
+    env: dict[str, str],
+    log_dir: Path,
+    say: Callable[[str], None],
+) -> HookOutcome:
+    """Run `hook.command` with `sh -c`, each output line into the run log and the hook's
+    log file; kill its process group at `hook.timeout_s`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{event}.log"
+    say(f"{event}: running {hook.command!r} (timeout {hook.timeout_s:g} s)")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", hook.command],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # its own process group: a timeout kills its children too
+        text=True,
+        errors="replace",
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        with log.open("w", encoding="utf-8") as fh:
+            for line in proc.stdout:
+                fh.write(line)
+                say(f"[{event}] {line.rstrip()}")
+
+    reader = threading.Thread(target=pump, name=f"hook-{event}", daemon=True)
+    reader.start()
+    try:
+        code: int | None = proc.wait(timeout=hook.timeout_s)
+    except subprocess.TimeoutExpired:
+        with_suppressed_kill(proc.pid)
+        proc.wait()
+        code = None
+    reader.join(timeout=5)
+    outcome = HookOutcome(event, code, time.monotonic() - t0, log)
+    say(outcome.describe())
+    return outcome
+
+
+def with_suppressed_kill(pgid: int) -> None:
+    """SIGKILL a process group that may have exited already."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _last_checkpoint(r: Recipe) -> Manifest | None:
+    name = f"{r.config.output}/checkpoints"
+    steps = [int(v) for v in r.store.versions(name) if v.isdigit()]
+    return r.store.manifest(name, str(max(steps))) if steps else None
+
+
+def _env(
+    r: Recipe, event: str, status: str, refs: dict[str, Manifest], error: str = ""
+) -> dict[str, str]:
+    return hook_env(
+        event,
+        run=r.config.output,
+        run_dir=r.run_dir,
+        store_url=r.store.url,
+        status=status,
+        steps=r.step,
+        hours=r.meter.hours() * r.settings.world_size,
+        cost=r.meter.cost(),
+        currency=r.config.currency,
+        refs=refs,
+        error=error,
+    )
+
+
+def after_success(r: Recipe, result: TrainResult, base_env: dict[str, str]) -> HookOutcome | None:
+    """Verify the run's results off the host, then run on_complete (None: no hook)."""
+    hook = r.config.on_complete
+    if hook is None or r.mode != "train" or not r.settings.is_main:
+        return None
+    assert result.adapter is not None and result.data is not None and result.test is not None
+    refs = {"adapter": result.adapter, "data": result.data, "test": result.test}
+    try:
+        ckpt = _last_checkpoint(r)
+    except LorastackError as e:
+        raise not_run("on_complete", f"the checkpoints in {r.store.url} cannot be read: {e}") from e
+    if ckpt is None:
+        raise not_run("on_complete", f"no checkpoint of {r.config.output} in {r.store.url}")
+    refs["checkpoint"] = ckpt
+    warning = store_warning(r.store.url, r.settings.s3_endpoint_url)
+    if warning:
+        r.say(warning)
+    verify_all(r.store, refs, "on_complete", r.say)
+    outcome = run_hook(
+        "on_complete",
+        hook,
+        {**base_env, **_env(r, "on_complete", "complete", refs)},
+        r.run_dir / "hooks",
+        r.say,
+    )
+    if not outcome.ok:
+        r.say(
+            f"WARNING: {outcome.describe()}; the published results are safe: {result.adapter.ref}"
+        )
+    return outcome
+
+
+def after_failure(
+    r: Recipe, error: LorastackError, memo: Manifest | None, base_env: dict[str, str]
+) -> None:
+    """Verify the support memo (published by trainer.progress.failed) and the last
+    checkpoint off the host, then run on_failure; a memo that is not there means no hook,
+    said why."""
+    cfg = r.config
+    if r.mode != "train" or not r.settings.is_main:
+        return
+    if cfg.on_complete is not None:
+        r.say(f"on_complete hook not run: the run did not complete ({type(error).__name__})")
+    if cfg.on_failure is None:
+        return
+    if isinstance(error, TrainingInterrupted):
+        r.say("on_failure hook not run: the run was stopped by a signal (--resume continues it)")
+        return
+    if memo is None:
+        r.say(
+            "on_failure hook not run: the support memo is not in a store off this host "
+            "(the store was not reached; see the warning above)"
+        )
+        return
+    status = "cost_cap" if isinstance(error, CostCapReached) else "failed"
+    refs = {"support": memo}
+    try:
+        ckpt = _last_checkpoint(r)
+        if ckpt is not None:
+            refs["checkpoint"] = ckpt
+        verify_all(r.store, refs, "on_failure", r.say)
+    except LorastackError as e:
+        r.say(f"on_failure hook not run: the support memo is not verified off this host: {e}")
+        return
+    env = {**base_env, **_env(r, "on_failure", status, refs, error.message)}
+    outcome = run_hook("on_failure", cfg.on_failure, env, r.run_dir / "hooks", r.say)
+    if not outcome.ok:
+        r.say(f"WARNING: {outcome.describe()}")
