@@ -62,7 +62,7 @@ class Message(BaseModel):
         """The content and every call (name and arguments) as one string: what the
         duplicate and special-token checks read."""
         calls = [f"{c.function.name}({c.function.arguments})" for c in self.tool_calls or []]
-        return "\n".join([self.text, *calls]) if calls else self.text
+        return "\n".join(p for p in [self.text, *calls] if p)
 
 
 class Conversation(BaseModel):
