@@ -45,6 +45,11 @@ def read_calls(text: str) -> list[Call] | None:
     ]
 
 
+def _args_text(args: Any) -> str:
+    """Arguments as JSON text: a string stays as the model wrote it, an object is dumped."""
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
 def _hermes_calls(content: str) -> list[Call]:
     out: list[Call] = []
     for block in _BLOCK.findall(content):
@@ -56,9 +61,7 @@ def _hermes_calls(content: str) -> list[Call]:
         if not isinstance(call, dict):
             out.append(("", block))
             continue
-        args = call.get("arguments", {})
-        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        out.append((str(call.get("name", "")), text))
+        out.append((str(call.get("name", "")), _args_text(call.get("arguments", {}))))
     return out
 
 
@@ -69,9 +72,7 @@ def message_calls(message: dict[str, Any]) -> list[Call]:
     for c in calls if isinstance(calls, list) else []:
         fn = c.get("function") if isinstance(c, dict) else None
         if isinstance(fn, dict):
-            args = fn.get("arguments", "")
-            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            out.append((str(fn.get("name", "")), text))
+            out.append((str(fn.get("name", "")), _args_text(fn.get("arguments", ""))))
     if out:
         return out
     return _hermes_calls(str(message.get("content") or ""))
