@@ -5,8 +5,6 @@ version behind it (vLLM's `root`) moves when the label does, without a restart."
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,36 +17,22 @@ from inference.settings import InferenceSettings
 from lorastack.manifest import Manifest
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
-from lorastack_testing.fake_engine import FakeEngine
-from lorastack_testing.net import free_port
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 2048,
-}  # fmt: skip
+from lorastack_testing.fake_engine import FakeEngine, publish_tiny_adapter, publish_tiny_model
+from lorastack_testing.net import free_port, wait_for
 
 
 def publish_adapter(
     store: ArtifactStore, tmp_path: Path, base: Manifest, seed: str, rank: int = 8
 ) -> Manifest:
-    folder = tmp_path / f"adapter-{seed}"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "seed": seed}))
-    (folder / "adapter_model.safetensors").write_bytes(seed.encode())
-    return store.publish(
-        folder, kind="adapter", name="demo/adapter", service="test",
-        parents=[base.as_parent("base")],
-    )  # fmt: skip
+    return publish_tiny_adapter(
+        store, tmp_path / f"adapter-{seed}", base, name="demo/adapter", rank=rank
+    )
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> tuple[ArtifactStore, Manifest]:
     store = open_store(CommonSettings(home=tmp_path / "home"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return store, store.publish(model, kind="base-model", name="tiny", service="test")
+    return store, publish_tiny_model(store, tmp_path / "model")
 
 
 @pytest.fixture
@@ -74,14 +58,6 @@ def serve(
     yield start
     for client in apps:
         client.__exit__(None, None, None)
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not {what} after {timeout_s} s")
-        time.sleep(0.05)
 
 
 def served_adapters() -> dict[str, str]:

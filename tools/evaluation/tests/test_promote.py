@@ -3,19 +3,18 @@ published to a file:// store, then the command itself (exit codes, messages, rec
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from evaluation import EvalConfig, run_eval
-from lorastack.chat_data import Conversation, write_jsonl
 from lorastack.cli import main as cli_main
 from lorastack.manifest import Manifest
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
-from lorastack_testing.fake_vllm import FakeServer
+from lorastack_testing.fake_engine import publish_tiny_adapter
+from lorastack_testing.fake_vllm import FakeServer, write_upper_case_task
 
 # which side answers right (upper case) in the next evaluation: "lora", "base" or "both"
 RIGHT = {"side": "lora"}
@@ -39,26 +38,14 @@ def _store(home: Path) -> ArtifactStore:
 
 
 def _adapter(store: ArtifactStore, tmp_path: Path, seed: str) -> Manifest:
-    folder = tmp_path / f"adapter-{seed}"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "seed": seed}))
-    (folder / "training-complete.json").write_text(json.dumps({"train_loss": 0.2}))
-    return store.publish(folder, kind="adapter", name="demo/adapter", service="test")
+    return publish_tiny_adapter(store, tmp_path / f"adapter-{seed}", None, name="demo/adapter")
 
 
 def _evaluate(
     fake: FakeServer, store: ArtifactStore, tmp_path: Path, adapter: Manifest, right: str
 ) -> None:
     """Publish demo/eval for `adapter`, `right` deciding which side answers correctly."""
-    convs = [
-        Conversation.model_validate(
-            {"messages": [{"role": "user", "content": f"word{i}"},
-                          {"role": "assistant", "content": f"WORD{i}"}]}
-        )
-        for i in range(12)
-    ]  # fmt: skip
-    test = tmp_path / f"test-{adapter.version}-{right}.jsonl"
-    write_jsonl(test, convs)
+    test = write_upper_case_task(tmp_path / f"test-{adapter.version}-{right}.jsonl", 12)
     RIGHT["side"] = right
     cfg = EvalConfig(
         base_url=fake.base_url, test=str(test), base_model="fake-base", lora_model="fake-lora",

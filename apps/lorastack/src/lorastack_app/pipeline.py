@@ -255,6 +255,10 @@ def summary(settings: CommonSettings, stages: Stages, work: Path, running: bool)
             if (run / name).exists():
                 print(f"   {run / name}")
     print(f"eval report: {work / 'eval' / 'report.md'}")
+    print(
+        f"promote: .venv/bin/lorastack promote {RUN}/adapter (moves {RUN}/adapter@promoted"
+        " only when that evaluation says improvement; serve.yaml may then name it)"
+    )
     print(f"load test: {work / 'loadtest'}")
     if running:
         print(f"gateway: http://127.0.0.1:{GATEWAY_PORT}/v1 (metrics: /metrics)")

@@ -7,15 +7,49 @@ fake's `/v1/models`, as `--served-model-name` and `--lora-modules` would; runtim
 loads go through the fake's `/v1/load_lora_adapter`. Every start is a fresh server whose
 state is in `FakeEngine.started` (newest last), so a test can look at what vLLM would
 serve now, or `kill()` one to make the supervisor restart.
+
+`publish_tiny_model` and `publish_tiny_adapter` put a few-byte base model (config.json
+only) and adapters for it in a store: enough for the supervisor's checks (kind, base,
+rank, KV estimate), nothing a real vLLM could load.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
+from lorastack.manifest import Manifest
+from lorastack.store import ArtifactStore
 from lorastack_testing.fake_vllm import FakeServer, FakeState
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 2048,
+}  # fmt: skip
+
+
+def publish_tiny_model(store: ArtifactStore, folder: Path, name: str = "tiny") -> Manifest:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return store.publish(folder, kind="base-model", name=name, service="test")
+
+
+def publish_tiny_adapter(
+    store: ArtifactStore, folder: Path, base: Manifest | None, *, name: str, rank: int = 8
+) -> Manifest:
+    """An adapter of `base` whose bytes differ per `folder` (so each is new content), with
+    the training record `lorastack eval --adapter` reads."""
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "id": folder.name}))
+    (folder / "adapter_model.safetensors").write_bytes(folder.name.encode())
+    (folder / "training-complete.json").write_text(json.dumps({"train_loss": 0.2}))
+    return store.publish(
+        folder, kind="adapter", name=name, service="test",
+        parents=[base.as_parent("base")] if base else [],
+    )  # fmt: skip
 
 
 class FakeEngine:

@@ -36,6 +36,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -48,6 +49,22 @@ AnswerFn = Callable[[str, str], str]  # (model, prompt text) -> answer text
 
 def echo_answer(model: str, prompt: str) -> str:
     return prompt
+
+
+def write_upper_case_task(path: Path, n: int) -> Path:
+    """A test split of `n` chats 'wordI' -> 'WORDI': a model whose `answer` upper-cases the
+    prompt scores 1 on it, one that echoes it (`echo_answer`) scores 0."""
+    from lorastack.chat_data import Conversation, write_jsonl
+
+    convs = [
+        Conversation.model_validate(
+            {"messages": [{"role": "user", "content": f"word{i}"},
+                          {"role": "assistant", "content": f"WORD{i}"}]}
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    write_jsonl(path, convs)
+    return path
 
 
 @dataclass

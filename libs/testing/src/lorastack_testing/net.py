@@ -1,4 +1,5 @@
-"""Loopback servers for tests and benchmarks: a free port, an ASGI app in a thread."""
+"""Loopback servers for tests and benchmarks: a free port, an ASGI app in a thread, a
+poll until something is true."""
 
 from __future__ import annotations
 
@@ -6,10 +7,20 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    """Poll `check` every 50 ms until it is true; AssertionError naming `what` after
+    `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s")
+        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -39,7 +39,7 @@ class LabelFollower:
         self.switches = 0  # versions switched since start
 
     def start(self) -> None:
-        if self.interval_s > 0 and any(a.follows for a in self.supervisor.adapters.values()):
+        if self.interval_s > 0:  # a look with no labelled adapter costs nothing
             self._thread = threading.Thread(target=self._run, name="label-follower", daemon=True)
             self._thread.start()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from lorastack.errors import Conflict, NotFound
+
 
 def blob_key(sha256: str) -> str:
     return f"blobs/sha256/{sha256[:2]}/{sha256}"
@@ -55,3 +57,31 @@ class Backend(Protocol):
 
     def list_records(self, prefix: str) -> list[str]:
         """Every record key that starts with `prefix` (e.g. 'labels/runs/')."""
+
+
+class RecordManifests:
+    """Manifests as records: `put_manifest` / `get_manifest` for a backend that has
+    `put_record` / `get_record` (both of ours), with messages that name the version."""
+
+    url: str
+
+    def put_record(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def get_record(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def put_manifest(self, name: str, version: str, data: bytes) -> None:
+        try:
+            self.put_record(manifest_key(name, version), data)
+        except Conflict:
+            raise Conflict(
+                f"{name}:{version} was already published in {self.url}",
+                "publish under a new version (omit the version to take the next one)",
+            ) from None
+
+    def get_manifest(self, name: str, version: str) -> bytes:
+        try:
+            return self.get_record(manifest_key(name, version))
+        except NotFound:
+            raise NotFound(f"{name}:{version} is not in {self.url}") from None

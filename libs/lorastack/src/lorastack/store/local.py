@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 from lorastack.errors import Conflict, NotFound
-from lorastack.store.backend import blob_key, manifest_key
+from lorastack.store.backend import RecordManifests, blob_key, manifest_key
 
 
-class LocalBackend:
+class LocalBackend(RecordManifests):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file://{root}"
@@ -44,21 +44,6 @@ class LocalBackend:
         if not src.is_file():
             raise NotFound(f"blob {sha256} is missing from {self.url}")
         shutil.copyfile(src, dest)
-
-    def put_manifest(self, name: str, version: str, data: bytes) -> None:
-        try:
-            self.put_record(manifest_key(name, version), data)
-        except Conflict:
-            raise Conflict(
-                f"{name}:{version} was already published in {self.url}",
-                "publish under a new version (omit the version to take the next one)",
-            ) from None
-
-    def get_manifest(self, name: str, version: str) -> bytes:
-        try:
-            return self.get_record(manifest_key(name, version))
-        except NotFound:
-            raise NotFound(f"{name}:{version} is not in {self.url}") from None
 
     def put_record(self, key: str, data: bytes) -> None:
         dest = self.root / key

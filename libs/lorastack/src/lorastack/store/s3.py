@@ -39,7 +39,7 @@ from tenacity import (
 
 from lorastack.errors import Conflict, NotFound, StoreUnavailable
 from lorastack.settings import CommonSettings
-from lorastack.store.backend import blob_key, manifest_key
+from lorastack.store.backend import RecordManifests, blob_key, manifest_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,7 +69,7 @@ def is_transient(err: BaseException) -> bool:
     return False
 
 
-class S3Backend:
+class S3Backend(RecordManifests):
     def __init__(self, bucket: str, prefix: str, settings: CommonSettings) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -212,21 +212,6 @@ class S3Backend:
             if _status(e) == 404:
                 raise NotFound(f"blob {sha256} is missing from {self.url}") from None
             raise
-
-    def put_manifest(self, name: str, version: str, data: bytes) -> None:
-        try:
-            self.put_record(manifest_key(name, version), data)
-        except Conflict:
-            raise Conflict(
-                f"{name}:{version} was already published in {self.url}",
-                "publish under a new version (omit the version to take the next one)",
-            ) from None
-
-    def get_manifest(self, name: str, version: str) -> bytes:
-        try:
-            return self.get_record(manifest_key(name, version))
-        except NotFound:
-            raise NotFound(f"{name}:{version} is not in {self.url}") from None
 
     def put_record(self, key: str, data: bytes) -> None:
         try:
