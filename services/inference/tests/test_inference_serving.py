@@ -141,6 +141,39 @@ def test_unloading_an_unknown_adapter_is_404(serve: RunningServe) -> None:
     assert "test/adapter-v1" in r.json()["error"]["hint"]
 
 
+def test_a_promotion_reaches_v1_models_under_the_same_name_without_a_restart(
+    serve: RunningServe, inference_store: ServeStore
+) -> None:
+    store, adapters = inference_store.store, inference_store.adapters
+    v1, v2 = adapters["test/adapter:1"], adapters["test/adapter:2"]
+    store.move_label("promoted", v1)
+    admin = serve.supervisor_url + "/admin"
+
+    def root() -> str:
+        models = httpx.get(serve.vllm_url + "/v1/models", timeout=10).json()["data"]
+        return str({m["id"]: m["root"] for m in models}.get("test/adapter-promoted"))
+
+    r = httpx.post(admin + "/adapters", json={"ref": "test/adapter@promoted"}, timeout=120)
+    assert r.status_code == 201, r.text
+    try:
+        before = serve.status()
+        assert root().endswith(f"/test/adapter-promoted/v1-{v1.digest[7:19]}")
+        as_v1 = chat(serve.vllm_url, "test/adapter-v1", PROMPT)["choices"][0]["message"]
+        promoted = chat(serve.vllm_url, "test/adapter-promoted", PROMPT)["choices"][0]["message"]
+        assert promoted["content"] == as_v1["content"]
+
+        store.move_label("promoted", v2)  # what `lorastack promote` does on an improvement
+        r = httpx.post(admin + "/labels/refresh", timeout=120)
+        assert r.status_code == 200 and r.json()["switched"][0]["to"] == "test/adapter:2", r.text
+        assert root().endswith(f"/test/adapter-promoted/v2-{v2.digest[7:19]}")
+        after = chat(serve.vllm_url, "test/adapter-promoted", PROMPT)["choices"][0]["message"]
+        assert after["content"].strip() and after["content"] != as_v1["content"]
+        assert serve.status()["restarts"] == before["restarts"]
+        assert serve.status()["vllm"]["pid"] == before["vllm"]["pid"]
+    finally:
+        httpx.delete(admin + "/adapters/test/adapter-promoted", timeout=60)
+
+
 def test_killed_vllm_is_restarted_and_readiness_goes_false_then_true(
     serve: RunningServe,
 ) -> None:
