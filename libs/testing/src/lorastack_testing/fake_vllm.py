@@ -4,8 +4,10 @@ A plain ASGI app (no framework overhead to blur a benchmark), served on 127.0.0.
 uvicorn in a thread (`FakeServer`) or as its own process (`python -m
 lorastack_testing.fake_vllm --port N`). Routes as vLLM 0.32 answers them: `/v1/models`
 (max_model_len, parent for adapters), `/v1/chat/completions` and `/v1/completions`
-(streamed as SSE, or one JSON answer), `/metrics` in Prometheus text with vLLM's names,
-`/health`. Everything it does is in `FakeState`, which a test may change at any time:
+(streamed as SSE, or one JSON answer), `/v1/responses` (the Responses API: one JSON
+answer, or its typed events ending in `response.completed`), `/v1/embeddings` (only when
+`embeds` is set, as vLLM mounts it only for an embedding model), `/metrics` in Prometheus
+text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a test may change at any time:
 
     answer      `tokens` (fixed pieces), or `answer(model, prompt text)` whose words are
                 the tokens; `ignore_eos` (vLLM's extension) repeats them to max_tokens
@@ -19,6 +21,8 @@ lorastack_testing.fake_vllm --port N`). Routes as vLLM 0.32 answers them: `/v1/m
                 VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter joins `models` with
                 its path as `root` and the first model as `parent`; a name already
                 loaded is refused (400) unless `load_inplace`, an unknown unload is 404
+    embeddings  `embeds`: /v1/embeddings answers a 4-float vector per input (float or
+                base64, as the `openai` client asks); unset, the route is a 404
     failures    an HTTP error before the first byte (`fail_status` for `fail_count`
                 requests, or every `fail_every`th), a connection that dies mid-stream
     metrics     the gauges set in the state, plus the requests generating and waiting now;
@@ -30,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -84,6 +90,7 @@ class FakeState:
     die_after_tokens: int | None = None  # kill the connection after this many tokens
     prompt_tokens: int | None = 10  # what usage reports; None: the prompt's words
     send_usage: bool = True  # honour stream_options.include_usage
+    embeds: bool = False  # serve /v1/embeddings (an embedding model)
     # /metrics values (added to what the fake itself is doing)
     kv_usage: float = 0.0  # 0..1
     kv_per_request: float = 0.0  # when > 0: KV usage = this x requests generating
@@ -103,6 +110,7 @@ class FakeState:
     active: int = 0  # streams being served now
     generating: int = 0  # requests holding a running slot now
     queued: int = 0  # requests waiting for one
+    waited: int = 0  # requests that found every running slot taken (and queued)
 
     def calls(self, path: str = "") -> list[dict[str, Any]]:
         return [body for p, body in self.received if p.endswith(path)]
@@ -161,7 +169,14 @@ def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None)
     )
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+)
 LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -199,6 +214,23 @@ def _tokenize(path: str, body: dict[str, Any]) -> dict[str, Any]:
         text = str(body.get("prompt", ""))
     tokens = [len(w) for w in text.split()]
     return {"count": len(tokens), "max_model_len": 2048, "tokens": tokens, "token_strs": None}
+
+
+def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /v1/embeddings answer: a 4-float vector per input, from its words."""
+    inputs = body.get("input")
+    texts = [inputs] if isinstance(inputs, str) else list(inputs or [])
+    data = []
+    for i, text in enumerate(texts):
+        words = str(text).split()
+        vector = [float(len(words)), float(len(str(text))), 0.5, -1.0]
+        encoded: Any = vector
+        if body.get("encoding_format") == "base64":
+            encoded = base64.b64encode(struct.pack("<4f", *vector)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": encoded})
+    tokens = sum(len(str(t).split()) for t in texts)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "model": body.get("model"), "data": data, "usage": usage}
 
 
 def _sse(obj: Any) -> bytes:
@@ -242,6 +274,8 @@ class FakeVLLM:
             return await _send(send, 200, b"")
         if method != "POST" or path not in ROUTES + LORA_ROUTES:
             return await _send(send, 404, b'{"error":{"message":"not found"}}')
+        if path == "/v1/embeddings" and not s.embeds:  # vLLM mounts it for embedding models
+            return await _send(send, 404, b'{"error":{"message":"not found"}}')
         raw = b""
         while True:
             msg = await receive()
@@ -258,6 +292,11 @@ class FakeVLLM:
             )
         if path in ("/tokenize", "/detokenize"):
             return await _send(send, 200, json.dumps(_tokenize(path, body)).encode())
+        if path == "/v1/embeddings":
+            if "input" not in body:  # vLLM's schema check
+                error = _error(400, "input: Field required", "BadRequestError", "input")
+                return await _send(send, 400, error)
+            return await _send(send, 200, json.dumps(_embeddings(body)).encode())
         if s.first_byte_delay_s:
             await asyncio.sleep(s.first_byte_delay_s)
         if s.fail_status is not None and s.fail_count > 0:
@@ -269,6 +308,8 @@ class FakeVLLM:
         if body.get("model") not in [m["id"] for m in s.models]:
             message = f"The model `{body.get('model')}` does not exist."
             return await _send(send, 404, _error(404, message, "NotFoundError", "model"))
+        if path == "/v1/responses":
+            return await self._responses(receive, send, body)
         chat = path.endswith("chat/completions")
         limit = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
         if limit is not None and (type(limit) is not int or limit < 1):  # vLLM's schema says no
@@ -302,6 +343,84 @@ class FakeVLLM:
         }
         return await _send(send, 200, json.dumps(out).encode())
 
+    async def _responses(self, receive: Any, send: Any, body: dict[str, Any]) -> None:
+        """The Responses API: the answer as chat's, shaped as a response object (or its
+        events: created, one output_text.delta per piece, completed)."""
+        s = self.state
+        inp = body.get("input")
+        if isinstance(inp, str):
+            messages = [{"role": "user", "content": inp}]
+        else:
+            messages = [m for m in inp or [] if isinstance(m, dict) and "role" in m]
+        chat_body = {"messages": messages, "max_tokens": body.get("max_output_tokens")}
+        pieces, finish, prompt_tokens = plan_answer(s, chat_body, chat=True)
+        self._n += 1
+        rid = f"resp_fake{self._n}"
+        usage = {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": len(pieces),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + len(pieces),
+        }
+
+        def response(status: str, text: str, with_usage: bool) -> dict[str, Any]:
+            content = [{"type": "output_text", "text": text, "annotations": []}]
+            item: dict[str, Any] = {"type": "message", "id": f"msg_{self._n}"}
+            item |= {"role": "assistant", "status": "completed", "content": content}
+            return {
+                "id": rid,
+                "object": "response",
+                "created_at": int(time.time()),
+                "model": body["model"],
+                "status": status,
+                "output": [item] if text else [],
+                "parallel_tool_calls": True,
+                "tool_choice": "auto",
+                "tools": [],
+                "incomplete_details": (
+                    {"reason": "max_output_tokens"} if status == "incomplete" else None
+                ),
+                "usage": usage if with_usage else None,
+            }
+
+        status = "incomplete" if finish == "length" else "completed"
+        if not body.get("stream"):
+            async with self._slot():
+                await asyncio.sleep(s.ttft_s + max(0, len(pieces) - 1) * s.pace_s)
+            out = response(status, "".join(pieces), True)
+            return await _send(send, 200, json.dumps(out).encode())
+
+        def event(kind: str, **fields: Any) -> bytes:
+            data = json.dumps({"type": kind, "sequence_number": 0, **fields}, separators=(",", ":"))
+            return f"event: {kind}\ndata: {data}\n\n".encode()
+
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send(
+            {
+                "type": "http.response.body",
+                "body": event("response.created", response=response("in_progress", "", False)),
+                "more_body": True,
+            }
+        )
+        async with self._slot():
+            start = time.perf_counter()
+            for i, piece in enumerate(pieces):
+                await asyncio.sleep(max(0.0, start + s.ttft_s + i * s.pace_s - time.perf_counter()))
+                delta = event(
+                    "response.output_text.delta",
+                    item_id=f"msg_{self._n}",
+                    output_index=0,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                )
+                await send({"type": "http.response.body", "body": delta, "more_body": True})
+        done = event("response.completed", response=response(status, "".join(pieces), True))
+        await send({"type": "http.response.body", "body": done, "more_body": False})
+        s.completed += 1
+
     @contextlib.asynccontextmanager
     async def _slot(self) -> Any:
         """A running slot (queued while `max_running` requests generate)."""
@@ -309,6 +428,8 @@ class FakeVLLM:
         if self._slots is None and s.max_running:
             self._slots = asyncio.Semaphore(s.max_running)
         s.queued += 1
+        if self._slots is not None and self._slots.locked():
+            s.waited += 1
         try:
             if self._slots is not None:
                 await self._slots.acquire()

@@ -21,10 +21,16 @@ from pathlib import Path
 import anyio
 import httpx
 
-from gateway.errors import GatewayError, TokenizerUnavailable, UnknownModel, UpstreamUnavailable
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    TokenizerUnavailable,
+    UnknownModel,
+    UpstreamUnavailable,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.routing import BackendView, InflightCounter
-from gateway.scrape import BackendMetrics, ModelInfo, scrape_backend
+from gateway.scrape import BackendMetrics, ModelInfo, probe_embeddings, scrape_backend
 from gateway.settings import GatewaySettings
 from gateway.tokens import CountingTokenizer, TokenizerCache
 
@@ -38,6 +44,9 @@ class BackendState:
     models: dict[str, ModelInfo] = field(default_factory=dict)
     metrics: BackendMetrics | None = None
     error: str = "not scraped yet"
+    max_num_seqs: int | None = None  # vLLM's running slots (configured: /metrics lacks it)
+    sent_at_scrape: int = 0  # the gateway's sent count when the last good scrape began
+    embeds: bool | None = None  # serves /v1/embeddings; None = not probed since it came up
 
 
 class Backends:
@@ -52,7 +61,10 @@ class Backends:
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.client = client
-        self.states = {url: BackendState(url) for url in settings.backends}
+        self.states = {
+            url: BackendState(url, max_num_seqs=settings.backend_max_num_seqs.get(url))
+            for url in settings.backends
+        }
         self.inflight = InflightCounter()
         self.tokenizer_errors: dict[str, str] = {}  # source -> why it failed to load
         self.last_refresh = 0.0  # monotonic seconds
@@ -60,15 +72,19 @@ class Backends:
 
     # --- refresh -------------------------------------------------------------
     async def _scrape_one(self, st: BackendState) -> None:
+        sent = self.inflight.sent.get(st.url, 0)  # requests sent later are not in the scrape
         try:
             st.models, st.metrics = await scrape_backend(self.client, st.url)
+            st.sent_at_scrape = sent
+            if st.embeds is None:
+                st.embeds = await probe_embeddings(self.client, st.url)
             if not st.up:
                 log.info("backend %s is up (%s)", st.url, ", ".join(sorted(st.models)))
             st.up, st.error = True, ""
         except (httpx.HTTPError, ValueError) as e:
             if st.up or st.error == "not scraped yet":
                 log.warning("backend %s is down: %s", st.url, e)
-            st.up, st.error = False, f"{type(e).__name__}: {e}"
+            st.up, st.error, st.embeds = False, f"{type(e).__name__}: {e}", None
         self.metrics.mirror_backend(st.url, st.up, st.metrics if st.up else None)
 
     async def refresh(self) -> None:
@@ -169,6 +185,18 @@ class Backends:
             self.tokenizer_errors[source] = str(e)
             raise
 
+    def require_embeddings(self, model: str) -> None:
+        """BadRequest unless a backend that is up serves `model` and embeds."""
+        serving = [st for st in self.states.values() if st.up and model in st.models]
+        if serving and not any(st.embeds for st in serving):
+            raise BadRequest(
+                f"the model `{model}` does not serve embeddings: its backends run it to"
+                " generate text.",
+                "ask an embedding model (GET /v1/models lists the models), or serve one"
+                " with vLLM's pooling runner behind this gateway",
+                param="model",
+            )
+
     def pending_tokenizers(self) -> list[str]:
         """Models whose tokenizer is neither loaded nor failed yet (the gateway is not ready)."""
         return [
@@ -182,6 +210,7 @@ class Backends:
         out = []
         for st in self.states.values():
             m = st.metrics or BackendMetrics()
+            inflight = self.inflight.counts.get(st.url, 0)
             out.append(
                 BackendView(
                     url=st.url,
@@ -192,7 +221,13 @@ class Backends:
                     waiting=m.waiting,
                     loaded_adapters=m.running_adapters | m.waiting_adapters,
                     max_lora=m.max_lora,
-                    inflight=self.inflight.counts.get(st.url, 0),
+                    inflight=inflight,
+                    max_num_seqs=st.max_num_seqs,
+                    embeds=bool(st.embeds),
+                    # sent after the scrape and still open (an answered one holds no slot)
+                    sent_since_scrape=min(
+                        inflight, self.inflight.sent.get(st.url, 0) - st.sent_at_scrape
+                    ),
                 )
             )
         return out

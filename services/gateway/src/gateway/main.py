@@ -1,6 +1,6 @@
 """`create_app(settings)`: wiring only. Routes, the error map and the background refresh.
 
-The two proxied routes (`PROXIED`) are dispatched before FastAPI: on the streaming hot
+The proxied generation routes (`PROXIED`) are dispatched before FastAPI: on the streaming hot
 path its middleware stack and router cost a send wrapper per chunk and routing work per
 request (bench/gateway/history.md), and the proxy needs none of them (it maps
 its own errors). Every other route is plain FastAPI.
@@ -31,7 +31,11 @@ from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream
 
-PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+PROXIED = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/responses": "responses",
+}
 
 
 class GatewayApp(FastAPI):
@@ -162,6 +166,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await proxy.passthrough(request, "/detokenize")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await proxy.passthrough(request, "/v1/embeddings", embed=True)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""The request flow of /v1/chat/completions and /v1/completions.
+"""The request flow of /v1/chat/completions, /v1/completions and /v1/responses (read as
+the chat request vLLM renders from it: `responses.py`), and of the bodies passed through
+to a backend serving the model (`/tokenize`, `/detokenize`, `/v1/embeddings`).
 
 auth -> body limits -> parse -> model check (exists, and the key may use it) -> exact
 token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
@@ -35,6 +37,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from gateway.affinity import SESSION_HEADER, Affinity, prefix_hashes, session_key
 from gateway.auth import Authenticator, Key
 from gateway.backends import Backends
 from gateway.errors import (
@@ -50,8 +53,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay import SseRelay, StreamEnd
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import request_id
-from gateway.routing import RouteRequest, Thresholds, pick_backend
+from gateway.responses import parse_responses
+from gateway.routing import RouteRequest, Thresholds, Weights, pick_backend
 from gateway.settings import GatewaySettings
+from gateway.sse import CHAT_END, RESPONSES_END
 from gateway.tokens import LONG_COUNTS, CountingTokenizer
 from gateway.upstream import Upstream, UpstreamCall
 from gateway.validation import (
@@ -72,6 +77,11 @@ CLAMPED_HEADER = "X-Lorastack-Clamped-Max-Tokens"  # response: "<from>-><to>"
 PROMPT_TOKENS_HEADER = "X-Lorastack-Prompt-Tokens"
 BACKEND_HEADER = "X-Lorastack-Backend"
 LONG_INPUT_CHARS = 4000  # longer prompts are tokenized in a worker thread, off the loop
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "responses": "/v1/responses",
+}
 
 
 @dataclass
@@ -87,6 +97,8 @@ class Prepared:
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
     request_id: str  # also in `headers` (for the client) and sent to the backend
+    session: str | None  # the session key (affinity.py)
+    prefix: tuple[bytes, ...]  # hashes of the prompt's leading blocks (affinity.py)
     # set when upper bounds proved the fit (prompt_tokens is then the bound until it runs):
     # the exact counts and their length check, run after forwarding
     count_later: Callable[[], list[int]] | None = None
@@ -107,6 +119,8 @@ class Proxy:
         self.auth = auth
         self.metrics = metrics
         self.thresholds = Thresholds(settings.admit_max_kv_usage, settings.admit_max_waiting)
+        self.weights = Weights(prefix=settings.prefix_weight, session=settings.session_weight)
+        self.affinity = Affinity(settings.affinity_table_size)
 
     async def handle(self, request: Request, route: str) -> Response:
         t0 = time.perf_counter()
@@ -127,6 +141,7 @@ class Proxy:
                     t0=t0,
                     request_id=rid,
                     on_end=lambda end: self._end_stream(prep, call, t0, end),
+                    end=RESPONSES_END if route == "responses" else CHAT_END,
                 )
             return await self._unary(prep, call, t0)
         except Exception as e:
@@ -155,10 +170,11 @@ class Proxy:
                 self.auth.rejected(key, err.reason)
         return error_response(err, rid)
 
-    async def passthrough(self, request: Request, path: str) -> Response:
-        """vLLM's `/tokenize` and `/detokenize`: the same auth, body limits and model check
-        as chat, then the body as sent to a backend serving the model, its answer as sent
-        back (no retry beyond `upstream.open`'s, no length check: nothing is generated)."""
+    async def passthrough(self, request: Request, path: str, *, embed: bool = False) -> Response:
+        """vLLM's `/tokenize`, `/detokenize` and (`embed`: only to backends that embed)
+        `/v1/embeddings`: the same auth, body limits and model check as chat, then the body
+        as sent to a backend serving the model, its answer as sent back (no retry beyond
+        `upstream.open`'s, no length check: vLLM checks an embedding input's length)."""
         rid = request_id(request.headers.get("x-request-id"))
         key: Key | None = None
         try:
@@ -173,9 +189,11 @@ class Proxy:
                 )
             info = await self.backends.model(model)
             self.auth.check_model(key, model)
+            if embed:
+                self.backends.require_embeddings(model)
             self.auth.admit(key, 0)  # counts as a request, uses no tokens
             call = await self._send(
-                RouteRequest(model, adapter=info.parent is not None), path, raw, rid
+                RouteRequest(model, adapter=info.parent is not None, embed=embed), path, raw, rid
             )
             try:
                 answer = b"".join([chunk async for chunk in call.chunks()])
@@ -211,8 +229,8 @@ class Proxy:
         requested: int | None,
         max_len: int,
         param: str,
-    ) -> tuple[list[int], Callable[[], list[int]] | None]:
-        """The exact counts; or, when upper bounds prove that prompt + output fits and no
+    ) -> tuple[list[str | int], list[int], Callable[[], list[int]] | None]:
+        """What vLLM encodes (`CountingTokenizer.inputs`) and the exact counts; or, when upper bounds prove that prompt + output fits and no
         tokens-per-minute limit needs the exact number, the bounds and a function that
         counts exactly later (and checks the length again: a formality after the bound).
         Long inputs are counted exactly, on a worker thread."""
@@ -221,8 +239,14 @@ class Proxy:
         else:
             size = len(str(req.prompt))
         if size > LONG_INPUT_CHARS:
-            fn = lambda: tok.count(*tok.inputs(req))  # noqa: E731
-            return await asyncio.get_running_loop().run_in_executor(LONG_COUNTS, fn), None
+
+            def render_count() -> tuple[list[str | int], list[int]]:
+                inputs, special = tok.inputs(req)
+                return inputs, tok.count(inputs, special)
+
+            loop = asyncio.get_running_loop()
+            inputs, counts = await loop.run_in_executor(LONG_COUNTS, render_count)
+            return inputs, counts, None
         inputs, special = tok.inputs(req)
         bounds = tok.upper_bound(inputs, special)
         if (
@@ -230,7 +254,7 @@ class Proxy:
             or key.budget is not None
             or any(b + (requested or 1) > max_len for b in bounds)
         ):
-            return tok.count(inputs, special), None
+            return inputs, tok.count(inputs, special), None
 
         def exact() -> list[int]:
             counts = tok.count(inputs, special)
@@ -238,21 +262,25 @@ class Proxy:
                 plan_tokens(c, requested, max_len, clamp=False, param=param)
             return counts
 
-        return bounds, exact
+        return inputs, bounds, exact
 
     async def _prepare(self, request: Request, route: str, rid: str, key: Key) -> Prepared:
         body, original = await self._read_json(request)
-        req: ChatRequest | CompletionRequest = (
-            parse_chat(body, self.settings.max_messages)
-            if route == "chat"
-            else parse_completion(body)
-        )
+        req: ChatRequest | CompletionRequest
+        if route == "chat":
+            req = parse_chat(body, self.settings.max_messages)
+        elif route == "responses":
+            req = parse_responses(body, self.settings.max_messages)
+        else:
+            req = parse_completion(body)
         info = await self.backends.model(req.model)
         self.auth.check_model(key, req.model)
         max_len = self.backends.max_model_len(info)
         tok = await self.backends.tokenizer_for(info)
         param, requested = requested_output(req)
-        counts, count_later = await self._count(key, tok, req, requested, max_len, param)
+        if route == "responses":
+            param = "max_output_tokens"
+        inputs, counts, count_later = await self._count(key, tok, req, requested, max_len, param)
         clamp = self.settings.clamp_max_tokens or request.headers.get(CLAMP_HEADER, "").lower() in (
             "1",
             "true",
@@ -271,7 +299,10 @@ class Proxy:
             changed = True
         reserved = sum(counts) + out_tokens * req.n * len(counts)
         self.auth.admit(key, reserved)
-        client_wants_usage = bool((req.stream_options or {}).get("include_usage"))
+        # the Responses API always reports usage (in its last event)
+        client_wants_usage = route == "responses" or bool(
+            (req.stream_options or {}).get("include_usage")
+        )
         if req.stream and not client_wants_usage:
             body["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
             changed = True
@@ -288,17 +319,26 @@ class Proxy:
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
             request_id=rid,
+            session=session_key(request.headers.get(SESSION_HEADER), body),
+            prefix=self._prefix(inputs),
             count_later=count_later,
         )
 
+    def _prefix(self, inputs: list[str | int]) -> tuple[bytes, ...]:
+        """The prefix hashes of the first prompt (a token-id prompt has none)."""
+        if self.weights.prefix <= 0 or not inputs or not isinstance(inputs[0], str):
+            return ()
+        return prefix_hashes(inputs[0])
+
     async def _open(self, prep: Prepared) -> UpstreamCall:
-        route_req = RouteRequest(prep.model, adapter=prep.adapter)
-        path = "/v1/chat/completions" if prep.route == "chat" else "/v1/completions"
+        route_req = self.affinity.route_request(prep.model, prep.adapter, prep.session, prep.prefix)
+        path = PATHS[prep.route]
         try:
             call = await self._send(route_req, path, prep.body, prep.request_id)
         except GatewayError:
             self.auth.refund(prep.key, prep.reserved_tokens)
             raise
+        self.affinity.served(prep.session, prep.prefix, call.backend)
         prep.headers[BACKEND_HEADER] = call.backend
         return call
 
@@ -313,6 +353,7 @@ class Proxy:
                 route_req,
                 self.backends.views(),
                 thresholds=self.thresholds,
+                weights=self.weights,
                 avoid=tried,
                 retry_after_s=interval,
             )
@@ -353,11 +394,12 @@ class Proxy:
         e2e = time.perf_counter() - t0
         m = self.metrics
         m.duration.labels(prep.model, prep.route, status).observe(e2e)
-        out = usage.get("completion_tokens") if usage else None
+        # chat and completions name them prompt/completion_tokens; Responses input/output_tokens
+        out = usage.get("completion_tokens", usage.get("output_tokens")) if usage else None
         if isinstance(out, int):
             m.output_tokens.labels(prep.model, prep.route).observe(out)
             self.auth.refund(prep.key, prep.reserved_tokens - prep.prompt_tokens - out)
-            prompt = usage.get("prompt_tokens") if usage else None
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens")) if usage else None
             self.auth.record_usage(
                 prep.key, prompt if isinstance(prompt, int) else prep.prompt_tokens, out
             )

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamBroken, UpstreamTimeout, sse_error_event
-from gateway.sse import EventScanner
+from gateway.sse import CHAT_END, EventScanner
 from gateway.upstream import UpstreamCall
 
 
@@ -53,6 +53,7 @@ class SseRelay(Response):
         t0: float,
         on_end: Callable[[StreamEnd], Awaitable[None]],
         request_id: str | None = None,
+        end: tuple[bytes, ...] = CHAT_END,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -62,10 +63,11 @@ class SseRelay(Response):
         self._t0 = t0
         self._on_end = on_end
         self._request_id = request_id  # for the error event
+        self._end = end  # how the stream's last event starts (sse.py)
         self._ttft: float | None = None  # set by the relay at the first body bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scanner = EventScanner(keep_usage=self._keep_usage)
+        scanner = EventScanner(keep_usage=self._keep_usage, end=self._end)
         end = StreamEnd("499", None, None)  # until the relay says otherwise
         try:
             with anyio.CancelScope() as relay_scope:
@@ -94,7 +96,7 @@ class SseRelay(Response):
                 chunk = await read()
             if not scanner.done:
                 raise UpstreamBroken(
-                    f"the backend {self._call.backend} ended the stream without [DONE]"
+                    f"the backend {self._call.backend} ended the stream before its last event"
                 )
             end = StreamEnd("200", self._ttft, scanner.usage)
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,10 +1,13 @@
 """Pure routing: score backends for a request from plain scraped data, then pick one.
 
 Each scorer maps `{backend url: score in 0..1}` (1 = best) and is a small plugin for one
-concern: KV-cache usage, queue depth, free running slots (`score_capacity`, not yet in the
-weighted pick: the scrape does not read `max_num_seqs` yet), LoRA affinity. `pick_backend` combines them with
-weights, drops saturated backends (admission control) and breaks ties by the gateway's
-own in-flight count, then by URL, so the result is deterministic. No I/O here.
+concern: KV-cache usage, capacity (free running slots, then the queue), LoRA affinity,
+prefix-cache affinity (the replica that last served the prompt's leading blocks) and
+session affinity (the replica the session used last). `pick_backend` drops unhealthy and
+saturated backends (admission control), then backends with no free slot while another
+has one (so no request waits in a queue next to an idle slot), combines the scores with
+weights and breaks ties by the gateway's own in-flight count, then by URL, so the result
+is deterministic. No I/O here; the tables behind the affinities live in `affinity.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class BackendView:
     max_lora: int = 0
     inflight: int = 0  # requests this gateway has open on it now (fresher than a scrape)
     max_num_seqs: int | None = None  # vLLM's running slots; None = not known
+    embeds: bool = False  # serves /v1/embeddings (its model is an embedding model)
     sent_since_scrape: int = 0  # requests the gateway sent it after its last scrape
 
 
@@ -36,6 +40,11 @@ class BackendView:
 class RouteRequest:
     model: str
     adapter: bool = False  # the model is a LoRA adapter (it has a parent)
+    embed: bool = False  # an embeddings request: only backends that embed serve it
+    session_backend: str | None = None  # the replica this request's session used last
+    prefix_blocks: int = 0  # leading prompt blocks hashed (affinity.py)
+    # backend url -> how many of those leading blocks it served last
+    prefix_hits: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,12 @@ class Thresholds:
 @dataclass(frozen=True)
 class Weights:
     kv: float = 1.0
-    queue: float = 1.0
+    capacity: float = 1.0
     lora: float = 2.0  # a miss costs an adapter load (and may evict another)
+    # a cache hit saves the prefill of the matched blocks: outweighs any KV/capacity gap
+    # among backends with a free slot (those without one are dropped before scoring)
+    prefix: float = 2.0
+    session: float = 4.0  # sticks unless the replica is down, saturated or full
 
 
 Scorer = Callable[[RouteRequest, list[BackendView]], dict[str, float]]
@@ -61,9 +74,17 @@ def score_kv_usage(req: RouteRequest, views: list[BackendView]) -> dict[str, flo
     }
 
 
-def score_queue(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
-    """Shorter queue is better: waiting requests, plus half of the gateway's own in-flight."""
-    return {v.url: 1.0 / (1.0 + v.waiting + 0.5 * v.inflight) for v in views}
+def free_slots(v: BackendView) -> int | None:
+    """Running slots left (those sent since the scrape taken); None when unknown."""
+    if v.max_num_seqs is None or v.max_num_seqs <= 0:
+        return None
+    return v.max_num_seqs - v.running - v.sent_since_scrape
+
+
+def is_full(v: BackendView) -> bool:
+    """A new request would wait in its queue: something waits already, or no slot is free."""
+    free = free_slots(v)
+    return v.waiting > 0 or (free is not None and free <= 0)
 
 
 def score_capacity(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
@@ -71,20 +92,20 @@ def score_capacity(req: RouteRequest, views: list[BackendView]) -> dict[str, flo
 
     free = max_num_seqs - running - requests sent since the scrape (those will take a slot
     or wait). A backend with a free slot and nothing waiting scores 0.5..1 (more free
-    slots, higher); any other 0..0.5, by what would wait ahead of this request. So a
-    replica busy *running* requests but with a slot left beats one whose requests *wait*,
-    whatever the sizes. Unknown `max_num_seqs`: the queue alone, in the lower half.
+    slots, higher); any other 0..0.5, by what would wait ahead of this request per running
+    slot (a queue of 3 behind 8 slots moves sooner than 1 behind 1). So a replica busy
+    *running* requests but with a slot left beats one whose requests *wait*, whatever the
+    sizes. Unknown `max_num_seqs`: the queue alone, in the lower half.
     """
     out = {}
     for v in views:
-        if v.max_num_seqs is None or v.max_num_seqs <= 0:
+        free = free_slots(v)
+        if free is None or v.max_num_seqs is None:
             out[v.url] = 0.5 / (1.0 + v.waiting + v.sent_since_scrape)
-            continue
-        free = v.max_num_seqs - v.running - v.sent_since_scrape
-        if free > 0 and v.waiting == 0:
+        elif free > 0 and v.waiting == 0:
             out[v.url] = 0.5 + 0.5 * free / v.max_num_seqs
         else:
-            out[v.url] = 0.5 / (1.0 + v.waiting + max(0, -free))
+            out[v.url] = 0.5 / (1.0 + (v.waiting + max(0, -free)) / v.max_num_seqs)
     return out
 
 
@@ -103,13 +124,34 @@ def score_lora_affinity(req: RouteRequest, views: list[BackendView]) -> dict[str
     return out
 
 
+def score_prefix(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """The share of the prompt's leading blocks a backend served last (its prefix cache
+    likely still holds them); neutral (1 everywhere) when the prompt has no full block."""
+    if req.prefix_blocks <= 0:
+        return {v.url: 1.0 for v in views}
+    return {
+        v.url: min(req.prefix_hits.get(v.url, 0), req.prefix_blocks) / req.prefix_blocks
+        for v in views
+    }
+
+
+def score_session(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """1 for the replica the session used last, 0 for the others; neutral without one
+    (or when that replica is not among the candidates: down, saturated or full)."""
+    if req.session_backend is None or all(v.url != req.session_backend for v in views):
+        return {v.url: 1.0 for v in views}
+    return {v.url: 1.0 if v.url == req.session_backend else 0.0 for v in views}
+
+
 def score_combined(
     req: RouteRequest, views: list[BackendView], weights: Weights = Weights()
 ) -> dict[str, float]:
     parts: list[tuple[float, Scorer]] = [
         (weights.kv, score_kv_usage),
-        (weights.queue, score_queue),
+        (weights.capacity, score_capacity),
         (weights.lora, score_lora_affinity),
+        (weights.prefix, score_prefix),
+        (weights.session, score_session),
     ]
     total = sum(w for w, _ in parts) or 1.0
     scores = {v.url: 0.0 for v in views}
@@ -133,7 +175,9 @@ def pick_backend(
     retry_after_s: float = 1.0,
 ) -> str:
     """The best backend for `req`; `avoid` (already tried) is used only when nothing else is left."""
-    serving = [v for v in views if v.healthy and req.model in v.models]
+    serving = [
+        v for v in views if v.healthy and req.model in v.models and (v.embeds or not req.embed)
+    ]
     if not serving:
         raise UpstreamUnavailable(
             f"no healthy backend serves {req.model!r} right now",
@@ -148,6 +192,7 @@ def pick_backend(
             retry_after_s=retry_after_s,
         )
     fresh = [v for v in open_ if v.url not in avoid] or open_
+    fresh = [v for v in fresh if not is_full(v)] or fresh
     scores = score_combined(req, fresh, weights)
     by_url: Mapping[str, BackendView] = {v.url: v for v in fresh}
     return min(scores, key=lambda u: (-round(scores[u], 9), by_url[u].inflight, u))
@@ -155,9 +200,13 @@ def pick_backend(
 
 @dataclass
 class InflightCounter:
-    """The gateway's own open requests per backend (single event loop: no lock needed)."""
+    """The gateway's own open requests per backend (single event loop: no lock needed),
+    and how many it ever sent to each (so a scrape can tell which came after it)."""
 
     counts: dict[str, int] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
 
     def add(self, url: str, delta: int) -> None:
         self.counts[url] = self.counts.get(url, 0) + delta
+        if delta > 0:
+            self.sent[url] = self.sent.get(url, 0) + delta

@@ -1,6 +1,8 @@
 """Read a vLLM backend: parse its Prometheus `/metrics` text and its `/v1/models` list.
 
-`parse_metrics` and `parse_models` are pure; `scrape_backend` does the two GETs.
+`parse_metrics` and `parse_models` are pure; `scrape_backend` does the two GETs;
+`probe_embeddings` asks once whether the backend serves `/v1/embeddings` (vLLM mounts
+that route only for a model that embeds; /v1/models does not say).
 Samples with several label sets (one per engine or model) are summed, except KV-cache
 usage, which takes the fullest engine.
 """
@@ -81,6 +83,13 @@ def parse_models(body: dict[str, Any]) -> dict[str, ModelInfo]:
                 root=card.get("root"),
             )
     return out
+
+
+async def probe_embeddings(client: httpx.AsyncClient, url: str) -> bool:
+    """True when `POST /v1/embeddings` exists there (an empty body: vLLM answers 400/422
+    from the route, 404 when the route is not mounted)."""
+    r = await client.post(f"{url}/v1/embeddings", json={})
+    return r.status_code not in (404, 405)
 
 
 async def scrape_backend(

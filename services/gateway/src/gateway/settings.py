@@ -69,6 +69,25 @@ class GatewaySettings(CommonSettings):
     admit_max_kv_usage: float = Field(0.95, ge=0, le=1, description="KV-cache usage, 0..1")
     admit_max_waiting: int = Field(8, ge=0, description="requests waiting in vLLM's queue")
     scrape_interval_s: float = Field(2.0, gt=0, description="seconds between /metrics scrapes")
+    backend_max_num_seqs: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict,
+        description="backend URL -> the requests it runs at once (vLLM's --max-num-seqs, which"
+        " its /metrics does not report): JSON or url=N,url=N. Routing sends a request to a"
+        " backend with a free slot before one where it would wait. Unset: `serve_config`'s"
+        " max_num_seqs for every backend, else routing knows only the queues",
+    )
+    affinity_table_size: int = Field(
+        50_000,
+        ge=1,
+        description="rows in each of the session and prompt-prefix tables (least recently"
+        " used dropped first); a request writes one session row and up to 64 prefix rows",
+    )
+    prefix_weight: float = Field(
+        2.0, ge=0, description="routing weight of prefix-cache affinity; 0 turns it off"
+    )
+    session_weight: float = Field(
+        4.0, ge=0, description="routing weight of session stickiness; 0 turns it off"
+    )
     # retries before the first byte only (connection errors, 502, 503)
     retry_attempts: int = Field(3, ge=1, le=10, description="tries in all, first one included")
     retry_backoff_s: float = Field(0.05, ge=0, description="first backoff; doubles, jittered")
@@ -99,7 +118,7 @@ class GatewaySettings(CommonSettings):
         for url in v:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend {url!r} must start with http:// or https://")
-            out.append(url.rstrip("/").removesuffix("/v1"))
+            out.append(_base_url(url))
         if len(set(out)) != len(out):
             raise ValueError(f"backends repeat a URL: {out}")
         return out
@@ -117,6 +136,33 @@ class GatewaySettings(CommonSettings):
             return {k.strip(): val.strip() for k, val in pairs}
         return v
 
+    @field_validator("backend_max_num_seqs", mode="before")
+    @classmethod
+    def _slots(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            s = v.strip()
+            if s.startswith("{"):
+                return json.loads(s)
+            pairs = [p.rsplit("=", 1) for p in s.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError("backend_max_num_seqs must be JSON or url=N,url=N")
+            return {k.strip(): val.strip() for k, val in pairs}
+        return v
+
+    @model_validator(mode="after")
+    def _slots_of_backends(self) -> GatewaySettings:
+        slots = {_base_url(u): n for u, n in self.backend_max_num_seqs.items()}
+        unknown = sorted(set(slots) - set(self.backends))
+        if unknown:
+            raise ValueError(f"backend_max_num_seqs names URLs that are not backends: {unknown}")
+        if any(n < 1 for n in slots.values()):
+            raise ValueError(f"backend_max_num_seqs values must be >= 1: {slots}")
+        if self.serve_config is not None:
+            default = served_max_num_seqs(self.serve_config)
+            slots = {url: slots.get(url, default) for url in self.backends}
+        self.backend_max_num_seqs = slots
+        return self
+
     @model_validator(mode="after")
     def _keys_when_auth(self) -> GatewaySettings:
         if self.api_keys_file is not None and not self.api_keys_file.is_file():
@@ -132,15 +178,35 @@ class GatewaySettings(CommonSettings):
         return self
 
 
-def served_tokenizers(serve_config: Path) -> dict[str, str]:
-    """{served model name: store ref of its model} read from an inference serve config, the
-    one place that maps the name clients send to the artifact behind it."""
+def _base_url(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def _serve_config(serve_config: Path) -> Any:
     try:
-        data = yaml.safe_load(serve_config.read_text(encoding="utf-8"))
+        return yaml.safe_load(serve_config.read_text(encoding="utf-8"))
     except OSError as e:
         raise ValueError(f"serve_config {serve_config} cannot be read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"serve_config {serve_config} is not valid YAML: {e}") from None
+
+
+INFERENCE_MAX_NUM_SEQS = 8  # the inference service's default when its config sets none
+
+
+def served_max_num_seqs(serve_config: Path) -> int:
+    """The running slots an inference serve config gives its vLLM."""
+    data = _serve_config(serve_config)
+    n = data.get("max_num_seqs", INFERENCE_MAX_NUM_SEQS) if isinstance(data, dict) else None
+    if type(n) is not int or n < 1:
+        raise ValueError(f"serve_config {serve_config}: max_num_seqs must be an integer >= 1")
+    return n
+
+
+def served_tokenizers(serve_config: Path) -> dict[str, str]:
+    """{served model name: store ref of its model} read from an inference serve config, the
+    one place that maps the name clients send to the artifact behind it."""
+    data = _serve_config(serve_config)
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, str) or not model:
         raise ValueError(f"serve_config {serve_config} names no model (model: NAME[:VERSION])")

@@ -15,18 +15,18 @@ from gateway.errors import BadRequest, ContextLengthExceeded
 from lorastack.untrusted_json import schema_error
 
 
-class _Passthrough(BaseModel):
+class Passthrough(BaseModel):
     # strict: the body goes to vLLM as sent, so a field the gateway reads must already
     # have its type ("max_tokens": "5" or 1.0 would pass here and fail, or differ, there)
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class ChatMessage(_Passthrough):
+class ChatMessage(Passthrough):
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
 
 
-class CommonFields(_Passthrough):
+class CommonFields(Passthrough):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # output tokens
     stream: bool = False
@@ -50,7 +50,7 @@ class CompletionRequest(CommonFields):
     add_special_tokens: bool = True
 
 
-def _first_error(e: ValidationError) -> BadRequest:
+def first_error(e: ValidationError) -> BadRequest:
     where, what = schema_error(e)
     where = where or "body"
     return BadRequest(
@@ -64,7 +64,7 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:
-        raise _first_error(e) from None
+        raise first_error(e) from None
     if len(req.messages) > max_messages:
         raise BadRequest(
             f"the request has {len(req.messages)} messages; this gateway accepts at most"
@@ -88,7 +88,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as e:
-        raise _first_error(e) from None
+        raise first_error(e) from None
 
 
 def requested_output(req: CommonFields) -> tuple[str, int | None]:

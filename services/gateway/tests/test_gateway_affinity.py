@@ -1,0 +1,146 @@
+"""The session and prefix tables (pure), then routing through a real gateway in front of
+two fake vLLMs: capacity (no request waits in a queue beside a free slot), session
+stickiness and prefix-cache affinity."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.affinity import BLOCK_CHARS, MAX_BLOCKS, Affinity, LruTable, prefix_hashes, session_key
+
+SYSTEM = "You are a careful assistant. " * 40  # ~1.1 K characters: 4 full prefix blocks
+
+
+def test_prefix_hashes_chain_the_full_leading_blocks() -> None:
+    text = "a" * BLOCK_CHARS + "b" * BLOCK_CHARS + "c" * (BLOCK_CHARS - 1)
+    hashes = prefix_hashes(text)
+    assert len(hashes) == 2  # the partial last block is not hashed
+    assert prefix_hashes(text + "more text for the next turn")[:2] == hashes
+    assert prefix_hashes("b" * BLOCK_CHARS + "b" * BLOCK_CHARS)[1] != hashes[1]  # chained
+    assert len(prefix_hashes("x" * BLOCK_CHARS * (MAX_BLOCKS + 5))) == MAX_BLOCKS
+    assert prefix_hashes("short") == ()
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "expected"),
+    [
+        ("s1", {"user": "u1"}, "s1"),  # the header wins
+        (None, {"user": "u1"}, "u1"),
+        ("", {"user": ""}, None),
+        (None, {"user": 7}, None),  # not a string: no session
+        (None, {}, None),
+    ],
+)
+def test_session_key(header: str | None, body: dict[str, Any], expected: str | None) -> None:
+    assert session_key(header, body) == expected
+
+
+def test_a_long_session_key_is_hashed_down() -> None:
+    key = session_key("k" * 10_000, {})
+    assert key is not None and len(key) == 32 and key == session_key("k" * 10_000, {})
+
+
+def test_lru_table_drops_the_least_recently_written() -> None:
+    t = LruTable(2)
+    t.put("a", "u1")
+    t.put("b", "u2")
+    t.put("a", "u3")  # rewritten: now the newest
+    t.put("c", "u4")
+    assert (t.get("a"), t.get("b"), t.get("c"), len(t)) == ("u3", None, "u4", 2)
+
+
+def test_affinity_reports_the_longest_match_per_backend() -> None:
+    aff = Affinity(100)
+    system = prefix_hashes("s" * BLOCK_CHARS * 2)
+    chat_a = prefix_hashes("s" * BLOCK_CHARS * 2 + "a" * BLOCK_CHARS * 2)
+    aff.served("sess", chat_a, "http://a")
+    aff.served(None, system, "http://b")  # another chat with the same system prompt
+    req = aff.route_request("m", False, "sess", (*chat_a, *prefix_hashes("z" * BLOCK_CHARS)))
+    assert req.session_backend == "http://a" and req.prefix_blocks == 5
+    assert req.prefix_hits == {"http://b": 2, "http://a": 4}
+    assert aff.route_request("m", True, "other", ()).session_backend is None
+
+
+def ask(gw: str, messages: list[dict[str, Any]], **extra: Any) -> str:
+    headers = extra.pop("headers", {})
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 2, **extra}
+    r = httpx.post(f"{gw}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.headers["x-lorastack-backend"]
+
+
+def settle() -> None:
+    """Let a scrape (every 0.1 s) see the states as they are now."""
+    time.sleep(0.3)
+
+
+def test_a_burst_fills_free_slots_before_any_queue(make_gateway, fake, second_fake) -> None:
+    """The issue's case: one replica runs 1 request at a time, one runs 8; 9 streamed
+    requests at once, none waits for a slot (the old queue scorer split them evenly, and
+    queued 3-7 on the small one)."""
+    (one_url, one), (eight_url, eight) = fake, second_fake
+    one.max_running, eight.max_running = 1, 8
+    for s in (one, eight):
+        s.ttft_s, s.pace_s = 1.0, 0.05
+    slots = {one_url: 1, eight_url: 8}
+    with make_gateway([one_url, eight_url], backend_max_num_seqs=slots) as gw:
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi."}]}
+        body |= {"stream": True, "max_tokens": 3}
+        statuses: list[int] = []
+
+        def stream() -> None:
+            r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=30)
+            statuses.append(r.status_code)
+
+        threads = [threading.Thread(target=stream) for _ in range(9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert statuses == [200] * 9
+        assert one.waited == 0 and eight.waited == 0
+        assert len(eight.calls("/chat/completions")) >= 7
+
+
+def test_a_session_sticks_to_its_replica(make_gateway, fake, second_fake) -> None:
+    (a_url, a), (b_url, b) = fake, second_fake
+    with make_gateway([a_url, b_url]) as gw:
+        hi = [{"role": "user", "content": "Hi."}]
+        first = ask(gw, hi, headers={"X-Session-Id": "s1"})
+        state = a if first == a_url else b
+        state.kv_usage = 0.6  # the session's replica now looks busier
+        settle()
+        other = b_url if first == a_url else a_url
+        assert ask(gw, hi) == other  # no session: the emptier one
+        for _ in range(3):
+            assert ask(gw, hi, headers={"X-Session-Id": "s1"}) == first
+        assert ask(gw, hi, user="s2") == other  # `user` is a session key too (a new one)
+        assert ask(gw, hi, user="s2") == other
+        state.metrics_down = True  # the replica goes down: the session moves, then sticks
+        settle()
+        assert ask(gw, hi, headers={"X-Session-Id": "s1"}) == other
+        state.metrics_down = False
+        state.kv_usage = 0.0
+        settle()
+        assert ask(gw, hi, headers={"X-Session-Id": "s1"}) == other
+
+
+def test_a_conversation_follows_its_prefix(make_gateway, fake, second_fake) -> None:
+    (a_url, a), (b_url, b) = fake, second_fake
+    with make_gateway([a_url, b_url]) as gw:
+        turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}]
+        first = ask(gw, turn1)
+        (a if first == a_url else b).kv_usage = 0.6
+        settle()
+        other = b_url if first == a_url else a_url
+        turn2 = [*turn1, {"role": "assistant", "content": "Hello."}]
+        turn2.append({"role": "user", "content": "Tell me more."})
+        assert ask(gw, turn2) == first  # the cached prefix wins over the emptier replica
+        fresh = [{"role": "system", "content": "Other. " * 200}, {"role": "user", "content": "Hi."}]
+        assert ask(gw, fresh) == other  # a prompt nobody served: the emptier one
+        assert ask(gw, turn2, max_tokens=3) == first
