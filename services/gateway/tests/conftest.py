@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # test modules share helpers (te
 from gateway.main import create_app
 from gateway.settings import GatewaySettings
 from lorastack_testing.fake_vllm import FakeState, serve_fake
-from lorastack_testing.net import free_port, serve_in_thread
+from lorastack_testing.net import free_port, serve_in_thread, wait_for
 
 
 @pytest.fixture
@@ -53,11 +52,7 @@ def make_gateway(embedded_model: Path, tmp_path: Path) -> GatewayFactory:
         values.update(overrides)
         app = create_app(GatewaySettings(**values))
         with serve_in_thread(app, free_port()) as url:
-            deadline = time.monotonic() + 60
-            while httpx.get(f"{url}/ready").status_code != 200:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("gateway never became ready")
-                time.sleep(0.05)
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, "gateway ready", 60)
             yield url
 
     return start

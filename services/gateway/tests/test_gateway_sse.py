@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.sse import EventScanner
+from gateway.sse import RESPONSES_END, EventScanner
 from gateway.upstream import _Silence, _SilenceWatch
 
 
@@ -25,6 +25,28 @@ def test_whole_events_pass_as_the_same_bytes() -> None:
     assert s.feed(DELTA) is DELTA  # no copy, no re-encoding
     assert s.feed(DELTA + DELTA) == DELTA + DELTA  # one read with two events: one write
     assert not s.done and s.usage is None
+
+
+def typed(kind: str, obj: dict[str, object]) -> bytes:
+    """A Responses API event: `event:` line, then the data."""
+    data = json.dumps({"type": kind, **obj}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+def test_a_responses_stream_ends_at_its_completed_event_with_the_usage_inside() -> None:
+    usage = {"input_tokens": 9, "output_tokens": 2, "total_tokens": 11}
+    created = typed("response.created", {"response": {"status": "in_progress", "usage": None}})
+    delta = typed("response.output_text.delta", {"delta": "hi"})
+    completed = typed("response.completed", {"response": {"status": "completed", "usage": usage}})
+    s = EventScanner(keep_usage=True, end=RESPONSES_END)
+    stream = created + delta + completed
+    out = b""
+    for i in range(0, len(stream), 11):
+        out += s.feed(stream[i : i + 11])
+    assert out == stream and s.done and s.usage == usage
+    chat = EventScanner(keep_usage=True)  # chat's scanner waits for [DONE]
+    chat.feed(stream)
+    assert not chat.done
 
 
 def test_split_events_wait_for_their_end() -> None:

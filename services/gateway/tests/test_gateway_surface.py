@@ -85,7 +85,13 @@ def test_responses_plain_and_streamed_with_the_openai_client(make_gateway, fake)
             model="smollm2",
             input=[
                 {"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
-                {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+                {  # an earlier output, as the Responses API returned it
+                    "type": "message",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Hello.", "annotations": []}],
+                },
                 {"role": "user", "content": "Again."},
             ],
             stream=True,

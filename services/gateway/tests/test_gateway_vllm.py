@@ -155,7 +155,7 @@ def test_openai_client_responses_models_retrieve_and_tokenize(
         instructions="Answer in one word.",
         input=[
             {"role": "user", "content": [{"type": "input_text", "text": "Capital of France?"}]},
-            {"role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+            {"role": "assistant", "content": "Paris."},
             {"role": "user", "content": "And of Italy?"},
         ],
         max_output_tokens=4,

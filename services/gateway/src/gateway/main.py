@@ -24,6 +24,7 @@ from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import GatewayMetrics
+from gateway.passthrough import passthrough
 from gateway.proxy import Proxy
 from gateway.request_id import request_id
 from gateway.scrape import ModelInfo
@@ -161,15 +162,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await proxy.passthrough(request, "/tokenize")
+        return await passthrough(proxy, request, "/tokenize")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await proxy.passthrough(request, "/detokenize")
+        return await passthrough(proxy, request, "/detokenize")
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await proxy.passthrough(request, "/v1/embeddings", embed=True)
+        return await passthrough(proxy, request, "/v1/embeddings", embed=True)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """The request flow of /v1/chat/completions, /v1/completions and /v1/responses (read as
-the chat request vLLM renders from it: `responses.py`), and of the bodies passed through
-to a backend serving the model (`/tokenize`, `/detokenize`, `/v1/embeddings`).
+the chat request vLLM renders from it: `responses.py`); `fail`, `read_json` and `send`
+also serve the bodies passed through as they are (`passthrough.py`).
 
 auth -> body limits -> parse -> model check (exists, and the key may use it) -> exact
 token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
@@ -145,12 +145,12 @@ class Proxy:
                 )
             return await self._unary(prep, call, t0)
         except Exception as e:
-            return self._fail(e, route, rid, key)
+            return self.fail(e, route, rid, key)
         finally:
             if done_here:
                 self.metrics.inflight.dec()
 
-    def _fail(self, e: Exception, route: str, rid: str, key: Key | None) -> Response:
+    def fail(self, e: Exception, route: str, rid: str, key: Key | None) -> Response:
         """The one error exit of a proxied request: log line, rejection metric, response."""
         err = as_gateway_error(e)
         if type(err) is GatewayError:
@@ -170,42 +170,8 @@ class Proxy:
                 self.auth.rejected(key, err.reason)
         return error_response(err, rid)
 
-    async def passthrough(self, request: Request, path: str, *, embed: bool = False) -> Response:
-        """vLLM's `/tokenize`, `/detokenize` and (`embed`: only to backends that embed)
-        `/v1/embeddings`: the same auth, body limits and model check as chat, then the body
-        as sent to a backend serving the model, its answer as sent back (no retry beyond
-        `upstream.open`'s, no length check: vLLM checks an embedding input's length)."""
-        rid = request_id(request.headers.get("x-request-id"))
-        key: Key | None = None
-        try:
-            key = self.auth.authenticate(request.headers.get("authorization"))
-            body, raw = await self._read_json(request)
-            model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise BadRequest(
-                    "`model` is missing or not a string",
-                    "name a served model (GET /v1/models lists them)",
-                    param="model",
-                )
-            info = await self.backends.model(model)
-            self.auth.check_model(key, model)
-            if embed:
-                self.backends.require_embeddings(model)
-            self.auth.admit(key, 0)  # counts as a request, uses no tokens
-            call = await self._send(
-                RouteRequest(model, adapter=info.parent is not None, embed=embed), path, raw, rid
-            )
-            try:
-                answer = b"".join([chunk async for chunk in call.chunks()])
-            finally:
-                await call.aclose()
-            headers = {REQUEST_ID_HEADER: rid, BACKEND_HEADER: call.backend}
-            return Response(answer, call.status, headers, media_type=call.content_type)
-        except Exception as e:
-            return self._fail(e, path, rid, key)
-
     # --- before the upstream ------------------------------------------------
-    async def _read_json(self, request: Request) -> tuple[dict[str, Any], bytes]:
+    async def read_json(self, request: Request) -> tuple[dict[str, Any], bytes]:
         try:
             return await read_object(
                 request.stream(),
@@ -265,7 +231,7 @@ class Proxy:
         return inputs, bounds, exact
 
     async def _prepare(self, request: Request, route: str, rid: str, key: Key) -> Prepared:
-        body, original = await self._read_json(request)
+        body, original = await self.read_json(request)
         req: ChatRequest | CompletionRequest
         if route == "chat":
             req = parse_chat(body, self.settings.max_messages)
@@ -334,7 +300,7 @@ class Proxy:
         route_req = self.affinity.route_request(prep.model, prep.adapter, prep.session, prep.prefix)
         path = PATHS[prep.route]
         try:
-            call = await self._send(route_req, path, prep.body, prep.request_id)
+            call = await self.send(route_req, path, prep.body, prep.request_id)
         except GatewayError:
             self.auth.refund(prep.key, prep.reserved_tokens)
             raise
@@ -342,9 +308,7 @@ class Proxy:
         prep.headers[BACKEND_HEADER] = call.backend
         return call
 
-    async def _send(
-        self, route_req: RouteRequest, path: str, body: bytes, rid: str
-    ) -> UpstreamCall:
+    async def send(self, route_req: RouteRequest, path: str, body: bytes, rid: str) -> UpstreamCall:
         """POST `body` to the backend routing picks (admission control, retries)."""
         interval = self.settings.scrape_interval_s
 

@@ -126,28 +126,13 @@ class GatewaySettings(CommonSettings):
     @field_validator("tokenizers", mode="before")
     @classmethod
     def _map(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            s = v.strip()
-            if s.startswith("{"):
-                return json.loads(s)
-            pairs = [p.split("=", 1) for p in s.split(",") if p.strip()]
-            if any(len(p) != 2 for p in pairs):
-                raise ValueError("tokenizers must be JSON or model=source,model=source")
-            return {k.strip(): val.strip() for k, val in pairs}
-        return v
+        return _split_map(v, "tokenizers must be JSON or model=source,model=source")
 
     @field_validator("backend_max_num_seqs", mode="before")
     @classmethod
     def _slots(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            s = v.strip()
-            if s.startswith("{"):
-                return json.loads(s)
-            pairs = [p.rsplit("=", 1) for p in s.split(",") if p.strip()]
-            if any(len(p) != 2 for p in pairs):
-                raise ValueError("backend_max_num_seqs must be JSON or url=N,url=N")
-            return {k.strip(): val.strip() for k, val in pairs}
-        return v
+        # a URL may hold "=" (a query): the value follows the last one
+        return _split_map(v, "backend_max_num_seqs must be JSON or url=N,url=N", last=True)
 
     @model_validator(mode="after")
     def _slots_of_backends(self) -> GatewaySettings:
@@ -176,6 +161,19 @@ class GatewaySettings(CommonSettings):
         if self.serve_config is not None:
             self.tokenizers = served_tokenizers(self.serve_config) | self.tokenizers
         return self
+
+
+def _split_map(v: Any, form: str, *, last: bool = False) -> Any:
+    """A map given as JSON or as key=value,key=value (split at the first "=", or the last)."""
+    if not isinstance(v, str):
+        return v
+    s = v.strip()
+    if s.startswith("{"):
+        return json.loads(s)
+    pairs = [p.rsplit("=", 1) if last else p.split("=", 1) for p in s.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(form)
+    return {k.strip(): val.strip() for k, val in pairs}
 
 
 def _base_url(url: str) -> str:
