@@ -1,7 +1,8 @@
 """Tool-calling data end to end, short of training: `data make-demo --tools` writes a
-deterministic task; `data check` refuses it under a template without tool support and
-names the line of every badly tied call; `data inspect` marks the calls and answers as
-supervised and the tool results as context."""
+deterministic task; `data check` names the line of every badly tied call (a template
+without tool support is refused per sample: test_trainer_masking); `data inspect` marks
+the calls and answers as supervised and the tool results as context; the tool demo's
+config loads and its template travels with the saved tokenizer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from lorastack.chat_data import load_jsonl
 from lorastack.cli import main
+from lorastack.errors import NotFound
+from trainer.chat_templates import apply_choice, supports_tools, template_text
 from trainer.config import load_config
 from trainer.prepare import check
 from trainer.settings import TrainerSettings
@@ -37,7 +40,7 @@ def test_make_demo_tools_is_deterministic_and_valid(tools_jsonl: Path) -> None:
     assert names == {"get_weather", "calculate"}  # the last call needs choosing
 
 
-def test_check_refuses_a_template_without_tools_and_names_bad_lines(
+def test_check_names_the_line_of_every_badly_tied_call(
     trainer_env: TrainerSettings, tools_jsonl: Path, write_config: Callable[..., Path]
 ) -> None:
     lines = tools_jsonl.read_text().splitlines()
@@ -47,13 +50,6 @@ def test_check_refuses_a_template_without_tools_and_names_bad_lines(
     del unanswered["messages"][3]  # the tool result of the first call
     messy = tools_jsonl.with_name("messy.jsonl")
     messy.write_text("\n".join([*lines, json.dumps(bad), json.dumps(unanswered)]) + "\n")
-
-    own = check(load_config(write_config("own", tools_jsonl, max_seq_len=1024)), trainer_env)
-    assert own.verdict == "refused"
-    assert {p.kind for p in own.line_problems} == {"template"}
-    assert len(own.line_problems) == 24
-    assert "no tool support" in own.line_problems[0].message
-    assert "chat_template: chatml-tools" in own.line_problems[0].message
 
     cfg = write_config("shipped", messy, max_seq_len=1024, chat_template="chatml-tools")
     report = check(load_config(cfg), trainer_env)
@@ -82,3 +78,20 @@ def test_inspect_marks_calls_and_answers_not_tool_results(
     assert marked[0].startswith("<tool_call>\n{") and marked[2].startswith("<tool_call>\n{")
     assert all(m.endswith("<|im_end|>") for m in marked)
     assert "<tool_response>" in rendered and not any("<tool_response>" in m for m in marked)
+
+
+def test_the_tool_demo_config_loads_and_its_template_travels_with_the_tokenizer(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    from importlib.resources import files
+
+    from transformers import AutoTokenizer
+
+    config = load_config(Path(str(files("trainer") / "configs" / "demo-tools.yaml")))
+    assert config.chat_template == "chatml-tools"
+    tok = apply_choice(AutoTokenizer.from_pretrained(embedded_model), config.chat_template)
+    tok.save_pretrained(tmp_path / "adapter")  # what publishing does: the adapter carries it
+    again = AutoTokenizer.from_pretrained(tmp_path / "adapter")
+    assert again.chat_template == template_text("chatml-tools") and supports_tools(again)
+    with pytest.raises(NotFound, match="neither a shipped template nor a file"):
+        apply_choice(again, "chatml-nope")
