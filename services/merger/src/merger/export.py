@@ -19,7 +19,7 @@ from lorastack.errors import ConfigError, IntegrityError, NotFound, Refused
 from lorastack.manifest import Manifest, sha256_file
 from lorastack.store import ArtifactStore, open_store
 from merger.checks import Finding, check_adapter_for_vllm
-from merger.merge import safetensors_dtypes
+from merger.inputs import safetensors_dtypes
 from merger.settings import MergerSettings
 
 SERVING_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what vLLM reads
