@@ -93,6 +93,9 @@ def test_a_moved_label_is_served_under_the_same_name_without_a_restart(
     loads = engine.state.calls("/v1/load_lora_adapter")
     assert loads[-1]["load_inplace"] is True and loads[-1]["lora_name"] == "demo/adapter-promoted"
     assert client.get("/status").json()["labels"]["switches"] == 1
+    metrics = client.get("/metrics").text
+    assert "lorastack_inference_label_switches_total 1.0" in metrics
+    assert "lorastack_inference_label_errors 0.0" in metrics
 
 
 def test_a_label_moved_to_an_unservable_adapter_keeps_the_served_one(

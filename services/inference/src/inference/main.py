@@ -172,7 +172,7 @@ def create_app(
     plan = plan or prepare(settings, store)
     supervisor = Supervisor(settings, plan, store, server_factory=server_factory)
     follower = LabelFollower(supervisor)
-    registry = build_registry(supervisor)
+    registry = build_registry(supervisor, follower)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,7 +1,8 @@
 """The supervisor's Prometheus metrics, read from the supervisor at scrape time.
 
 A collector in a registry of its own per app (never the global registry): our KV-cache
-estimate next to vLLM's reported figures, readiness, restarts and loaded adapters.
+estimate next to vLLM's reported figures, readiness, restarts, loaded adapters and the
+labels they follow.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from inference.label_follow import LabelFollower
 from inference.supervisor import Supervisor
 
 
 class SupervisorCollector(Collector):
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, follower: LabelFollower | None = None) -> None:
         self.supervisor = supervisor
+        self.follower = follower
 
     def collect(self) -> Iterator[Metric]:
         sup = self.supervisor
@@ -69,11 +72,26 @@ class SupervisorCollector(Collector):
         )
         adapters.add_metric([], float(len(sup.adapters)))
         yield adapters
+        if self.follower is not None:
+            switches = CounterMetricFamily(
+                "lorastack_inference_label_switches",
+                "versions switched in place because a followed NAME@LABEL moved",
+            )
+            switches.add_metric([], float(self.follower.switches))
+            yield switches
+            stuck = GaugeMetricFamily(
+                "lorastack_inference_label_errors",
+                "followed labels whose new target could not be served (see /status labels)",
+            )
+            stuck.add_metric([], float(len(self.follower.errors)))
+            yield stuck
 
 
-def build_registry(supervisor: Supervisor) -> CollectorRegistry:
+def build_registry(
+    supervisor: Supervisor, follower: LabelFollower | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(SupervisorCollector(supervisor))
+    registry.register(SupervisorCollector(supervisor, follower))
     return registry
 
 
