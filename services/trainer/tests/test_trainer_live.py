@@ -35,7 +35,11 @@ def test_a_running_trainer_serves_its_metrics(
 ) -> None:
     port = free_port()
     settings = trainer_env.model_copy(update={"metrics_port": port})
-    config = load_config(write_config("live", demo_jsonl, price_per_gpu_hour=2.0, max_cost=1000.0))
+    config = load_config(
+        write_config(
+            "live", demo_jsonl, price_per_gpu_hour=2.0, max_cost=1000.0, report_to=["tensorboard"]
+        )
+    )
     done: list[TrainResult] = []
     thread = threading.Thread(target=lambda: done.append(run_training(config, settings)))
     thread.start()
@@ -63,6 +67,32 @@ def test_a_running_trainer_serves_its_metrics(
     assert seen["lorastack_trainer_val_loss"] > 0  # the evaluation at step 3
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         scrape(port)  # closed with the run
+    # report_to: tensorboard wrote the same series as event files TensorBoard reads
+    scalars = tensorboard_scalars(trainer_env.resolved_runs_dir / "live" / "tensorboard")
+    assert sorted(scalars["train/loss"]) == [1, 2, 3, 4, 5, 6]
+    assert scalars["train/loss"][6] == pytest.approx(done[0].losses[6], rel=1e-6)
+    assert sorted(scalars["eval/loss"]) == [3, 6]
+    assert sorted(scalars["train/learning_rate"]) == [1, 2, 3, 4, 5, 6]
+    assert "train/tokens_per_second" in scalars and "train/cost" in scalars
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from the TFRecord event files in `folder`."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + n])  # length, its crc, data, crc
+            at += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, {})[event.step] = v.simple_value
+    return out
 
 
 def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lorastack.errors import ConfigError
 from lorastack.manifest import parse_ref, validate_name
@@ -168,6 +168,11 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     eval_every: int = Field(50, ge=1, description="optimizer steps between validation passes")
     log_every: int = Field(1, ge=1, description="optimizer steps between metrics files")
+    report_to: list[Literal["tensorboard"]] = Field(
+        default_factory=list,
+        description="also write the logged series as TensorBoard event files in "
+        "RUN_DIR/tensorboard ('tensorboard', or a list; 'none' = nothing)",
+    )
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="checkpoint versions kept")
     price_per_gpu_hour: float = Field(0.0, ge=0.0, description="currency units per GPU-hour")
     currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="of the prices and caps")
@@ -196,6 +201,13 @@ class RunConfig(_Strict):
         None, description="run after a failed run's support memo is verified off-host"
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        if isinstance(v, str):  # report_to: tensorboard, as HF's TrainingArguments take it
+            return [] if v == "none" else [v]
+        return v
 
     @model_validator(mode="after")
     def _names(self) -> RunConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,10 +50,28 @@ def gpu_reading(device: torch.device) -> dict[str, float]:
     return {"gpu_utilization_ratio": nvml["utilization"], "gpu_power_watts": nvml["power_watts"]}
 
 
+# step values that are not a series of their own in TensorBoard (its x axis is the step)
+NOT_SERIES = ("step", "total_steps", "eta_seconds")
+
+
 class LiveRun:
     def __init__(
-        self, run: str, total_steps: int, port: int | None, host: str, bar: bool | None = None
+        self,
+        run: str,
+        total_steps: int,
+        port: int | None,
+        host: str,
+        bar: bool | None = None,
+        tensorboard: Path | None = None,
+        resumed_at: int | None = None,
     ) -> None:
+        self.events: Any = None
+        if tensorboard is not None:  # report_to: tensorboard
+            from tensorboardX import SummaryWriter
+
+            # a resumed run drops what an earlier session logged after its checkpoint
+            purge = resumed_at + 1 if resumed_at is not None else None
+            self.events = SummaryWriter(str(tensorboard), purge_step=purge, flush_secs=10)
         self.server: Any = None
         self.gauges: dict[str, Any] = {}
         if port is not None:
@@ -75,15 +94,22 @@ class LiveRun:
         for name, value in values.items():
             if name in self.gauges:
                 self.gauges[name].set(value)
+        if self.events is not None:
+            step = int(values["step"])
+            for name, value in values.items():
+                if name not in NOT_SERIES:
+                    self.events.add_scalar(f"train/{name}", value, step)
         if self.bar is None:
             return True
         self.bar.n = int(values["step"])
         self.bar.set_postfix_str(line.split(" ", 2)[2], refresh=True)
         return False
 
-    def evaluated(self, val_loss: float) -> None:
+    def evaluated(self, step: int, val_loss: float) -> None:
         if "val_loss" in self.gauges:
             self.gauges["val_loss"].set(val_loss)
+        if self.events is not None:
+            self.events.add_scalar("eval/loss", val_loss, step)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the bar; stop the metrics server after `linger_s` seconds of serving the
@@ -91,6 +117,9 @@ class LiveRun:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.server is not None:
             time.sleep(linger_s)
             self.server.shutdown()

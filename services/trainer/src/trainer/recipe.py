@@ -281,6 +281,10 @@ class Recipe:
             settings.metrics_port if settings.is_main else None,
             settings.metrics_host,
             bar=None if settings.is_main else False,
+            tensorboard=self.run_dir / "tensorboard"
+            if "tensorboard" in cfg.report_to and settings.is_main
+            else None,
+            resumed_at=self.resumed_at,
         )
         if settings.metrics_port is not None and settings.is_main:
             self.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
@@ -482,7 +486,7 @@ class Recipe:
                 self.metrics_dir / f"eval-step-{self.step}.json",
                 {"step": self.step, "val_loss": val},
             )
-        self.live.evaluated(val)
+        self.live.evaluated(self.step, val)
         line = f"eval step {self.step}: validation loss {val:.4f} ({count} supervised tokens)"
         self.say(line)
         return val
