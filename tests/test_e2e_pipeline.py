@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,6 +107,49 @@ def test_every_dashboard_query_matches_the_live_metrics(demo: tuple[Path, str]) 
         for fam in text_string_to_metric_families(text):
             exposed |= {fam.name} | {s.name for s in fam.samples}
     assert missing_from(exposed) == {}
+
+
+@pytest.mark.slow
+def test_promote_follows_the_demos_verdict_and_the_label_is_served(
+    demo: tuple[Path, str],
+) -> None:
+    home, _ = demo
+    store = open_store(CommonSettings(home=home))
+    report = store.resolve("date-iso/eval")
+    verdict = report.metadata["verdicts"][report.metadata["primary_metric"]]
+    out = lorastack("promote", "date-iso/adapter", home=home, timeout=120)
+    if verdict == "improvement":
+        assert out.returncode == 0, out.stderr
+    else:  # 4 training steps rarely beat base + prompt: refused, with the numbers
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert f"says '{verdict}' on the primary metric" in out.stderr
+        assert " CI [" in out.stderr and "n = " in out.stderr
+        out = lorastack(
+            "promote", "date-iso/adapter", "--force", "--reason", "e2e", home=home, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+    adapter = store.resolve("date-iso/adapter")
+    assert store.resolve("date-iso/adapter@promoted").ref == adapter.ref
+    admin = f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters"
+    r = httpx.post(admin, json={"ref": "date-iso/adapter@promoted"}, timeout=120)
+    assert r.status_code == 201, r.text
+    try:
+        deadline = time.monotonic() + 30  # the gateway scrapes /v1/models every 2 s
+        while "date-iso/adapter-promoted" not in {
+            m["id"] for m in httpx.get(f"{GATEWAY}/v1/models", timeout=30).json()["data"]
+        }:
+            assert time.monotonic() < deadline, "the gateway does not list the promoted adapter"
+            time.sleep(0.5)
+        body = {
+            "model": "date-iso/adapter-promoted",
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "the ninth of May, 2013"}],
+        }
+        r = httpx.post(f"{GATEWAY}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        httpx.delete(admin + "/date-iso/adapter-promoted", timeout=60)
 
 
 @pytest.mark.slow
