@@ -61,6 +61,13 @@ def local_steps(root: Path) -> list[int]:
     return sorted(int(p.name[len(PREFIX) :]) for p in root.glob(f"{PREFIX}*") if p.is_dir())
 
 
+def prune(root: Path, keep: int, best: int | None) -> None:
+    """Delete the local step folders but the newest `keep` and the step `best`."""
+    for old in local_steps(root)[:-keep]:
+        if old != best:
+            shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
 def recover(root: Path) -> None:
     """Clear what a killed writer left: put back a step folder a rewrite had renamed aside
     (`.trash-step-N-PID` while `step-N` is missing), then remove every `.tmp-*` and

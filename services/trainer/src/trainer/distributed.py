@@ -1,5 +1,6 @@
 """Several processes under torchrun: DistributedDataParallel around the loss, each
-process's share of a step's micro-batches, and the few values the processes agree on.
+process's share of a step's micro-batches, the few values the processes agree on, and the
+process group's end.
 
 The global batch is micro_batch x grad_accum whatever the number of processes: each of N
 takes grad_accum / N micro-batches of every step. Gradients are averaged by DDP, so the
@@ -33,6 +34,15 @@ def wrap_ddp(module: Any, cfg: RunConfig, world: int, device: torch.device) -> A
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids)
+
+
+def shut_down(world: int) -> None:
+    """End the process group at the end of a run of several processes."""
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def my_share(batches: list[T], rank: int, world: int) -> list[tuple[T, float]]:

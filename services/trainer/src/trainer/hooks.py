@@ -250,7 +250,7 @@ def after_success(r: Recipe, result: TrainResult, base_env: dict[str, str]) -> H
 def after_failure(
     r: Recipe, error: LorastackError, memo: Manifest | None, base_env: dict[str, str]
 ) -> None:
-    """Verify the support memo (published by trainer.progress.failed) and the last
+    """Verify the support memo (published by trainer.failure.failed) and the last
     checkpoint off the host, then run on_failure; a memo that is not there means no hook,
     said why."""
     cfg = r.config

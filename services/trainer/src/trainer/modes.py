@@ -130,3 +130,27 @@ def overfit_verdict(r: Recipe) -> dict[str, Any]:
             f"(pass below {OVERFIT_LOSS})"
         ],
     }
+
+
+def verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any] | None:
+    """The verdict a smoke or overfit run ends with (None for a training run)."""
+    if r.mode == "smoke":
+        return smoke_verdict(r, series)
+    if r.mode == "overfit":
+        return overfit_verdict(r)
+    return None
+
+
+def say_verdict(r: Recipe, verdict: dict[str, Any]) -> None:
+    r.say(("PASS" if verdict["passed"] else "FAIL") + f" ({r.mode})")
+    for c in verdict["checks"]:
+        r.say(f"  {c}")
+
+
+def refuse_failed(mode: str, verdict: dict[str, Any] | None) -> None:
+    """SmokeFailed for a failing verdict, with its checks."""
+    if verdict is not None and not verdict["passed"]:
+        raise SmokeFailed(
+            f"{mode} run failed:\n" + "\n".join(f"  {c}" for c in verdict["checks"]),
+            "see the failing checks above; 'lorastack data inspect' shows what is supervised",
+        )

@@ -1,28 +1,19 @@
 """What a run reports while it trains: the step record (metrics-step-N.json), the step
-line or progress bar (with the cost so far), the live metrics (trainer.live), and the
-facts and error of a support memo.
+line or progress bar (with the cost so far) and the live metrics (trainer.live). A failed
+run's support memo is trainer.failure.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lorastack.errors import LorastackError
-from lorastack.manifest import Manifest
-from trainer.errors import TrainingCrashed, TrainingOOM
 from trainer.live import gpu_reading
 from trainer.memory import human
 from trainer.metrics import (
-    OOM_HINT,
-    device_facts,
-    is_oom,
     memory_now,
     write_json,
-    write_support_bundle,
 )
-from trainer.samples import template_hash
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -83,59 +74,6 @@ def log_step(
     r.say(line, show=r.live.step(values, line))
 
 
-def facts(r: Recipe) -> dict[str, Any]:
-    """What the support memo says of the run (trainer.metrics.write_support_bundle)."""
-    cfg = r.config
-    facts: dict[str, Any] = {
-        "step": r.step,
-        "failing_step": r.step + 1,
-        "max_seq_len": cfg.max_seq_len,
-        "micro_batch": cfg.micro_batch,
-        "grad_accum": cfg.grad_accum,
-        "quantization": cfg.quantization,
-        "config": cfg.model_dump(mode="json"),
-    }
-    try:
-        facts |= device_facts(r.device)
-    except Exception:
-        facts["device"] = str(r.device)
-    tok = getattr(r, "tokenizer", None)
-    if tok is not None:
-        facts["template"] = {
-            "name": type(tok).__name__,
-            "hash": template_hash(tok),
-            "text": getattr(tok, "chat_template", None),
-        }
-    return facts
-
-
 def duration(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def failed(r: Recipe, e: Exception) -> tuple[LorastackError, Manifest | None]:
-    """A failed run's support memo, written and published beside the run (None: it stays
-    local), and the error to raise: `e` itself, or TrainingOOM / TrainingCrashed for an
-    unexpected one."""
-    from trainer.publishing import publish_support_bundle
-
-    r.run_dir.mkdir(parents=True, exist_ok=True)
-    bundle = write_support_bundle(
-        r.run_dir / "support-bundle.json", e, facts(r), list(r.tail.lines), dict(os.environ)
-    )
-    print(f"support bundle: {bundle}", flush=True)
-    memo = publish_support_bundle(r, bundle)
-    if isinstance(e, LorastackError):
-        return e, memo
-    if is_oom(e):
-        return TrainingOOM(
-            f"out of memory at step {r.step + 1} (micro_batch={r.config.micro_batch}, "
-            f"max_seq_len={r.config.max_seq_len}); support bundle: {bundle}",
-            OOM_HINT,
-        ), memo
-    return TrainingCrashed(
-        f"training crashed at step {r.step + 1}: {type(e).__name__}: {e}\n"
-        f"  support bundle: {bundle}",
-        "the bundle holds the traceback, versions and last log lines; attach it to a bug report",
-    ), memo

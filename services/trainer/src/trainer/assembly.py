@@ -1,0 +1,132 @@
+"""What the recipe's setup assembles once the data is prepared: the run manifest (what
+--resume compares), the data and test splits published, the memory estimate, the model
+with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped on
+several processes), and the live metrics. Preparing the data is trainer.prepare; the order
+of the steps, and the resume in between, stay in trainer.recipe.Recipe.setup.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lorastack.manifest import Manifest, git_commit
+from trainer import checkpoint
+from trainer.batching import lr_factor
+from trainer.compiling import CompileRun
+from trainer.distributed import wrap_ddp
+from trainer.live import LiveRun
+from trainer.memory import estimate, human
+from trainer.metrics import library_versions, write_json
+from trainer.modeling import LossModule, compute_dtype, load_model
+from trainer.samples import template_hash
+from trainer.splits import publish_once
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe
+
+
+def run_manifest(r: Recipe) -> dict[str, Any]:
+    """What makes the run the run: data, base, config, code, libraries, template, device."""
+    return {
+        "dataset_digest": r.data_digest,
+        "test_digest": r.test_digest,
+        "base": {"ref": r.base.ref, "digest": r.base.digest},
+        "config_hash": r.config.config_hash(),
+        "config": r.config.model_dump(mode="json"),
+        "code_version": checkpoint.code_version(),
+        "git_commit": git_commit(),
+        "libraries": library_versions(),
+        "template_hash": template_hash(r.tokenizer),
+        "device_type": r.device.type,
+        "world_size": r.settings.world_size,
+    }
+
+
+def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
+    """`<output>/data` and its frozen `<output>/test`, each published once."""
+    cfg = r.config
+    data = publish_once(
+        r.store,
+        r.data_dir,
+        f"{cfg.output}/data",
+        {"split": r.splits.counts(), "source": r.splits.source},
+    )
+    test = publish_once(
+        r.store,
+        r.test_dir,
+        f"{cfg.output}/test",
+        {"frozen_test_of": f"{cfg.output}/data"},
+    )
+    return data, test
+
+
+def estimate_memory(r: Recipe) -> dict[str, int]:
+    """The memory estimate (trainer.memory), written as memory-estimate.json and said."""
+    cfg = r.config
+    found = estimate(
+        r.model_config,
+        r=cfg.lora.r,
+        targets=cfg.lora.target_modules,
+        quantization=cfg.quantization,
+        compute_bytes=2 if compute_dtype(r.device) == torch.bfloat16 else 4,
+        micro_batch=cfg.micro_batch,
+        seq_len=r.widest(),
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+    write_json(r.run_dir / "memory-estimate.json", found)
+    r.say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items()))
+    return found
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model(r: Recipe) -> str:
+    """Seed, load the model (maybe compiled), wrap its loss for training (DDP on several
+    processes), and make the optimizer and schedule; returns the compile note for the
+    start line."""
+    cfg, settings = r.config, r.settings
+    seed_everything(cfg.seed)
+    r.model = load_model(r.base_dir, cfg, r.device)
+    r.peft = r.model
+    r.compiler = CompileRun(
+        cfg, r.device, r.model_config, settings.resolved_cache_dir / "torch-compile"
+    )
+    compiling = r.compiler.begin(r.peft)
+    r.lap("load_model")
+    # training calls the loss through one module; DDP wraps it on several processes
+    r.train_loss = LossModule(r.peft)
+    if settings.world_size > 1:
+        r.train_loss = wrap_ddp(r.train_loss, cfg, settings.world_size, r.device)
+    r.model.train()
+    params = [p for p in r.peft.parameters() if p.requires_grad]
+    r.trainable = sum(p.numel() for p in params)
+    r.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total, warmup, schedule = r.total_steps, cfg.warmup_steps, cfg.schedule
+    r.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        r.optimizer, lambda s: lr_factor(s, total, warmup, schedule)
+    )
+    return compiling
+
+
+def live_run(r: Recipe) -> LiveRun:
+    """The live metrics (and progress bar, TensorBoard) of rank 0; a quiet one elsewhere."""
+    cfg, settings = r.config, r.settings
+    return LiveRun(
+        cfg.output,
+        r.total_steps,
+        settings.metrics_port if settings.is_main else None,
+        settings.metrics_host,
+        bar=None if settings.is_main else False,
+        tensorboard=r.run_dir / "tensorboard"
+        if "tensorboard" in cfg.report_to and settings.is_main
+        else None,
+        resumed_at=r.resumed_at,
+    )

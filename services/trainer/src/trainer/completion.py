@@ -1,0 +1,55 @@
+"""The completion record of a finished run (training-complete.json, also inside the
+published adapter): steps, tokens and throughput over the whole wall time, memory
+(estimated and measured), losses, trainable parameters, billed hours and cost, the device
+and compile facts. The selected step, adapter digest and phase times are added by
+trainer.recipe.Recipe.finish as they become known.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainer.compiling import compile_report
+from trainer.memory import human
+from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe
+
+
+def record(r: Recipe) -> dict[str, Any]:
+    """The record of the run as it ends (all sessions of a resumed run); says the memory
+    estimate against the measured peak."""
+    cfg = r.config
+    wall = r.wall_before + r.meter.seconds()
+    billed_h = wall / 3600 * r.settings.world_size
+    peak = peak_bytes(r.device)
+    measured = memory_now(r.device)
+    completion = {
+        "mode": r.mode,
+        "wall_s": round(wall, 3),
+        "steps": r.step,
+        "tokens": r.tokens_seen,
+        "supervised_tokens": r.supervised_seen,
+        # over the whole wall time, set-up included: what the bill pays for
+        "tokens_per_s": round(r.tokens_seen / wall, 1) if wall > 0 else None,
+        "supervised_tokens_per_s": round(r.supervised_seen / wall, 1) if wall > 0 else None,
+        "peak_memory": peak,
+        "peak_reserved": measured.get("peak_reserved"),
+        "memory_estimate": r.memory_estimate.get("total", 0),
+        "final_val_loss": r.val_losses.get(r.step),
+        "best_val_loss": min(r.val_losses.values()) if r.val_losses else None,
+        "final_train_loss": r.losses.get(r.step),
+        "trainable_params": r.trainable,
+        "billed_hours": billed_h,
+        "price_per_gpu_hour": cfg.price_per_gpu_hour,
+        "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
+        "device": device_facts(r.device),
+        "nvml": nvml_reading(r.device) or None,  # the nvidia-smi reading at the end
+        "compile": compile_report() if r.compiler.active else None,
+    }
+    r.say(
+        f"memory: estimated {human(r.memory_estimate.get('total', 0))}, measured peak "
+        f"{human(peak)} ({'torch allocated' if r.device.type == 'cuda' else 'process RSS'})",
+    )
+    return completion
