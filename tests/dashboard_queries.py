@@ -37,3 +37,10 @@ def missing_from(exposed_samples: set[str]) -> dict[str, set[str]]:
         if gone:
             out[expr] = gone
     return out
+
+
+def trainer_metric_names() -> set[str]:
+    """The trainer's gauges: a training run serves them (trainer.live), not the serving stack."""
+    from trainer.live import GAUGES
+
+    return {f"lorastack_trainer_{name}" for name in GAUGES}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dashboard_queries import DASHBOARD, dashboard_exprs, missing_from
+from dashboard_queries import DASHBOARD, dashboard_exprs, missing_from, trainer_metric_names
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,12 +62,6 @@ def exported_by_supervisor() -> set[str]:
     return names | {n + "_total" for n in names}
 
 
-def exported_by_trainer() -> set[str]:
-    from trainer.live import GAUGES
-
-    return {f"lorastack_trainer_{name}" for name in GAUGES}
-
-
 def test_dashboard_has_the_panels_people_expect() -> None:
     text = DASHBOARD.read_text()
     for name in PANELS_PEOPLE_EXPECT:
@@ -79,7 +73,7 @@ def test_every_query_names_an_exported_metric() -> None:
         exported_by_vllm()
         | exported_by_gateway()
         | exported_by_supervisor()
-        | exported_by_trainer()
+        | trainer_metric_names()
     )
     assert dashboard_exprs()
     assert missing_from(exposed) == {}

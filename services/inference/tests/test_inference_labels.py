@@ -127,7 +127,9 @@ def test_a_labelled_ref_loads_at_runtime_and_a_restart_keeps_the_version(
     st, base = store
     v1 = publish_adapter(st, tmp_path, base, "one")
     v2 = publish_adapter(st, tmp_path, base, "two")
-    client = serve(adapters=[], enable_lora=True, restart_backoff_s=0.1)
+    # label_refresh_s=0: only the explicit refresh below switches (a periodic one could
+    # switch first and leave it nothing to report)
+    client = serve(adapters=[], enable_lora=True, restart_backoff_s=0.1, label_refresh_s=0)
     r = client.post("/admin/adapters", json={"ref": "demo/adapter@promoted"})
     assert (
         r.status_code == 404
