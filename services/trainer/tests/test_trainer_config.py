@@ -89,3 +89,28 @@ def test_manifest_diff_lists_unsafe_changes_only() -> None:
         "libraries.torch: '2.13.0' -> '2.14.0'",
         "config.lora.r: 8 -> 16",
     ]
+
+
+def test_a_field_added_at_its_default_is_no_change_on_resume() -> None:
+    """A run from before a config field existed (its manifest lacks the field) resumes
+    when the field holds its default now; any other value, or a real change, refuses."""
+    from trainer.checkpoint import manifest_diff
+
+    now = load_config(DEMO, ["dataset.path=demo-dates.jsonl"]).model_dump(mode="json")
+    before = {k: v for k, v in now.items() if k != "report_to"}  # written before report_to
+    before["lora"] = {k: v for k, v in now["lora"].items() if k != "dropout"}
+    assert now["report_to"] == [] and "report_to" not in before
+    assert manifest_diff({"config": before}, {"config": now}) == []
+    tensorboard = {**now, "report_to": ["tensorboard"]}
+    assert manifest_diff({"config": before}, {"config": tensorboard}) == [
+        "config.report_to: None -> ['tensorboard']"
+    ]
+    changed = {**now, "lr": 1e-3, "lora": {**now["lora"], "dropout": 0.1}}
+    assert manifest_diff({"config": before}, {"config": changed}) == [
+        "config.lora.dropout: None -> 0.1",
+        "config.lr: 0.0002 -> 0.001",
+    ]
+    # present in both, the default is no excuse: a value that changed to it still counts
+    assert manifest_diff({"config": {**now, "report_to": ["tensorboard"]}}, {"config": now}) == [
+        "config.report_to: ['tensorboard'] -> []"
+    ]

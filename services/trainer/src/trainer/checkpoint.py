@@ -12,7 +12,8 @@ write that fails (disk full) removes its temporary folder and raises
 CheckpointWriteFailed: the previous checkpoint stays the latest.
 
 `manifest_diff` compares two run manifests and returns what changed, ignoring the
-config fields declared safe to change (config.SAFE_TO_CHANGE).
+config fields declared safe to change (config.SAFE_TO_CHANGE) and the config fields the
+old manifest lacks that hold their default now (added to the schema since).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import SAFE_TO_CHANGE
+from trainer.config import SAFE_TO_CHANGE, is_default
 from trainer.errors import CheckpointWriteFailed
 
 PREFIX = "step-"
@@ -256,6 +257,8 @@ def manifest_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     for sub in sorted(set(a) | set(b)):
         if sub.split(".")[0] in SAFE_TO_CHANGE or sub == "output":
             continue
+        if sub not in a and is_default(sub, b[sub]):
+            continue  # a field added since the old run was written, at its default
         if a.get(sub) != b.get(sub):
             lines.append(f"config.{sub}: {a.get(sub)!r} -> {b.get(sub)!r}")
     return [ln for ln in lines if not ln.startswith("config_hash")] if lines else lines

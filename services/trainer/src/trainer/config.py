@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import to_jsonable_python
 
 from lorastack.errors import ConfigError
 from lorastack.manifest import parse_ref, validate_name
@@ -233,6 +234,28 @@ class RunConfig(_Strict):
         if data.get("chat_template") is None:  # the hash of runs from before the field
             data.pop("chat_template", None)
         return "sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def is_default(path: str, value: Any) -> bool:
+    """Whether `value` (its JSON form, as a run manifest keeps it) is the default of the
+    dotted config field `path` (`report_to`, `lora.dropout`). A field added since an
+    older run manifest was written, left at its default, changes nothing that run did."""
+    model: type[BaseModel] = RunConfig
+    *sections, leaf = path.split(".")
+    for name in sections:
+        section = model.model_fields.get(name)
+        if section is None:
+            return False
+        kinds = (section.annotation, *get_args(section.annotation))  # X, or X | None
+        models = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not models:
+            return False
+        model = models[0]
+    field = model.model_fields.get(leaf)
+    if field is None or field.is_required():
+        return False
+    default = field.get_default(call_default_factory=True)
+    return bool(to_jsonable_python(default) == value)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
