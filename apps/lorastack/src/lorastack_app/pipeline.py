@@ -6,7 +6,8 @@ base model, write the demo task (written dates -> ISO dates), check it, smoke-te
 train, merge with verification, start vLLM and the gateway (`lorastack up`), chat
 through the gateway (multi-turn and streaming), show base and LoRA answers side by
 side, evaluate base + prompt vs LoRA on the frozen test split, run a short load test,
-and print where everything is.
+and print where everything is. A demo run left by other code or another config is started
+afresh (lorastack_app.earlier_run); one this code made is continued.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from lorastack.errors import NotFound, Refused
 from lorastack.settings import CommonSettings
 from lorastack.sse import EventReader, chunk_text
 from lorastack.store import open_store
+from lorastack_app.earlier_run import continue_or_restart
 from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
+from trainer.config import load_config
+from trainer.settings import TrainerSettings
 
 RUN = "date-iso"  # artifact prefix of the demo run
 BASE = "smollm2-135m-instruct"
@@ -134,7 +138,7 @@ def test_prompts(settings: CommonSettings, n: int) -> list[tuple[str, str]]:
     return out
 
 
-def run_demo(settings: CommonSettings, max_steps: int | None, keep_running: bool) -> int:
+def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: bool) -> int:
     stages = Stages()
     work = settings.home / "demo"
     work.mkdir(parents=True, exist_ok=True)
@@ -147,9 +151,13 @@ def run_demo(settings: CommonSettings, max_steps: int | None, keep_running: bool
     stages.run("write the demo task (written date -> ISO date)", "data", "make-demo", str(data))
     # exit 1 = warnings only: the data can be trained on
     stages.run("check the dataset", "data", "check", str(config), *overrides, ok=(0, 1))
+    # a second demo continues the first run's checkpoints (or, finished, re-publishes it);
+    # a run that other code or another config left starts afresh (before the smoke test:
+    # the run's folder holds the smoke run's step time, which the training estimate reads)
+    again = continue_or_restart(
+        open_store(settings), settings.resolved_runs_dir, load_config(config, overrides)
+    )
     stages.run("smoke test", "train", str(config), "--smoke", *overrides)
-    # a second demo continues the first run's checkpoints (or, finished, re-publishes it)
-    again = ["--resume"] if open_store(settings).versions(f"{RUN}/checkpoints") else []
     stages.run("train", "train", str(config), *overrides, *again)
     stages.run("merge into the base and verify", "merge", f"{RUN}/adapter", "--dtype", "float32")
     adapter = open_store(settings).resolve(f"{RUN}/adapter")
@@ -274,7 +282,7 @@ def summary(settings: CommonSettings, stages: Stages, work: Path, running: bool)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(CommonSettings(), args.max_steps, keep_running=not args.stop)
+    return run_demo(TrainerSettings(), args.max_steps, keep_running=not args.stop)
 
 
 def register(sub: Any) -> None:
