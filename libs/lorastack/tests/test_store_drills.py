@@ -22,8 +22,8 @@ from moto.server import ThreadedMotoServer
 from lorastack.errors import StoreUnavailable
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
-from lorastack.store.artifacts import verify_cache
 from lorastack.store.backend import blob_key
+from lorastack.store.cache import verify_cache
 
 PART_MB = 5  # the smallest part S3 accepts
 

@@ -54,7 +54,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0: every cached file verified; 1: damage found (and removed)."""
-    from lorastack.store.artifacts import verify_cache
+    from lorastack.store.cache import verify_cache
 
     cache = CommonSettings().resolved_cache_dir
     checked, problems = verify_cache(cache)

@@ -1,22 +1,15 @@
 """`ArtifactStore`: publish, look up, fetch and copy artifacts over any backend.
 
 Owns versioning (the next integer when none is given), the publish order (blobs,
-then manifest), verification of every downloaded file against its sha256 and the
-local cache (`CACHE/blobs/<sha256>` and `CACHE/artifacts/<digest>/`). It knows nothing
-of what an artifact contains.
-
-The cache is checked on every use, cheaply: `CACHE/artifacts/<digest>.stat.json` records
-each file's size, mtime (ns) and sha256 when it was verified; a file whose size or
-mtime differs is hashed again, and a cached artifact with a bad or missing file is
-thrown away and fetched again before anyone is handed it (a warning names the file).
-Damage that keeps size and mtime (bit rot) is what `verify_cache` (`lorastack store
-verify`) is for: it hashes everything.
+then manifest), verification of every downloaded file against its sha256, and where
+fetched artifacts land: the local cache (`CACHE/blobs/<sha256>` and
+`CACHE/artifacts/<digest>/`), whose records of what was verified, checks on use and
+full re-hash are lorastack.store.cache. It knows nothing of what an artifact contains.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -28,7 +21,6 @@ from typing import Any
 from lorastack.errors import ConfigError, Conflict, IntegrityError, NotFound
 from lorastack.manifest import (
     KINDS,
-    FileEntry,
     Manifest,
     Parent,
     Producer,
@@ -45,11 +37,11 @@ from lorastack.manifest import (
 from lorastack.settings import CommonSettings
 from lorastack.store import labels as label_store
 from lorastack.store.backend import Backend
+from lorastack.store.cache import cache_damage, discard, write_stamp
 from lorastack.store.labels import LabelRecord
 
 log = logging.getLogger(__name__)
 _AUTO_VERSION_TRIES = 5
-STAMP_SUFFIX = ".stat.json"  # beside CACHE/artifacts/<digest>/: path -> [size, mtime_ns, sha256]
 
 
 def _version_key(v: str) -> tuple[int, int | str]:
@@ -219,7 +211,7 @@ class ArtifactStore:
         """A verified local folder holding the artifact, from the cache when it is intact."""
         target = self.cache_dir / "artifacts" / manifest.digest.removeprefix("sha256:")
         if target.is_dir():
-            damaged = _cache_damage(target, manifest.files)
+            damaged = cache_damage(target, manifest.files)
             if not damaged:
                 return target
             log.warning(
@@ -227,7 +219,7 @@ class ArtifactStore:
                 manifest.ref,
                 ", ".join(damaged),
             )
-            _discard(target)
+            discard(target)
             for f in manifest.files:
                 if f.path in damaged:
                     (self.cache_dir / "blobs" / f.sha256).unlink(missing_ok=True)
@@ -242,7 +234,7 @@ class ArtifactStore:
                     os.link(blob, dest)
                 except OSError:
                     shutil.copyfile(blob, dest)
-            _write_stamp(staging, target, manifest.files)
+            write_stamp(staging, target, manifest.files)
             try:
                 os.rename(staging, target)
             except OSError:  # another process materialised it first
@@ -315,88 +307,6 @@ class ArtifactStore:
         with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix=".verify-") as scratch:
             for f in stored.files:
                 self._download_checked(stored, f.path, f.sha256, Path(scratch)).unlink()
-
-
-def _stamp(target: Path) -> Path:
-    return target.with_name(target.name + STAMP_SUFFIX)
-
-
-def _write_stamp(folder: Path, target: Path, files: list[FileEntry]) -> None:
-    """Record size and mtime of the verified files in `folder` (about to become `target`)."""
-    stats = {f.path: (folder / f.path).stat() for f in files}
-    data = {f.path: [stats[f.path].st_size, stats[f.path].st_mtime_ns, f.sha256] for f in files}
-    tmp = _stamp(target).with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    os.replace(tmp, _stamp(target))
-
-
-def _cache_damage(target: Path, files: list[FileEntry]) -> list[str]:
-    """Paths of cached files that are missing or no longer hash to their sha256; only
-    files whose size or mtime differ from the stamp are hashed (all, with no stamp)."""
-    try:
-        stamp = json.loads(_stamp(target).read_text())
-    except (OSError, ValueError):
-        stamp = {}
-    damaged, rehashed = [], False
-    for f in files:
-        try:
-            st = (target / f.path).stat()
-        except OSError:
-            damaged.append(f.path)
-            continue
-        if stamp.get(f.path) == [st.st_size, st.st_mtime_ns, f.sha256]:
-            continue
-        rehashed = True
-        if st.st_size != f.size or sha256_file(target / f.path) != f.sha256:
-            damaged.append(f.path)
-    if rehashed and not damaged:
-        _write_stamp(target, target, files)  # intact after all (e.g. touched): note it
-    return damaged
-
-
-def _discard(folder: Path) -> None:
-    """Remove a cached folder: renamed first, so no reader meets it half deleted."""
-    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
-    os.rename(folder, trash)
-    _stamp(folder).unlink(missing_ok=True)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def verify_cache(cache_dir: Path) -> tuple[int, list[str]]:
-    """Hash every cached file (`lorastack store verify`): (files checked, problems). A
-    damaged artifact or blob is removed, so its next use downloads it again."""
-    checked, problems = 0, []
-    artifacts = cache_dir / "artifacts"
-    for stamp in sorted(artifacts.glob("*" + STAMP_SUFFIX)) if artifacts.is_dir() else []:
-        target = stamp.with_name(stamp.name.removesuffix(STAMP_SUFFIX))
-        try:
-            recorded = json.loads(stamp.read_text())
-        except (OSError, ValueError):
-            recorded = None
-        if not isinstance(recorded, dict) or not target.is_dir():
-            problems.append(f"{target.name[:12]}: unreadable cache record; removed")
-            if target.is_dir():
-                _discard(target)
-            stamp.unlink(missing_ok=True)
-            continue
-        bad = []
-        for path, (_size, _mtime, sha) in sorted(recorded.items()):
-            checked += 1
-            file = target / path
-            if not file.is_file() or sha256_file(file) != sha:
-                bad.append(path)
-        if bad:
-            problems.append(f"artifact {target.name[:12]}: damaged {', '.join(bad)}; removed")
-            _discard(target)
-    blobs = cache_dir / "blobs"
-    for blob in sorted(blobs.iterdir()) if blobs.is_dir() else []:
-        if blob.name.startswith("."):
-            continue
-        checked += 1
-        if sha256_file(blob) != blob.name:
-            problems.append(f"blob {blob.name[:12]}: damaged; removed")
-            blob.unlink()
-    return checked, problems
 
 
 def open_store(settings: CommonSettings) -> ArtifactStore:
