@@ -6,13 +6,10 @@ auth -> body limits -> parse -> model check (exists, and the key may use it) -> 
 token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
 pass the response through (SSE chunk by chunk) -> metrics.
 
-Counting while the backend works: when an upper bound on the prompt's tokens
-(`CountingTokenizer.upper_bound`, no encoding) already proves that prompt + max_tokens
-fits, and no tokens-per-minute limit needs the exact number first, the request is
-forwarded at once and counted exactly while the gateway waits for the backend's answer
-(it is on the critical path of every request otherwise: 0.15-0.3 ms of the gateway's
-added latency, bench/gateway/history.md). A request the bound cannot settle is
-counted first, as before: the backend never sees a request that does not fit.
+Counting while the backend works: when upper bounds prove the fit (`counting.py`), the
+request is forwarded at once and counted exactly while the gateway waits for the
+backend's answer (`_open_count`). A request the bounds cannot settle is counted first:
+the backend never sees a request that does not fit.
 
 Streaming: the gateway always asks the backend for `stream_options.include_usage`, so
 it learns the exact output-token count for TPOT; when the client did not ask for usage,
@@ -40,6 +37,7 @@ from fastapi.responses import Response
 from gateway.affinity import SESSION_HEADER, Affinity, prefix_hashes, session_key
 from gateway.auth import Authenticator, Key
 from gateway.backends import Backends
+from gateway.counting import count_prompts
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -57,7 +55,6 @@ from gateway.responses import parse_responses
 from gateway.routing import RouteRequest, Thresholds, Weights, pick_backend
 from gateway.settings import GatewaySettings
 from gateway.sse import CHAT_END, RESPONSES_END
-from gateway.tokens import LONG_COUNTS, CountingTokenizer
 from gateway.upstream import Upstream, UpstreamCall
 from gateway.validation import (
     ChatRequest,
@@ -76,7 +73,6 @@ CLAMP_HEADER = "x-lorastack-clamp"  # request: "1"/"true" turns clamp mode on
 CLAMPED_HEADER = "X-Lorastack-Clamped-Max-Tokens"  # response: "<from>-><to>"
 PROMPT_TOKENS_HEADER = "X-Lorastack-Prompt-Tokens"
 BACKEND_HEADER = "X-Lorastack-Backend"
-LONG_INPUT_CHARS = 4000  # longer prompts are tokenized in a worker thread, off the loop
 PATHS = {
     "chat": "/v1/chat/completions",
     "completion": "/v1/completions",
@@ -187,49 +183,6 @@ class Proxy:
         except InvalidInput as e:
             raise BadRequest(e.message, e.hint) from None
 
-    async def _count(
-        self,
-        key: Key,
-        tok: CountingTokenizer,
-        req: ChatRequest | CompletionRequest,
-        requested: int | None,
-        max_len: int,
-        param: str,
-    ) -> tuple[list[str | int], list[int], Callable[[], list[int]] | None]:
-        """What vLLM encodes (`CountingTokenizer.inputs`) and the exact counts; or, when upper bounds prove that prompt + output fits and no
-        tokens-per-minute limit needs the exact number, the bounds and a function that
-        counts exactly later (and checks the length again: a formality after the bound).
-        Long inputs are counted exactly, on a worker thread."""
-        if isinstance(req, ChatRequest):
-            size = sum(len(str(m.content or "")) for m in req.messages)
-        else:
-            size = len(str(req.prompt))
-        if size > LONG_INPUT_CHARS:
-
-            def render_count() -> tuple[list[str | int], list[int]]:
-                inputs, special = tok.inputs(req)
-                return inputs, tok.count(inputs, special)
-
-            loop = asyncio.get_running_loop()
-            inputs, counts = await loop.run_in_executor(LONG_COUNTS, render_count)
-            return inputs, counts, None
-        inputs, special = tok.inputs(req)
-        bounds = tok.upper_bound(inputs, special)
-        if (
-            key.tokens is not None
-            or key.budget is not None
-            or any(b + (requested or 1) > max_len for b in bounds)
-        ):
-            return inputs, tok.count(inputs, special), None
-
-        def exact() -> list[int]:
-            counts = tok.count(inputs, special)
-            for c in counts:
-                plan_tokens(c, requested, max_len, clamp=False, param=param)
-            return counts
-
-        return inputs, bounds, exact
-
     async def _prepare(self, request: Request, route: str, rid: str, key: Key) -> Prepared:
         body, original = await self.read_json(request)
         req: ChatRequest | CompletionRequest
@@ -246,7 +199,10 @@ class Proxy:
         param, requested = requested_output(req)
         if route == "responses":
             param = "max_output_tokens"
-        inputs, counts, count_later = await self._count(key, tok, req, requested, max_len, param)
+        exact_first = key.tokens is not None or key.budget is not None  # limits need it
+        inputs, counts, count_later = await count_prompts(
+            tok, req, requested, max_len, param, exact_first=exact_first
+        )
         clamp = self.settings.clamp_max_tokens or request.headers.get(CLAMP_HEADER, "").lower() in (
             "1",
             "true",
