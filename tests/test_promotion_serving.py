@@ -23,7 +23,8 @@ from lorastack.manifest import Manifest
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
 from lorastack_testing.fake_engine import FakeEngine, publish_tiny_adapter, publish_tiny_model
-from lorastack_testing.fake_vllm import FakeServer, write_upper_case_task
+from lorastack_testing.fake_state import write_upper_case_task
+from lorastack_testing.fake_vllm import FakeServer
 from lorastack_testing.net import free_port, serve_in_thread, wait_for
 
 LEARNT: set[str] = set()  # adapter versions whose answers are right (upper case)

@@ -14,7 +14,8 @@ from lorastack.manifest import Manifest
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
 from lorastack_testing.fake_engine import publish_tiny_adapter
-from lorastack_testing.fake_vllm import FakeServer, write_upper_case_task
+from lorastack_testing.fake_state import write_upper_case_task
+from lorastack_testing.fake_vllm import FakeServer
 
 # which side answers right (upper case) in the next evaluation: "lora", "base" or "both"
 RIGHT = {"side": "lora"}

@@ -1,5 +1,6 @@
 """Test support shared by every package's tests and the benchmarks (in no image).
 
-fake_vllm   the one fake vLLM: FakeState, the ASGI app FakeVLLM, FakeServer (a thread)
+fake_vllm   the one fake vLLM: the ASGI app FakeVLLM, FakeServer (a thread); its FakeState
+            in fake_state, its other routes in fake_routes, fake_responses, fake_metrics
 net         free_port, serve_in_thread (any ASGI app with uvicorn on loopback)
 """

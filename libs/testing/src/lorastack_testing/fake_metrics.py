@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 if TYPE_CHECKING:
-    from lorastack_testing.fake_vllm import FakeState
+    from lorastack_testing.fake_state import FakeState
 
 
 def metrics_text(s: FakeState) -> bytes:

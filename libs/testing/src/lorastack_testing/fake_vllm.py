@@ -28,125 +28,39 @@ text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a
     metrics     the gauges set in the state, plus the requests generating and waiting now;
                 KV-cache usage is `kv_per_request` per generating request when that is set
     records     every request body received (and its headers), streams completed and cancelled by the client
+
+This module routes requests and generates (chat and completions, streamed or whole, on
+running slots) and serves the app (`FakeServer`, `serve_fake`, `main`). The state and
+the answer plan are lorastack_testing.fake_state, the routes beside generation and the
+error body lorastack_testing.fake_routes, the Responses API
+lorastack_testing.fake_responses, the `/metrics` text lorastack_testing.fake_metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import itertools
 import json
-import struct
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from lorastack_testing.fake_metrics import metrics_text
+from lorastack_testing.fake_responses import serve_responses
+from lorastack_testing.fake_routes import (
+    LORA_ROUTES,
+    ROUTES,
+    embeddings,
+    error_body,
+    lora_update,
+    send_answer,
+    tokenize,
+)
+from lorastack_testing.fake_state import FakeState, echo_answer, plan_answer
 from lorastack_testing.net import serve_in_thread
-
-AnswerFn = Callable[[str, str], str]  # (model, prompt text) -> answer text
-
-
-def echo_answer(model: str, prompt: str) -> str:
-    return prompt
-
-
-def write_upper_case_task(path: Path, n: int) -> Path:
-    """A test split of `n` chats 'wordI' -> 'WORDI': a model whose `answer` upper-cases the
-    prompt scores 1 on it, one that echoes it (`echo_answer`) scores 0."""
-    from lorastack.chat_data import Conversation, write_jsonl
-
-    convs = [
-        Conversation.model_validate(
-            {"messages": [{"role": "user", "content": f"word{i}"},
-                          {"role": "assistant", "content": f"WORD{i}"}]}
-        )
-        for i in range(n)
-    ]  # fmt: skip
-    write_jsonl(path, convs)
-    return path
-
-
-@dataclass
-class FakeState:
-    models: list[dict[str, Any]] = field(
-        default_factory=lambda: [{"id": "smollm2", "max_model_len": 2048}]
-    )
-    tokens: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!", " Bye", "."])
-    answer: AnswerFn | None = None  # set: its words are the tokens (instead of `tokens`)
-    ttft_s: float = 0.0  # seconds from a running slot to the first content chunk
-    pace_s: float = 0.0  # seconds between content chunks
-    first_byte_delay_s: float = 0.0  # seconds before the response starts
-    max_running: int = 0  # requests generating at once; 0 = no limit
-    fail_status: int | None = None  # answer this status (before any byte) ...
-    fail_count: int = 0  # ... to this many requests, then serve normally
-    fail_every: int = 0  # answer every Nth completion request with HTTP 500 (0: never)
-    die_after_tokens: int | None = None  # kill the connection after this many tokens
-    prompt_tokens: int | None = 10  # what usage reports; None: the prompt's words
-    send_usage: bool = True  # honour stream_options.include_usage
-    embeds: bool = False  # serve /v1/embeddings (an embedding model)
-    # /metrics values (added to what the fake itself is doing)
-    kv_usage: float = 0.0  # 0..1
-    kv_per_request: float = 0.0  # when > 0: KV usage = this x requests generating
-    running: int = 0
-    waiting: int = 0
-    preemptions: int = 0
-    running_adapters: list[str] = field(default_factory=list)
-    waiting_adapters: list[str] = field(default_factory=list)
-    max_lora: int = 1
-    old_kv_name: bool = False  # emit vllm:gpu_cache_usage_perc instead (older vLLM)
-    metrics_down: bool = False  # /metrics answers 500
-    # records
-    received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    received_headers: list[dict[str, str]] = field(default_factory=list)  # one per `received`
-    cancelled: int = 0  # streams whose client went away before the end
-    completed: int = 0
-    active: int = 0  # streams being served now
-    generating: int = 0  # requests holding a running slot now
-    queued: int = 0  # requests waiting for one
-    waited: int = 0  # requests that found every running slot taken (and queued)
-
-    def calls(self, path: str = "") -> list[dict[str, Any]]:
-        return [body for p, body in self.received if p.endswith(path)]
-
-
-def _text(content: Any) -> str:
-    """A message's text: a string, or OpenAI content parts [{"type": "text", "text": ...}]."""
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content or "")
-
-
-def plan_answer(s: FakeState, body: dict[str, Any], chat: bool) -> tuple[list[str], str, int]:
-    """(the streamed pieces, finish_reason, prompt tokens) for one request body."""
-    if chat:
-        users = [
-            _text(m.get("content")) for m in body.get("messages", []) if m.get("role") == "user"
-        ]
-        prompt = users[-1] if users else ""
-    else:
-        prompt = str(body.get("prompt", ""))
-    if s.answer is None:
-        source = list(s.tokens)
-    else:
-        words = s.answer(str(body.get("model", "")), prompt).split()
-        source = [w if i == 0 else " " + w for i, w in enumerate(words)]
-    wanted = body.get("max_completion_tokens") if chat else None  # a chat-only field
-    limit = wanted or body.get("max_tokens") or len(source)
-    if body.get("ignore_eos"):  # exactly max_tokens tokens
-        pieces = list(itertools.islice(itertools.cycle(source or ["x"]), limit))
-        finish = "length"
-    else:
-        pieces = source[:limit]
-        finish = "length" if limit < len(source) else "stop"
-    prompt_tokens = len(prompt.split()) if s.prompt_tokens is None else s.prompt_tokens
-    return pieces, finish, prompt_tokens
 
 
 def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None) -> bytes:
@@ -169,77 +83,8 @@ def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None)
     )
 
 
-ROUTES = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/responses",
-    "/v1/embeddings",
-    "/tokenize",
-    "/detokenize",
-)
-LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-
-
-def lora_update(s: FakeState, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    """vLLM 0.32's answers to a runtime LoRA load or unload, applied to `s.models`."""
-    name = body.get("lora_name")
-    loaded = {m["id"]: m for m in s.models if m.get("parent")}
-    if path.endswith("unload_lora_adapter"):
-        if name not in loaded:
-            message = f"The lora adapter '{name}' cannot be found."
-            return 404, _error(404, message, "NotFoundError")
-        s.models.remove(loaded[name])
-        return 200, f"Success: LoRA adapter '{name}' removed successfully.".encode()
-    if not name or not body.get("lora_path"):
-        message = "Both 'lora_name' and 'lora_path' must be provided."
-        return 400, _error(400, message, "InvalidUserInput")
-    if name in loaded and not body.get("load_inplace"):
-        message = f"The lora adapter '{name}' has already been loaded."
-        return 400, _error(400, message, "InvalidUserInput")
-    card = {"id": name, "root": body["lora_path"], "parent": s.models[0]["id"]}
-    if name in loaded:
-        loaded[name].update(card)
-    else:
-        s.models.append(card)
-    return 200, f"Success: LoRA adapter '{name}' added successfully.".encode()
-
-
-def _tokenize(path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's /tokenize and /detokenize answers, with one token (id = length) per word."""
-    if path == "/detokenize":
-        return {"prompt": " ".join("w" * t for t in body.get("tokens", []))}
-    if "messages" in body:
-        text = " ".join(_text(m.get("content")) for m in body["messages"])
-    else:
-        text = str(body.get("prompt", ""))
-    tokens = [len(w) for w in text.split()]
-    return {"count": len(tokens), "max_model_len": 2048, "tokens": tokens, "token_strs": None}
-
-
-def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's /v1/embeddings answer: a 4-float vector per input, from its words."""
-    inputs = body.get("input")
-    texts = [inputs] if isinstance(inputs, str) else list(inputs or [])
-    data = []
-    for i, text in enumerate(texts):
-        words = str(text).split()
-        vector = [float(len(words)), float(len(str(text))), 0.5, -1.0]
-        encoded: Any = vector
-        if body.get("encoding_format") == "base64":
-            encoded = base64.b64encode(struct.pack("<4f", *vector)).decode()
-        data.append({"object": "embedding", "index": i, "embedding": encoded})
-    tokens = sum(len(str(t).split()) for t in texts)
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    return {"object": "list", "model": body.get("model"), "data": data, "usage": usage}
-
-
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _error(status: int, message: str, type_: str, param: str | None = None) -> bytes:
-    err = {"message": message, "type": type_, "param": param, "code": status}
-    return json.dumps({"error": err}).encode()
 
 
 class FakeVLLM:
@@ -265,17 +110,19 @@ class FakeVLLM:
                 {"object": "model", "owned_by": "vllm", "root": None, "parent": None, **m}
                 for m in s.models
             ]
-            return await _send(send, 200, json.dumps({"object": "list", "data": data}).encode())
+            return await send_answer(
+                send, 200, json.dumps({"object": "list", "data": data}).encode()
+            )
         if method == "GET" and path == "/metrics":
             if s.metrics_down:
-                return await _send(send, 500, b"down", "text/plain")
-            return await _send(send, 200, metrics_text(s), "text/plain; version=0.0.4")
+                return await send_answer(send, 500, b"down", "text/plain")
+            return await send_answer(send, 200, metrics_text(s), "text/plain; version=0.0.4")
         if method == "GET" and path == "/health":
-            return await _send(send, 200, b"")
+            return await send_answer(send, 200, b"")
         if method != "POST" or path not in ROUTES + LORA_ROUTES:
-            return await _send(send, 404, b'{"error":{"message":"not found"}}')
+            return await send_answer(send, 404, b'{"error":{"message":"not found"}}')
         if path == "/v1/embeddings" and not s.embeds:  # vLLM mounts it for embedding models
-            return await _send(send, 404, b'{"error":{"message":"not found"}}')
+            return await send_answer(send, 404, b'{"error":{"message":"not found"}}')
         raw = b""
         while True:
             msg = await receive()
@@ -287,34 +134,41 @@ class FakeVLLM:
         s.received_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
         if path in LORA_ROUTES:
             status, answer = lora_update(s, path, body)
-            return await _send(
+            return await send_answer(
                 send, status, answer, "application/json" if status != 200 else "text/plain"
             )
         if path in ("/tokenize", "/detokenize"):
-            return await _send(send, 200, json.dumps(_tokenize(path, body)).encode())
+            return await send_answer(send, 200, json.dumps(tokenize(path, body)).encode())
         if path == "/v1/embeddings":
             if "input" not in body:  # vLLM's schema check
-                error = _error(400, "input: Field required", "BadRequestError", "input")
-                return await _send(send, 400, error)
-            return await _send(send, 200, json.dumps(_embeddings(body)).encode())
+                error = error_body(400, "input: Field required", "BadRequestError", "input")
+                return await send_answer(send, 400, error)
+            return await send_answer(send, 200, json.dumps(embeddings(body)).encode())
         if s.first_byte_delay_s:
             await asyncio.sleep(s.first_byte_delay_s)
         if s.fail_status is not None and s.fail_count > 0:
             s.fail_count -= 1
-            error = _error(s.fail_status, f"fake failure {s.fail_status}", "InternalServerError")
-            return await _send(send, s.fail_status, error)
+            error = error_body(
+                s.fail_status, f"fake failure {s.fail_status}", "InternalServerError"
+            )
+            return await send_answer(send, s.fail_status, error)
         if s.fail_every and len(s.received) % s.fail_every == 0:
-            return await _send(send, 500, _error(500, "scripted failure", "InternalServerError"))
+            return await send_answer(
+                send, 500, error_body(500, "scripted failure", "InternalServerError")
+            )
         if body.get("model") not in [m["id"] for m in s.models]:
             message = f"The model `{body.get('model')}` does not exist."
-            return await _send(send, 404, _error(404, message, "NotFoundError", "model"))
+            return await send_answer(send, 404, error_body(404, message, "NotFoundError", "model"))
         if path == "/v1/responses":
-            return await self._responses(receive, send, body)
+            self._n += 1
+            return await serve_responses(s, send, body, self._n, self._slot)
         chat = path.endswith("chat/completions")
         limit = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
         if limit is not None and (type(limit) is not int or limit < 1):  # vLLM's schema says no
             message = f"max_tokens must be a positive integer, not {limit!r}"
-            return await _send(send, 400, _error(400, message, "BadRequestError", "max_tokens"))
+            return await send_answer(
+                send, 400, error_body(400, message, "BadRequestError", "max_tokens")
+            )
         pieces, finish, prompt_tokens = plan_answer(s, body, chat)
         self._n += 1
         usage = {
@@ -341,85 +195,7 @@ class FakeVLLM:
             "choices": [choice],
             "usage": usage,
         }
-        return await _send(send, 200, json.dumps(out).encode())
-
-    async def _responses(self, receive: Any, send: Any, body: dict[str, Any]) -> None:
-        """The Responses API: the answer as chat's, shaped as a response object (or its
-        events: created, one output_text.delta per piece, completed)."""
-        s = self.state
-        inp = body.get("input")
-        if isinstance(inp, str):
-            messages = [{"role": "user", "content": inp}]
-        else:
-            messages = [m for m in inp or [] if isinstance(m, dict) and "role" in m]
-        chat_body = {"messages": messages, "max_tokens": body.get("max_output_tokens")}
-        pieces, finish, prompt_tokens = plan_answer(s, chat_body, chat=True)
-        self._n += 1
-        rid = f"resp_fake{self._n}"
-        usage = {
-            "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": len(pieces),
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + len(pieces),
-        }
-
-        def response(status: str, text: str, with_usage: bool) -> dict[str, Any]:
-            content = [{"type": "output_text", "text": text, "annotations": []}]
-            item: dict[str, Any] = {"type": "message", "id": f"msg_{self._n}"}
-            item |= {"role": "assistant", "status": "completed", "content": content}
-            return {
-                "id": rid,
-                "object": "response",
-                "created_at": int(time.time()),
-                "model": body["model"],
-                "status": status,
-                "output": [item] if text else [],
-                "parallel_tool_calls": True,
-                "tool_choice": "auto",
-                "tools": [],
-                "incomplete_details": (
-                    {"reason": "max_output_tokens"} if status == "incomplete" else None
-                ),
-                "usage": usage if with_usage else None,
-            }
-
-        status = "incomplete" if finish == "length" else "completed"
-        if not body.get("stream"):
-            async with self._slot():
-                await asyncio.sleep(s.ttft_s + max(0, len(pieces) - 1) * s.pace_s)
-            out = response(status, "".join(pieces), True)
-            return await _send(send, 200, json.dumps(out).encode())
-
-        def event(kind: str, **fields: Any) -> bytes:
-            data = json.dumps({"type": kind, "sequence_number": 0, **fields}, separators=(",", ":"))
-            return f"event: {kind}\ndata: {data}\n\n".encode()
-
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send(
-            {
-                "type": "http.response.body",
-                "body": event("response.created", response=response("in_progress", "", False)),
-                "more_body": True,
-            }
-        )
-        async with self._slot():
-            start = time.perf_counter()
-            for i, piece in enumerate(pieces):
-                await asyncio.sleep(max(0.0, start + s.ttft_s + i * s.pace_s - time.perf_counter()))
-                delta = event(
-                    "response.output_text.delta",
-                    item_id=f"msg_{self._n}",
-                    output_index=0,
-                    content_index=0,
-                    delta=piece,
-                    logprobs=[],
-                )
-                await send({"type": "http.response.body", "body": delta, "more_body": True})
-        done = event("response.completed", response=response(status, "".join(pieces), True))
-        await send({"type": "http.response.body", "body": done, "more_body": False})
-        s.completed += 1
+        return await send_answer(send, 200, json.dumps(out).encode())
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> Any:
@@ -503,12 +279,6 @@ class FakeVLLM:
         finally:
             s.active -= 1
             watcher.cancel()
-
-
-async def _send(send: Any, status: int, body: bytes, ctype: str = "application/json") -> None:
-    headers = [(b"content-type", ctype.encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class FakeServer:

@@ -1,0 +1,89 @@
+"""The fake vLLM's answers beside generation, as vLLM 0.32 gives them: runtime LoRA load
+and unload (applied to `FakeState.models`), `/tokenize` and `/detokenize` (one token per
+word), `/v1/embeddings` (a 4-float vector per input); and the shapes every route shares:
+vLLM's error body and a whole answer written to ASGI. Routing requests to them, and
+generation, is lorastack_testing.fake_vllm.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+from lorastack_testing.fake_state import FakeState, message_text
+
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+)
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def lora_update(s: FakeState, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """vLLM 0.32's answers to a runtime LoRA load or unload, applied to `s.models`."""
+    name = body.get("lora_name")
+    loaded = {m["id"]: m for m in s.models if m.get("parent")}
+    if path.endswith("unload_lora_adapter"):
+        if name not in loaded:
+            message = f"The lora adapter '{name}' cannot be found."
+            return 404, error_body(404, message, "NotFoundError")
+        s.models.remove(loaded[name])
+        return 200, f"Success: LoRA adapter '{name}' removed successfully.".encode()
+    if not name or not body.get("lora_path"):
+        message = "Both 'lora_name' and 'lora_path' must be provided."
+        return 400, error_body(400, message, "InvalidUserInput")
+    if name in loaded and not body.get("load_inplace"):
+        message = f"The lora adapter '{name}' has already been loaded."
+        return 400, error_body(400, message, "InvalidUserInput")
+    card = {"id": name, "root": body["lora_path"], "parent": s.models[0]["id"]}
+    if name in loaded:
+        loaded[name].update(card)
+    else:
+        s.models.append(card)
+    return 200, f"Success: LoRA adapter '{name}' added successfully.".encode()
+
+
+def tokenize(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /tokenize and /detokenize answers, with one token (id = length) per word."""
+    if path == "/detokenize":
+        return {"prompt": " ".join("w" * t for t in body.get("tokens", []))}
+    if "messages" in body:
+        text = " ".join(message_text(m.get("content")) for m in body["messages"])
+    else:
+        text = str(body.get("prompt", ""))
+    tokens = [len(w) for w in text.split()]
+    return {"count": len(tokens), "max_model_len": 2048, "tokens": tokens, "token_strs": None}
+
+
+def embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /v1/embeddings answer: a 4-float vector per input, from its words."""
+    inputs = body.get("input")
+    texts = [inputs] if isinstance(inputs, str) else list(inputs or [])
+    data = []
+    for i, text in enumerate(texts):
+        words = str(text).split()
+        vector = [float(len(words)), float(len(str(text))), 0.5, -1.0]
+        encoded: Any = vector
+        if body.get("encoding_format") == "base64":
+            encoded = base64.b64encode(struct.pack("<4f", *vector)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": encoded})
+    tokens = sum(len(str(t).split()) for t in texts)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "model": body.get("model"), "data": data, "usage": usage}
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:
+    err = {"message": message, "type": type_, "param": param, "code": status}
+    return json.dumps({"error": err}).encode()
+
+
+async def send_answer(send: Any, status: int, body: bytes, ctype: str = "application/json") -> None:
+    headers = [(b"content-type", ctype.encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
