@@ -73,3 +73,17 @@ def test_the_demo_continues_its_own_run_and_restarts_one_other_code_left(
     assert store.versions(name) == [] and not (runs / RUN).exists()
     assert store.versions("other/checkpoints") == ["1"] and other.is_dir()
     assert continue_or_restart(store, runs, config) == []  # now a new run
+
+
+def test_a_demo_checkpoint_without_a_readable_run_manifest_is_started_afresh(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = TrainerSettings(home=tmp_path / "home", store_url="", runs_dir=None)
+    runs = settings.resolved_runs_dir
+    config = load_config(demo_config(), [f"dataset.path={tmp_path / 'demo-dates.jsonl'}"])
+    step = runs / RUN / "checkpoints" / "step-00000020"
+    step.mkdir(parents=True)
+    (step / "run-manifest.json").write_text("{torn")
+    assert continue_or_restart(open_store(settings), runs, config) == []
+    assert "run-manifest.json unreadable" in capsys.readouterr().out
+    assert not (runs / RUN).exists()

@@ -48,7 +48,10 @@ def continue_or_restart(store: ArtifactStore, runs_dir: Path, config: RunConfig)
     folder = checkpoint.step_dir(local_root, latest)
     if latest not in local:
         folder = store.fetch(store.manifest(name, str(latest)))
-    changed = what_changed(checkpoint.read_manifest(folder), config)
+    try:
+        changed = what_changed(checkpoint.read_manifest(folder), config)
+    except (OSError, ValueError):  # a checkpoint without a readable run manifest
+        changed = ["run-manifest.json unreadable"]
     if not changed:
         return ["--resume"]
     shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
