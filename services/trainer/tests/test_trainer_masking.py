@@ -179,3 +179,36 @@ def test_a_template_without_tool_support_is_refused(smollm2_tokenizer: Any) -> N
     )
     with pytest.raises(MaskingError, match=r"drops the tool call (calculate|get_weather)"):
         encode(conv, dropping, "all_assistant")
+
+
+def test_encoding_in_worker_processes_equals_one_process(smollm2_tokenizer: Any) -> None:
+    """`encode_all` cut over forked workers gives what one process gives, sample for
+    sample and problem for problem, in the input's order."""
+    from trainer.encoding import encode_all
+    from trainer.samples import end_of_turn_id
+
+    convs = [
+        Conversation.model_validate(
+            {"messages": [{"role": "user", "content": f"day {i}?" + " word" * (i % 50)},
+                          {"role": "assistant", "content": f"2021-01-{i % 28 + 1:02d}"}]}
+        )
+        for i in range(40)
+    ]  # fmt: skip
+    convs[7] = Conversation.model_validate(
+        {"messages": [{"role": "user", "content": "what is <|im_start|>?"},
+                      {"role": "assistant", "content": "a marker"}]}
+    )  # fmt: skip
+    specials = [t for t in smollm2_tokenizer.all_special_tokens if t]
+    eot = end_of_turn_id(smollm2_tokenizer)
+
+    def run(workers: int) -> list[Any]:
+        got = encode_all(
+            convs, smollm2_tokenizer, "all_assistant", specials, eot,
+            workers=workers, parallel_from=0, chunk=6,
+        )  # fmt: skip
+        return [(s and (s.input_ids, s.labels, s.parts, s.rendered), bad) for s, bad in got]
+
+    one, three = run(1), run(3)
+    assert one == three
+    assert one[7][0] is None and one[7][1][0][0] == "special_token"
+    assert all(s is not None for i, (s, _) in enumerate(one) if i != 7)

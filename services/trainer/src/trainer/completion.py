@@ -9,12 +9,47 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from trainer.compiling import compile_report
-from trainer.memory import human
+from trainer.memory import against_measured, human
 from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
+
+
+def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
+    """The parts of trainer.memory.PARTS as measured. `r.memory_marks` holds bytes held
+    (torch's allocations on a GPU, RSS on the CPU) before the model loads (`start`), after
+    it loads (`loaded`) and after the first optimizer step freed its gradients
+    (`resting`). On a GPU each part is a difference of those. On the CPU the weights and
+    the optimizer state are their tensors' bytes and the step is what the peak held
+    beyond them: the weights are mapped from the file and enter the RSS only as they are
+    first read, and memory freed after a step stays with the process."""
+    marks = r.memory_marks
+
+    def grown(since: str, until: int | None) -> int | None:
+        return None if since not in marks or until is None else until - marks[since]
+
+    step, total = grown("resting", peak), grown("start", peak)
+    if r.device.type == "cuda":
+        return {
+            "weights_and_adapter": grown("start", marks.get("loaded")),
+            "optimizer": grown("loaded", marks.get("resting")),
+            "step": step,
+            "total": total,
+        }
+    held = sum(t.nbytes for t in (*r.peft.parameters(), *r.peft.buffers()))
+    state = sum(
+        v.nbytes for s in r.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    return {
+        "weights_and_adapter": held,
+        "optimizer": state,
+        "step": None if total is None else total - held - state,
+        "total": total,
+    }
 
 
 def record(r: Recipe) -> dict[str, Any]:
@@ -25,6 +60,7 @@ def record(r: Recipe) -> dict[str, Any]:
     billed_h = wall / 3600 * r.settings.world_size
     peak = peak_bytes(r.device)
     measured = memory_now(r.device)
+    parts = against_measured(r.memory_estimate, measured_parts(r, peak))
     completion = {
         "mode": r.mode,
         "wall_s": round(wall, 3),
@@ -37,6 +73,7 @@ def record(r: Recipe) -> dict[str, Any]:
         "peak_memory": peak,
         "peak_reserved": measured.get("peak_reserved"),
         "memory_estimate": r.memory_estimate.get("total", 0),
+        "memory_parts": parts,
         "final_val_loss": r.val_losses.get(r.step),
         "best_val_loss": min(r.val_losses.values()) if r.val_losses else None,
         "final_train_loss": r.losses.get(r.step),
@@ -50,6 +87,11 @@ def record(r: Recipe) -> dict[str, Any]:
     }
     r.say(
         f"memory: estimated {human(r.memory_estimate.get('total', 0))}, measured peak "
-        f"{human(peak)} ({'torch allocated' if r.device.type == 'cuda' else 'process RSS'})",
+        f"{human(peak)} ({'torch allocated' if r.device.type == 'cuda' else 'process RSS'}); "
+        + ", ".join(
+            f"{name} {human(int(p['estimate'] or 0))} est / "
+            + (human(int(p["measured"])) if p["measured"] is not None else "-")
+            for name, p in parts.items()
+        ),
     )
     return completion

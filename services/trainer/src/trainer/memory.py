@@ -88,6 +88,28 @@ def estimate(
     return parts
 
 
+PARTS = {  # a measurable part: the parts of the estimate it holds
+    "weights_and_adapter": ("weights", "lora_params"),
+    "optimizer": ("optimizer",),
+    "step": ("activations", "logits", "lora_grads"),  # what one step holds at its peak
+    "total": ("total",),
+}
+
+
+def against_measured(
+    estimated: dict[str, int], measured: dict[str, int | None]
+) -> dict[str, dict[str, float | int | None]]:
+    """Each measurable part of the estimate next to its measurement (bytes), as {part:
+    {estimate, measured, error}}; error = measured / estimate - 1, None where nothing was
+    measured."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for part, names in PARTS.items():
+        est, got = sum(estimated.get(n, 0) for n in names), measured.get(part)
+        err = round(got / est - 1, 3) if got is not None and est > 0 else None
+        out[part] = {"estimate": est, "measured": got, "error": err}
+    return out
+
+
 def checkpoint_bytes(lora_param_count: int) -> int:
     """Adapter + AdamW state, fp32, plus ~1 MB of RNG states and json."""
     return lora_param_count * 4 * 3 + (1 << 20)

@@ -76,6 +76,15 @@ def memory_now(device: torch.device) -> dict[str, int]:
     }
 
 
+def held_bytes(device: torch.device) -> int:
+    """Bytes held now: torch's live allocations on a GPU, the process's RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
 def peak_bytes(device: torch.device) -> int:
     m = memory_now(device)
     return m.get("peak_allocated", m.get("peak_rss", 0))

@@ -17,12 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from lorastack.chat_data import Conversation
 from trainer.config import RunConfig
+from trainer.encoding import encode_all
 from trainer.errors import PreflightRefused
-from trainer.masking import MaskingError, targets_end_with
 from trainer.memory import checkpoint_bytes, human, lora_params
-from trainer.samples import LossOn, Pretokenized, Sample, encode, end_of_turn_id
+from trainer.samples import Sample, end_of_turn_id
 from trainer.splits import Splits, normalise, prompt_key
 
 LOG_BUDGET = 64 << 20  # bytes kept for metrics, logs and plots
@@ -151,25 +150,6 @@ class PreflightReport(BaseModel):
         return "\n".join(out)
 
 
-def check_sample(
-    conv: Conversation, tokenizer: Any, loss_on: LossOn, specials: list[str], eot: int
-) -> tuple[Sample | None, list[tuple[str, str]]]:
-    """Encode one conversation: (the sample, or None when it cannot be trained on; its
-    problems as (kind, message), kind one of "special_token", "template", "eos")."""
-    bad = sorted({t for m in conv.messages for t in specials if t in m.flat_text})
-    if bad:  # the template's own markers inside a content: encoding it would mislead
-        return None, [
-            ("special_token", f"content holds special token(s) {', '.join(map(repr, bad))}")
-        ]
-    try:
-        s = encode(conv, tokenizer, loss_on)
-    except MaskingError as e:
-        return None, [("template", str(e))]
-    if not targets_end_with(s.labels, eot):
-        return None, [("eos", "a target does not end with the end-of-turn token")]
-    return s, []
-
-
 def judge_lengths(report: PreflightReport, config: RunConfig) -> None:
     """The verdict on the over-long samples listed in `report` (refused, or dropped as asked)."""
     if report.overlong and not config.dataset.drop_overlong:
@@ -212,9 +192,8 @@ def check_dataset(
         ("test", splits.test),
     ):
         kept: list[Sample] = []
-        tok = Pretokenized(tokenizer, [it.conv for it in items])
-        for it in items:
-            s, bad = check_sample(it.conv, tok, config.loss_on, specials, eot)
+        results = encode_all([it.conv for it in items], tokenizer, config.loss_on, specials, eot)
+        for it, (s, bad) in zip(items, results, strict=True):
             if bad:
                 report.invalid.append(f"{name} #{it.number}: {bad[0][1]}")
                 continue

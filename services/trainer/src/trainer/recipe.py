@@ -63,6 +63,7 @@ from trainer.errors import SmokeFailed
 from trainer.live import LiveRun
 from trainer.metrics import (
     LogTail,
+    held_bytes,
     plot_losses,
     process_age,
     read_series,
@@ -146,6 +147,7 @@ class Recipe:
         self.test_manifest: Manifest | None = None
         self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
+        self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
         self.model: Any = None
         self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
@@ -211,7 +213,9 @@ class Recipe:
         if self.mode == "train" and self.meter.caps.any:  # before the model loads
             self.say(publishing.check_budget(self, resume_from))
         self.lap("prepare")
+        self.memory_marks["start"] = held_bytes(self.device)
         compiling = assembly.build_model(self)
+        self.memory_marks["loaded"] = held_bytes(self.device)
         if resume_from is not None:
             resuming.restore(self, resume_from)
         stopping.install_handlers(self)
@@ -274,6 +278,7 @@ class Recipe:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.memory_marks.setdefault("resting", held_bytes(self.device))
             self.step += 1
             self.tokens_seen += step_tokens
             self.supervised_seen += n_sup

@@ -12,7 +12,7 @@ refused and which test samples leak into training.
 
 Owns: the pass, the report it fills (`PreflightReport`, with `line_problems` and the
 groups), its verdict and exit code. Does not own: what makes one sample bad
-(`preflight.check_sample`), the split rule (`splits.split_groups`).
+(`encoding.check_sample`, on every core), the split rule (`splits.split_groups`).
 """
 
 from __future__ import annotations
@@ -29,19 +29,18 @@ import numpy as np
 
 from lorastack.chat_data import Conversation, parse_line
 from trainer.config import RunConfig
+from trainer.encoding import CHUNK, default_workers, encode_all
 from trainer.preflight import (
     Lengths,
     LineProblem,
     PreflightReport,
-    check_sample,
     judge_lengths,
 )
-from trainer.samples import Pretokenized, end_of_turn_id
+from trainer.samples import end_of_turn_id
 from trainer.splits import TEST, TRAIN, normalise, prompt_key, split_groups
 
 SPLIT_NAMES = ("train", "validation", "test")
 MAX_LINE_PROBLEMS = 100_000  # kept in the report; beyond, only counted
-BATCH = 256  # conversations encoded per call of the Rust tokenizer
 
 
 def _h64(text: str) -> int:
@@ -149,12 +148,12 @@ def scan_file(
             report.line_problems.append(LineProblem(line=line, kind=kind, message=message))
 
     pending: list[tuple[int, Conversation]] = []  # parsed, not yet encoded
+    batch = CHUNK * max(1, default_workers())  # a chunk per core and flush
 
     def flush() -> None:
         """Encode the pending conversations (one tokenizer call) and record what they are."""
-        batch = Pretokenized(tokenizer, [c for _, c in pending])
-        for line, conv in pending:
-            s, bad = check_sample(conv, batch, config.loss_on, specials, eot)
+        results = encode_all([c for _, c in pending], tokenizer, config.loss_on, specials, eot)
+        for (line, _), (s, bad) in zip(pending, results, strict=True):
             for kind, message in bad:
                 problem(line, kind, message)
             lengths.append(s.length if s is not None else 0)
@@ -183,7 +182,7 @@ def scan_file(
                 continue
             hashes.add(line, conv)
             pending.append((line, conv))
-            if len(pending) >= BATCH:
+            if len(pending) >= batch:
                 flush()
         flush()
     report.line_problems.sort(key=lambda p: p.line)
