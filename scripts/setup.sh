@@ -26,5 +26,16 @@ if [ ! -x .venv/bin/promtool ] && command -v apt-get >/dev/null; then
     echo "warning: promtool not installed (apt-get download prometheus failed)" >&2
   rm -rf "$tmp"
 fi
+# redis-server, for the tests of the gateway's limits shared in Redis (Debian's package;
+# the tests skip without it, and fail without it where CI is set).
+if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt_redis() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1; }
+    apt_redis || { apt-get update -qq >/dev/null 2>&1 && apt_redis; } ||
+      echo "warning: redis-server not installed (apt-get install redis-server failed)" >&2
+  else
+    echo "warning: redis-server missing; as root: apt-get install redis-server" >&2
+  fi
+fi
 touch .venv/.installed
 echo "set-up done: $(pwd)/.venv/bin/lorastack"

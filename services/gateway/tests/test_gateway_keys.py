@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from test_gateway_limits import admit
 from test_gateway_proxy import metric, wait_for
 
 from gateway.auth import Authenticator
@@ -81,22 +82,22 @@ def test_budget_model_check_refund_reset_and_reload(tmp_path) -> None:
     auth.check_model(alice, "m1")
     with pytest.raises(ModelNotAllowed, match="may use: m1"):
         auth.check_model(alice, "m2")
-    auth.admit(alice, 60)
+    admit(auth, alice, 60)
     with pytest.raises(BudgetExhausted) as e:
-        auth.admit(alice, 50)  # 60 + 50 > 100
+        admit(auth, alice, 50)  # 60 + 50 > 100
     assert "has 40 of its 100 tokens for this hour left" in e.value.message
     assert "resets at 2026-12-01T16:00:00Z (in 1800 s)" in e.value.hint
     assert e.value.status == 429 and e.value.headers()["Retry-After"] == "1800"
     auth.refund(alice, 30)  # the request used 30 of the 60 it reserved
-    auth.admit(alice, 70)
+    admit(auth, alice, 70)
     with pytest.raises(BudgetExhausted, match="has used its 100 tokens"):
-        auth.admit(alice, 1)
+        admit(auth, alice, 1)
     wall[0] = utc(2026, 12, 1, 16, 0, 1)  # the next hour: a fresh budget
-    auth.admit(alice, 100)
+    admit(auth, alice, 100)
     bob = auth.authenticate("Bearer sk-b")
-    auth.admit(bob, 0)
+    admit(auth, bob, 0)
     with pytest.raises(RateLimited, match="1 requests per minute"):
-        auth.admit(bob, 0)
+        admit(auth, bob, 0)
     # a reload: bob revoked, alice's budget and use kept, a new key works
     write(
         path,
@@ -110,7 +111,7 @@ def test_budget_model_check_refund_reset_and_reload(tmp_path) -> None:
     alice = auth.authenticate("Bearer sk-a")
     auth.check_model(alice, "m2")  # no model list now: every model
     with pytest.raises(BudgetExhausted):
-        auth.admit(alice, 1)
+        admit(auth, alice, 1)
     # a broken file keeps the keys in force
     path.write_text("keys: [")
     now[0] = 4.0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_gateway_limits import admit
 
-from gateway.auth import Authenticator, TokenBucket
+from gateway.auth import Authenticator
 from gateway.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -16,6 +17,7 @@ from gateway.errors import (
     error_response,
     sse_error_event,
 )
+from gateway.limits import TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.scrape import parse_metrics, parse_models
 from gateway.settings import GatewaySettings
@@ -164,15 +166,20 @@ def test_keys_and_buckets(tmp_path) -> None:
     for header in (None, "Basic a-key", "Bearer ", "Bearer c-key"):
         with pytest.raises(Unauthorized):
             auth.authenticate(header)
-    auth.admit(kid, 40)
-    auth.admit(kid, 40)
+    admit(auth, kid, 40)
+    admit(auth, kid, 40)
     with pytest.raises(RateLimited) as e:  # the third request in the same instant
-        auth.admit(kid, 1)
-    assert e.value.headers()["Retry-After"] == "30"  # one request refills in 60/2 s
+        admit(auth, kid, 1)
+    assert e.value.headers() == {  # one request refills in 60/2 s; both in 60 s
+        "Retry-After": "30",
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "60s",
+    }
     now[0] = 30.0
-    auth.admit(kid, 40)  # 20 left + 50 refilled = 70 tokens
+    admit(auth, kid, 40)  # 20 left + 50 refilled = 70 tokens
     with pytest.raises(RateLimited, match="at most 100 tokens per minute"):
-        auth.admit(kid, 101)
+        admit(auth, kid, 101)
     bucket = TokenBucket(60)
     assert bucket.wait_s(61, 0.0) == pytest.approx(1.0)
 

@@ -12,13 +12,14 @@ re-read when its mtime or size changes, checked at most once a second on a reque
 bad file is logged and the keys in force stay. Limits are token buckets that refill
 continuously: requests per minute, and tokens per minute (prompt + max_tokens reserved
 at admission, the unused part refunded when the backend reports its usage). A budget is
-tokens per calendar period (UTC), reserved and refunded the same way; state survives a
-reload (by name), not a restart.
+tokens per calendar period (UTC), reserved and refunded the same way. Where they are
+counted is the limiter's (`limits.py`): in this process (state survives a reload, by
+name, not a restart), or in Redis (`redis_url`: shared by every replica, kept across
+restarts).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import logging
 import time
@@ -27,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import BudgetExhausted, ModelNotAllowed, RateLimited, Unauthorized
-from gateway.keys import KeyEntry, Period, load_keys, period_end
+from gateway.errors import ModelNotAllowed, RateLimited, Unauthorized
+from gateway.keys import KeyEntry, load_keys
+from gateway.limits import Budget, Limiter, MemoryLimiter, TokenBucket, limiter_for
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 
@@ -44,44 +46,6 @@ def key_name(secret: str) -> str:
 def read_keys_file(path: Path) -> list[str]:
     lines = path.read_text().splitlines()
     return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
-
-
-@dataclass
-class TokenBucket:
-    capacity: float  # units per minute; the bucket starts full
-    level: float = -1.0
-    stamp: float = 0.0  # monotonic seconds of the last refill
-
-    def _refill(self, now: float) -> None:
-        if self.level < 0:
-            self.level, self.stamp = self.capacity, now
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.capacity / 60.0)
-        self.stamp = now
-
-    def wait_s(self, amount: float, now: float) -> float:
-        """0 when `amount` is available now, else seconds until it will be."""
-        self._refill(now)
-        deficit = amount - self.level
-        return 0.0 if deficit <= 0 else deficit * 60.0 / self.capacity
-
-    def take(self, amount: float, now: float) -> None:
-        self._refill(now)
-        self.level -= amount
-
-    def give_back(self, amount: float) -> None:
-        self.level = min(self.capacity, self.level + amount)
-
-
-@dataclass
-class Budget:
-    tokens: int  # per period
-    period: Period
-    used: float = 0.0
-    resets_at: float = 0.0  # epoch seconds; 0: not started
-
-    def roll(self, now: float) -> None:
-        if now >= self.resets_at:
-            self.used, self.resets_at = 0.0, period_end(now, self.period)
 
 
 @dataclass
@@ -116,6 +80,7 @@ class Authenticator:
         metrics: GatewayMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        limiter: Limiter | None = None,
     ) -> None:
         self.enabled = enabled
         self.requests_per_min = requests_per_min  # defaults for keys that set none
@@ -123,6 +88,9 @@ class Authenticator:
         self.metrics = metrics or GatewayMetrics()
         self.clock = clock
         self.wall = wall
+        # this process's own limits: the limiter, or the Redis limiter's fallback
+        self.memory = MemoryLimiter(lambda: self.clock(), lambda: self.wall())
+        self.limiter: Limiter = limiter or self.memory
         self.keys_file = keys_file
         self._static = {
             hashlib.sha256(s.encode()).digest(): self._key(key_name(s)) for s in secrets if s
@@ -139,7 +107,7 @@ class Authenticator:
         raw = [k.get_secret_value() for k in s.api_keys]
         if s.api_keys_file is not None:
             raw += read_keys_file(s.api_keys_file)
-        return cls(
+        auth = cls(
             s.auth_enabled,
             raw,
             keys_file=s.keys_file,
@@ -147,6 +115,9 @@ class Authenticator:
             tokens_per_min=s.key_tokens_per_min,
             metrics=metrics,
         )
+        url = s.redis_url.get_secret_value() if s.redis_url is not None else None
+        auth.limiter = limiter_for(url, s.redis_timeout_s, metrics, auth.memory)
+        return auth
 
     # --- keys --------------------------------------------------------------------
     def _key(self, name: str, entry: KeyEntry | None = None) -> Key:
@@ -222,10 +193,9 @@ class Authenticator:
                 param="model",
             )
 
-    def admit(self, key: Key, tokens: int) -> None:
+    async def admit(self, key: Key, tokens: int) -> None:
         """Take one request and `tokens` from the key's buckets and budget, or raise
         RateLimited / BudgetExhausted (nothing taken then)."""
-        now = self.clock()
         if key.tokens is not None and tokens > key.tokens.capacity:
             raise RateLimited(
                 f"this request needs {tokens} tokens (prompt + max_tokens) but your key may"
@@ -233,61 +203,12 @@ class Authenticator:
                 "lower max_tokens or shorten the prompt",
                 retry_after_s=60,
             )
-        budget = key.budget
-        if budget is not None:
-            wall = self.wall()
-            budget.roll(wall)
-            if budget.used + tokens > budget.tokens:
-                self._exhausted(key, budget, tokens, wall)
-        waits = []
-        if key.requests is not None:
-            waits.append(("requests", key.requests.capacity, key.requests.wait_s(1, now)))
-        if key.tokens is not None:
-            waits.append(("tokens", key.tokens.capacity, key.tokens.wait_s(tokens, now)))
-        blocked = [(what, limit, w) for what, limit, w in waits if w > 0]
-        if blocked:
-            what, limit, wait = max(blocked, key=lambda b: b[2])
-            raise RateLimited(
-                f"rate limit reached: {int(limit)} {what} per minute for this key",
-                f"retry in {wait:.1f} s",
-                retry_after_s=wait,
-            )
-        if key.requests is not None:
-            key.requests.take(1, now)
-        if key.tokens is not None:
-            key.tokens.take(tokens, now)
-        if budget is not None:
-            budget.used += tokens
+        await self.limiter.admit(key, tokens)
         key.usage["requests"].inc()
-
-    def _exhausted(self, key: Key, budget: Budget, tokens: int, wall: float) -> None:
-        left = max(0, int(budget.tokens - budget.used))
-        at = dt.datetime.fromtimestamp(budget.resets_at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        wait = budget.resets_at - wall
-        what = (
-            f"token budget exhausted: the key {key.name!r} has used its {budget.tokens} tokens"
-            f" for this {budget.period}"
-            if left == 0
-            else f"token budget exhausted: this request needs up to {tokens} tokens (prompt +"
-            f" max_tokens) but the key {key.name!r} has {left} of its {budget.tokens} tokens"
-            f" for this {budget.period} left"
-        )
-        what += "."
-        raise BudgetExhausted(
-            what,
-            f"the budget resets at {at} (in {int(wait)} s); lower max_tokens, or ask for a"
-            " larger budget",
-            retry_after_s=wait,
-        )
 
     def refund(self, key: Key, tokens: int) -> None:
         """Give back reserved tokens the request did not use."""
-        if tokens <= 0:
-            return
-        if key.tokens is not None:
-            key.tokens.give_back(tokens)
-        if key.budget is not None:
-            key.budget.used = max(0.0, key.budget.used - tokens)
+        self.limiter.refund(key, tokens)
 
     def record_usage(self, key: Key, prompt: int, completion: int) -> None:
         key.usage["prompt"].inc(prompt)

@@ -9,7 +9,8 @@
         ├── Unauthorized             401  missing or wrong API key (reason unauthorized)
         ├── UnknownModel             404  no backend lists the model (reason unknown_model)
         ├── ModelNotAllowed          403  the key may not use the model (reason model_not_allowed)
-        ├── RateLimited              429  per-key requests or tokens per minute (reason rate_limited)
+        ├── RateLimited              429  per-key requests or tokens per minute (reason rate_limited),
+        │                                 with x-ratelimit-limit|remaining|reset-requests|tokens
         ├── BudgetExhausted          429  the key's token budget for the period is spent, until it resets
         ├── Overloaded               429  every eligible backend saturated (reason overloaded)
         ├── UpstreamRejected         the backend's own 4xx/5xx, passed through verbatim
@@ -114,8 +115,31 @@ class _RetryLater(GatewayError):
 
 
 class RateLimited(_RetryLater):
+    """`limit`: (what, per minute, remaining, seconds until full again) of the bucket that
+    refused: the `x-ratelimit-*-requests|tokens` headers OpenAI's API sends."""
+
     code = "rate_limit_exceeded"
     reason = "rate_limited"
+
+    def __init__(
+        self,
+        message: str,
+        hint: str = "",
+        *,
+        retry_after_s: float,
+        limit: tuple[str, int, int, float] | None = None,
+    ) -> None:
+        super().__init__(message, hint, retry_after_s=retry_after_s)
+        self.limit = limit
+
+    def headers(self) -> dict[str, str]:
+        out = super().headers()
+        if self.limit is not None:
+            what, per_min, remaining, reset_s = self.limit
+            out[f"x-ratelimit-limit-{what}"] = str(per_min)
+            out[f"x-ratelimit-remaining-{what}"] = str(remaining)
+            out[f"x-ratelimit-reset-{what}"] = f"{round(max(0.0, reset_s), 3):g}s"
+        return out
 
 
 class BudgetExhausted(_RetryLater):

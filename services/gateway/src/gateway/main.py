@@ -120,6 +120,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 await task
             await upstream.aclose()
             await scrape_client.aclose()
+            await auth.limiter.aclose()
 
     app = GatewayApp(title="lorastack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.proxy = proxy

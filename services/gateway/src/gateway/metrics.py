@@ -148,6 +148,19 @@ class GatewayMetrics:
             [*k, "reason"],
             registry=r,
         )
+        self.redis_up = Gauge(
+            "lorastack_gateway_redis_up",
+            "1 while the Redis holding the shared per-key limits answers (redis_url set);"
+            " 0: this replica counts its own limits until it answers again",
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "lorastack_gateway_redis_errors_total",
+            "Redis calls for per-key limits that failed, by operation (admit, refund); the"
+            " request was checked against this replica's own limits instead",
+            ["op"],
+            registry=r,
+        )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
 

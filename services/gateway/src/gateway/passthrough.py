@@ -41,7 +41,7 @@ async def passthrough(
         proxy.auth.check_model(key, model)
         if embed:
             proxy.backends.require_embeddings(model)
-        proxy.auth.admit(key, 0)  # counts as a request, uses no tokens
+        await proxy.auth.admit(key, 0)  # counts as a request, uses no tokens
         route = RouteRequest(model, adapter=info.parent is not None, embed=embed)
         call = await proxy.send(route, path, raw, rid)
         try:

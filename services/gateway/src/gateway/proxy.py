@@ -220,7 +220,7 @@ class Proxy:
             self.metrics.clamped.inc()
             changed = True
         reserved = sum(counts) + out_tokens * req.n * len(counts)
-        self.auth.admit(key, reserved)
+        await self.auth.admit(key, reserved)
         # the Responses API always reports usage (in its last event)
         client_wants_usage = route == "responses" or bool(
             (req.stream_options or {}).get("include_usage")

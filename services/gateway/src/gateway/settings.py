@@ -105,6 +105,16 @@ class GatewaySettings(CommonSettings):
     key_tokens_per_min: int = Field(
         0, ge=0, description="per key, prompt + max_tokens (refunded to usage); 0 = unlimited"
     )
+    redis_url: SecretStr | None = Field(
+        None,
+        description="redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS, unix:///path.sock):"
+        " per-key limits and budgets held there, shared by every gateway replica that names"
+        " it; unset = each process counts its own. Unreachable: each replica falls back to its"
+        " own limits (logged; lorastack_gateway_redis_up 0) until it answers again",
+    )
+    redis_timeout_s: float = Field(
+        0.25, gt=0, le=10, description="connect and reply timeout of one Redis call (seconds)"
+    )
 
     @field_validator("backends", "api_keys", mode="before")
     @classmethod
@@ -147,6 +157,19 @@ class GatewaySettings(CommonSettings):
             slots = {url: slots.get(url, default) for url in self.backends}
         self.backend_max_num_seqs = slots
         return self
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None or not v.get_secret_value().strip():
+            return None
+        scheme = v.get_secret_value().partition("://")[0]
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss:// or unix:// (got {scheme!r}:"
+                " e.g. redis://127.0.0.1:6379/0)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _keys_when_auth(self) -> GatewaySettings:
