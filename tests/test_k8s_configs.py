@@ -12,10 +12,13 @@ import argparse
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from kustomize_lite import render
+
+from lorastack_testing.redis_server import require_redis_server, serve_redis
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ["deploy/k8s/base", "deploy/k8s/overlays/multi-gpu-training"]
@@ -67,10 +70,19 @@ class Pod:
         return self.args[i + 2 :]
 
 
+KINDS = {"Deployment", "StatefulSet", "Job"}
+
+
+def runs_lorastack(workload: dict[str, Any]) -> bool:
+    args = workload["spec"]["template"]["spec"]["containers"][0].get("args", [""])
+    return args[0] in ("lorastack", "torchrun")
+
+
 def pods(folder: str, root: Path) -> list[Pod]:
+    """The workloads that run a lorastack service (not the Redis of the gateways' limits)."""
     docs = render(REPO / folder)
-    kinds = {"Deployment", "StatefulSet", "Job"}
-    return [Pod(docs, d, root / folder.replace("/", "_")) for d in docs if d["kind"] in kinds]
+    at = root / folder.replace("/", "_")
+    return [Pod(docs, d, at) for d in docs if d["kind"] in KINDS and runs_lorastack(d)]
 
 
 def clear_lorastack_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,6 +151,43 @@ def test_gateway_takes_the_served_models_tokenizer_from_the_store(
     # the name clients send (vLLM's) -> the store artifact, not vLLM's local path
     assert gateway.tokenizers == {serve.resolved_served_name: serve.model}
     assert serve.resolved_served_name != serve.model  # the case that used to answer 503
+
+
+def test_gateway_replicas_share_limits_through_the_manifests_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LORASTACK_REDIS_URL names the Service and port of the Redis Deployment, the network
+    policy lets the gateway pods in, and Debian's redis-server takes the manifest's args."""
+    docs = render(REPO / FOLDERS[0])
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    (pod,) = [p for p in pods(FOLDERS[0], tmp_path) if p.lorastack_argv()[0] == "gateway"]
+    with monkeypatch.context() as m:
+        gateway = check_gateway(parse(pod, m))
+    assert by_name[("Deployment", "gateway")]["spec"]["replicas"] > 1
+    assert gateway.redis_url is not None, "replicas without Redis give a key N x its limit"
+    url = urlsplit(gateway.redis_url.get_secret_value())
+    service = by_name[("Service", url.hostname)]
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+    others = [d for d in docs if d["kind"] in KINDS and not runs_lorastack(d)]
+    (redis,) = [d for d in others if _selects(service["spec"]["selector"], d)]
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in [p["containerPort"] for p in container["ports"]]
+    policy = by_name[("NetworkPolicy", "redis")]["spec"]
+    assert _selects(policy["podSelector"]["matchLabels"], redis)
+    (allowed,) = policy["ingress"]
+    assert _selects(
+        allowed["from"][0]["podSelector"]["matchLabels"], by_name[("Deployment", "gateway")]
+    )
+    assert allowed["ports"][0]["port"] == port["targetPort"]
+    assert container["args"][0] == "redis-server"
+    require_redis_server()
+    with serve_redis(options=container["args"][1:]):
+        pass  # it started with them and answered PING (else RuntimeError with its log)
+
+
+def _selects(labels: dict[str, str], workload: dict[str, Any]) -> bool:
+    pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(pod_labels.get(k) == v for k, v in labels.items())
 
 
 def test_a_broken_embedded_config_is_caught(

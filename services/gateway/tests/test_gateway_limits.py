@@ -30,7 +30,7 @@ from gateway.limits import Budget, MemoryLimiter, RedisLimiter, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from lorastack_testing.net import free_port
-from lorastack_testing.redis_server import MISSING, redis_binary, serve_redis
+from lorastack_testing.redis_server import require_redis_server, serve_redis
 
 
 def admit(auth: Authenticator, key: Key, tokens: int) -> None:
@@ -40,10 +40,7 @@ def admit(auth: Authenticator, key: Key, tokens: int) -> None:
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    if redis_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail(MISSING)
-        pytest.skip(MISSING)
+    require_redis_server()
     with serve_redis() as url:
         yield url
 

@@ -4,12 +4,13 @@ folder, with nothing persisted: for tests of what the gateway keeps in Redis."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from lorastack_testing.net import free_port
 
@@ -23,6 +24,17 @@ def redis_binary() -> str | None:
     return shutil.which("redis-server")
 
 
+def require_redis_server() -> None:
+    """In a test: skip it, naming the package, where redis-server is missing; fail it
+    instead where CI is set (CI installs the package: scripts/setup.sh)."""
+    import pytest
+
+    if redis_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
+
+
 def _pong(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
@@ -33,9 +45,11 @@ def _pong(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve_redis(port: int = 0) -> Iterator[str]:
+def serve_redis(port: int = 0, options: Sequence[str] = ()) -> Iterator[str]:
     """`with serve_redis() as url:` redis://127.0.0.1:PORT/0 until the block ends (the
-    server is killed then). RuntimeError naming the package when the binary is missing."""
+    server is killed then), with `options` (redis-server's command-line options) after
+    ours. RuntimeError naming the package when the binary is missing, or with the server's
+    log when it does not start."""
     binary = redis_binary()
     if binary is None:
         raise RuntimeError(MISSING)
@@ -43,6 +57,7 @@ def serve_redis(port: int = 0) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="lorastack-redis-") as tmp:
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp]
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
+        args += options
         with open(f"{tmp}/redis.log", "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -298,6 +298,7 @@ class RedisLimiter:
         )
         kw = client.connection_pool.connection_kwargs
         where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+        log.info("per-key limits in redis at %s, shared with every replica using it", where)
         return cls(client, metrics, where=f"redis at {where}")
 
     def _keys(self, key: Limited) -> list[str]:
