@@ -217,7 +217,7 @@ def test_redis_down_or_silent_falls_back_to_this_replicas_limits(
         with pytest.raises(RateLimited, match="2 requests per minute"):
             await lim.admit(one, 0)  # this replica's own bucket still limits
         assert time.monotonic() - t0 < 1.0
-        assert metrics.redis_up._value.get() == 0
+        assert metrics.redis_up.labels(f"127.0.0.1:{port}")._value.get() == 0
         assert metrics.redis_errors.labels("admit")._value.get() == 1  # then 1 s of memory
         warnings = [r.getMessage() for r in caplog.records]
         assert len(warnings) == 1 and f"redis at 127.0.0.1:{port} unreachable" in warnings[0]
@@ -236,9 +236,9 @@ def test_redis_down_or_silent_falls_back_to_this_replicas_limits(
         with serve_redis(port):
             lim = RedisLimiter.from_url(f"redis://127.0.0.1:{port}/0", 0.25, metrics)
             lim._down, lim._down_until = True, 0.0  # as after an outage
-            metrics.redis_up.set(0)
+            metrics.redis_up.labels(f"127.0.0.1:{port}").set(0)
             await lim.admit(key("three", rpm=1), 0)
-            assert metrics.redis_up._value.get() == 1
+            assert metrics.redis_up.labels(f"127.0.0.1:{port}")._value.get() == 1
             assert "answers again" in caplog.records[-1].getMessage()
             await lim.aclose()
 
@@ -327,7 +327,8 @@ def test_two_gateway_processes_enforce_one_keys_limit(
         admitted = []
         for url in urls:
             text = httpx.get(f"{url}/metrics").text
-            assert "lorastack_gateway_redis_up 1.0" in text
+            redis = redis_url.removeprefix("redis://").removesuffix("/0")
+            assert f'lorastack_gateway_redis_up{{redis="{redis}"}} 1.0' in text
             prefix = 'lorastack_gateway_key_requests_total{key="team"}'
             line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
             admitted.append(float(line.split()[-1]))

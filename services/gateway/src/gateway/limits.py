@@ -14,7 +14,7 @@ the same 429 body and headers.
 Redis unreachable (refused, timed out, any Redis error): the request is checked against
 this process's own buckets instead (fail open to per-replica limits, as LiteLLM's proxy
 does when its Redis cache fails), logged once per outage with the reason, counted in
-`lorastack_gateway_redis_errors_total`, and `lorastack_gateway_redis_up` reads 0; Redis
+`lorastack_gateway_redis_errors_total`, and `lorastack_gateway_redis_up{redis}` reads 0; Redis
 is tried again `REDIS_RETRY_S` later. A request is never refused, nor failed with a 500,
 because Redis is down.
 
@@ -279,7 +279,8 @@ class RedisLimiter:
         self._down_until = 0.0
         self._down = False
         self._pending: set[asyncio.Task[None]] = set()
-        metrics.redis_up.set(1)
+        self._up = metrics.redis_up.labels(where.removeprefix("redis at "))
+        self._up.set(1)
         for op in ("admit", "refund"):
             metrics.redis_errors.labels(op)
 
@@ -311,7 +312,7 @@ class RedisLimiter:
 
     def _failed(self, op: str, e: Exception) -> None:
         self.metrics.redis_errors.labels(op).inc()
-        self.metrics.redis_up.set(0)
+        self._up.set(0)
         self._down_until = time.monotonic() + REDIS_RETRY_S
         if not self._down:
             self._down = True
@@ -327,7 +328,7 @@ class RedisLimiter:
     def _recovered(self) -> None:
         if self._down:
             self._down = False
-            self.metrics.redis_up.set(1)
+            self._up.set(1)
             log.warning("%s answers again: per-key limits are shared again", self.where)
 
     async def admit(self, key: Limited, tokens: int) -> None:

@@ -150,8 +150,9 @@ class GatewayMetrics:
         )
         self.redis_up = Gauge(
             "lorastack_gateway_redis_up",
-            "1 while the Redis holding the shared per-key limits answers (redis_url set);"
-            " 0: this replica counts its own limits until it answers again",
+            "1 while the Redis holding the shared per-key limits answers; 0: this replica"
+            " counts its own limits until it answers again (exported only with redis_url)",
+            ["redis"],
             registry=r,
         )
         self.redis_errors = Counter(
