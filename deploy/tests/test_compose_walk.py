@@ -119,6 +119,7 @@ def compose(hub: FakeHub) -> Iterator[Compose]:
         "MINIO_ROOT_USER": "citest",
         "MINIO_ROOT_PASSWORD": "citest-secret",
         "LORASTACK_API_KEYS": API_KEY,
+        "LORASTACK_ADMIN_KEY": "citest-admin",
         "GRAFANA_ADMIN_PASSWORD": "citest-grafana",
         "HF_TOKEN": HUB_TOKEN,
         "HF_ENDPOINT": f"http://host.docker.internal:{hub.port}",

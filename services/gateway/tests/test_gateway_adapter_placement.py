@@ -1,6 +1,7 @@
 """A LoRA request goes only to a replica whose /v1/models lists the adapter (vLLM lists what
 it has loaded), whatever the other scores say; when the adapter moves, the routes follow
-within a scrape. Two fake vLLM replicas on loopback, a real gateway in front."""
+within a scrape; a declared adapter that no replica lists yet is a 503 with Retry-After.
+Two fake vLLM replicas on loopback, a real gateway in front."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import time
 
 import httpx
 from test_gateway_proxy import chat
+
+from lorastack.settings import CommonSettings
+from lorastack.store import declared, open_store
+from lorastack.store.declared import DeclaredAdapter
 
 SQL = {"id": "sql-lora", "max_model_len": 2048, "parent": "smollm2"}
 
@@ -44,3 +49,31 @@ def test_lora_requests_reach_only_replicas_with_the_adapter_loaded(
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat(model="sql-lora"), timeout=30)
         assert r.status_code in (404, 503) and r.json()["error"]["message"]
         assert len(s2.calls()) == n2
+
+
+def test_a_declared_adapter_no_replica_lists_yet_is_503_with_retry_after(
+    make_gateway, fake, second_fake, tmp_path
+) -> None:
+    """The replicas load what their deployment declares on their own; until one lists the
+    adapter, the gateway says so (503 adapter_loading, Retry-After), never forwards blind."""
+    (url1, s1), (url2, s2) = fake, second_fake
+    store = open_store(CommonSettings(home=tmp_path / "home"))
+    declared.declare(
+        store.backend, "smollm2", DeclaredAdapter(ref="sql/lora:1", served_name="sql-lora")
+    )
+    with make_gateway([url1, url2], declared_refresh_s=0.1) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(model="sql-lora"), timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "adapter_loading"
+        assert "declared for deployment smollm2" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        assert s1.calls() == [] and s2.calls() == []
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(model="no-such"), timeout=30)
+        assert r.status_code == 404  # neither listed nor declared
+
+        s2.models.append(SQL)  # replica 2 has loaded it
+        time.sleep(0.5)
+        assert _backends(gw, "sql-lora") == {url2}
+        assert s1.calls() == []
+        metrics = httpx.get(f"{gw}/metrics").text
+        assert 'lorastack_gateway_rejections_total{reason="adapter_loading"} 1.0' in metrics

@@ -6,7 +6,8 @@ answers again. The model catalog is the union of the models of the backends that
 up. Tokenizers of newly seen base models are loaded in a worker thread here, so the
 first request does not pay for it.
 
-Owns: backend state, the model catalog, tokenizer lookup per model.
+Owns: backend state, the model catalog, tokenizer lookup per model (and asks
+`declared.py` whether a model no backend lists is a declared adapter being loaded).
 Does not own: scoring (routing.py), parsing (scrape.py), proxying (upstream.py).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import anyio
 import httpx
 
+from gateway.declared import DeclaredAdapters
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -56,8 +58,10 @@ class Backends:
         metrics: GatewayMetrics,
         tokenizers: TokenizerCache,
         client: httpx.AsyncClient,
+        declared: DeclaredAdapters | None = None,
     ) -> None:
         self.settings = settings
+        self.declared = declared or DeclaredAdapters(settings)
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.client = client
@@ -95,6 +99,7 @@ class Backends:
                 return  # another caller refreshed while this one waited
             await asyncio.gather(*(self._scrape_one(st) for st in self.states.values()))
             self.last_refresh = time.monotonic()
+            await self.declared.refresh()
             for info in self.catalog().values():
                 source = self.tokenizer_source(info)
                 if self.tokenizers.get(source) is None and source not in self.tokenizer_errors:
@@ -136,6 +141,8 @@ class Backends:
                 "retry later; check the inference service",
             )
         if info is None:
+            await self.declared.refresh(max_age_s=1.0)
+            self.declared.check_loading(name)  # declared, not listed yet: 503 Retry-After
             valid = ", ".join(sorted(self.catalog()))
             raise UnknownModel(
                 f"The model `{name}` does not exist. Valid models: {valid}.",

@@ -15,6 +15,7 @@
         ├── Overloaded               429  every eligible backend saturated (reason overloaded)
         ├── UpstreamRejected         the backend's own 4xx/5xx, passed through verbatim
         ├── UpstreamUnavailable      503  no backend reachable after capped retries
+        ├── AdapterLoading           503  a declared adapter no backend lists yet (Retry-After)
         ├── UpstreamTimeout          504  first byte / idle gap exceeded
         ├── UpstreamBroken           502  the response broke off (mid-stream: one SSE error event)
         └── TokenizerUnavailable     503  no tokenizer for the model, so no exact length check
@@ -157,6 +158,15 @@ class ModelNotAllowed(GatewayError):
 class Overloaded(_RetryLater):
     code = "overloaded"
     reason = "overloaded"
+
+
+class AdapterLoading(_RetryLater):
+    """A declared adapter that no backend lists yet (its replicas are loading it)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+    code = "adapter_loading"
+    reason = "adapter_loading"
 
 
 class UpstreamRejected(GatewayError):

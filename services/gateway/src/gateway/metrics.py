@@ -19,6 +19,7 @@ REJECTION_REASONS = (
     "invalid_request",
     "model_not_allowed",
     "budget_exhausted",
+    "adapter_loading",
 )
 # Kinds of failed upstream attempts; each backend's series start at 0, so the dashboard's
 # errors panel shows 0 instead of "No data" while nothing failed.

@@ -88,6 +88,13 @@ class GatewaySettings(CommonSettings):
     session_weight: float = Field(
         4.0, ge=0, description="routing weight of session stickiness; 0 turns it off"
     )
+    declared_refresh_s: float = Field(
+        5.0,
+        ge=0,
+        description="seconds between reads of the adapters deployments declare in the store: a"
+        " request naming one that no backend lists yet is answered 503 with Retry-After (the"
+        " replicas are loading it) instead of 404; 0 = off",
+    )
     # retries before the first byte only (connection errors, 502, 503)
     retry_attempts: int = Field(3, ge=1, le=10, description="tries in all, first one included")
     retry_backoff_s: float = Field(0.05, ge=0, description="first backoff; doubles, jittered")

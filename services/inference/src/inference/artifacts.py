@@ -39,7 +39,7 @@ class ServedAdapter:
     manifest: Manifest
     path: Path  # verified local folder
     rank: int
-    source: str  # "preload" or "runtime"
+    source: str  # "preload" (the serve config) or "declared" (the deployment's declaration)
     follows: str = ""  # the labelled ref (NAME@LABEL) this adapter follows, if any
 
     def describe(self) -> dict[str, object]:

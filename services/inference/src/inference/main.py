@@ -6,8 +6,10 @@ Routes (the supervisor's own port; vLLM's OpenAI API is on `settings.port`):
     GET    /ready                        200 once loaded and warmed up, else 503
     GET    /status                       model, adapters, KV estimate vs vLLM, restarts, log
     GET    /metrics                      Prometheus text
-    POST   /admin/adapters               {"ref": "NAME[:VERSION]" or "NAME@LABEL"} -> load
-    DELETE /admin/adapters/{served_name}  unload
+    POST   /admin/adapters               {"ref": "NAME[:VERSION]" or "NAME@LABEL"} -> declare
+                                          for the deployment (every replica) and load here
+    DELETE /admin/adapters/{served_name}  withdraw from the deployment and unload here
+    POST   /admin/adapters/refresh       reconcile to the deployment's declared adapters now
     POST   /admin/labels/refresh         look where followed labels point now; switch moved ones
 """
 
@@ -27,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.artifacts import fetch_adapter, fetch_model
+from inference.declared_adapters import AdapterReconciler
 from inference.engine import VllmServer, detect_platform
 from inference.errors import AdminDenied, error_body, http_status
 from inference.kv_cache import Platform, estimate, read_shape
@@ -172,21 +175,25 @@ def create_app(
     plan = plan or prepare(settings, store)
     supervisor = Supervisor(settings, plan, store, server_factory=server_factory)
     follower = LabelFollower(supervisor)
-    registry = build_registry(supervisor, follower)
+    reconciler = AdapterReconciler(supervisor)
+    registry = build_registry(supervisor, follower, reconciler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         supervisor.start()
         follower.start()
+        reconciler.start()
         try:
             yield
         finally:
+            reconciler.stop()
             follower.stop()
             supervisor.stop()
 
     app = FastAPI(title="lorastack inference supervisor", lifespan=lifespan)
     app.state.supervisor = supervisor
     app.state.follower = follower
+    app.state.reconciler = reconciler
 
     @app.exception_handler(LorastackError)
     async def _error(request: Request, exc: LorastackError) -> JSONResponse:
@@ -228,7 +235,11 @@ def create_app(
 
     @app.get("/status")
     def status() -> dict[str, Any]:
-        return {**supervisor.status(), "labels": follower.status()}
+        return {
+            **supervisor.status(),
+            "labels": follower.status(),
+            "declared": reconciler.status(),
+        }
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -246,13 +257,22 @@ def create_app(
     async def load_adapter(request: Request) -> dict[str, object]:
         require_admin(settings, request.headers.get("authorization"))
         body = await _json_body(request, AdapterLoad)
-        loaded = await anyio.to_thread.run_sync(supervisor.load_adapter, body.ref)
-        return loaded.describe()
+        loaded, decl = await anyio.to_thread.run_sync(reconciler.declare, body.ref)
+        return {**loaded.describe(), "declared": {"deployment": decl.deployment, "seq": decl.seq}}
+
+    @app.post("/admin/adapters/refresh")
+    async def refresh_adapters(request: Request) -> dict[str, object]:
+        require_admin(settings, request.headers.get("authorization"))
+        return await anyio.to_thread.run_sync(reconciler.check)
 
     @app.delete("/admin/adapters/{served_name:path}")
-    def unload_adapter(served_name: str, request: Request) -> dict[str, object]:
+    async def unload_adapter(served_name: str, request: Request) -> dict[str, object]:
         require_admin(settings, request.headers.get("authorization"))
-        return {"unloaded": supervisor.unload_adapter(served_name).describe()}
+        unloaded, decl = await anyio.to_thread.run_sync(reconciler.withdraw, served_name)
+        return {
+            "unloaded": unloaded.describe() if unloaded else None,
+            "declared": {"deployment": decl.deployment, "seq": decl.seq},
+        }
 
     @app.post("/admin/labels/refresh")
     async def refresh_labels(request: Request) -> dict[str, object]:

@@ -1,8 +1,8 @@
 """The supervisor's Prometheus metrics, read from the supervisor at scrape time.
 
 A collector in a registry of its own per app (never the global registry): our KV-cache
-estimate next to vLLM's reported figures, readiness, restarts, loaded adapters and the
-labels they follow.
+estimate next to vLLM's reported figures, readiness, restarts, loaded adapters, the
+labels they follow and the deployment's declared adapters.
 """
 
 from __future__ import annotations
@@ -13,14 +13,21 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from inference.declared_adapters import AdapterReconciler
 from inference.label_follow import LabelFollower
 from inference.supervisor import Supervisor
 
 
 class SupervisorCollector(Collector):
-    def __init__(self, supervisor: Supervisor, follower: LabelFollower | None = None) -> None:
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        follower: LabelFollower | None = None,
+        reconciler: AdapterReconciler | None = None,
+    ) -> None:
         self.supervisor = supervisor
         self.follower = follower
+        self.reconciler = reconciler
 
     def collect(self) -> Iterator[Metric]:
         sup = self.supervisor
@@ -85,13 +92,41 @@ class SupervisorCollector(Collector):
             )
             stuck.add_metric([], float(len(self.follower.errors)))
             yield stuck
+        if self.reconciler is not None:
+            yield from declared_metrics(self.reconciler)
+
+
+def declared_metrics(rec: AdapterReconciler) -> Iterator[Metric]:
+    declared = GaugeMetricFamily(
+        "lorastack_inference_declared_adapters",
+        "adapters the deployment's declaration in the store lists (as last read)",
+    )
+    declared.add_metric([], float(len(rec.declaration.adapters)))
+    yield declared
+    changes = CounterMetricFamily(
+        "lorastack_inference_declared_changes",
+        "adapters loaded or unloaded here to match the deployment's declaration",
+        labels=["change"],
+    )
+    changes.add_metric(["load"], float(rec.loads))
+    changes.add_metric(["unload"], float(rec.unloads))
+    yield changes
+    errors = GaugeMetricFamily(
+        "lorastack_inference_declared_errors",
+        "declared adapters this replica cannot serve, or 1 for an unreadable store"
+        " (see /status declared.errors)",
+    )
+    errors.add_metric([], float(len(rec.errors)))
+    yield errors
 
 
 def build_registry(
-    supervisor: Supervisor, follower: LabelFollower | None = None
+    supervisor: Supervisor,
+    follower: LabelFollower | None = None,
+    reconciler: AdapterReconciler | None = None,
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(SupervisorCollector(supervisor, follower))
+    registry.register(SupervisorCollector(supervisor, follower, reconciler))
     return registry
 
 

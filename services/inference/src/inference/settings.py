@@ -9,6 +9,8 @@ so a typo does not silently fall back to a default.
     served_model_name: smollm2            # name clients send as "model"
     adapters: [demo/adapter:3, demo/adapter@promoted]  # demo/adapter-v3 and demo/adapter-promoted
     label_refresh_s: 30                   # seconds between looks at where @labels point now
+    deployment: chat                      # key of its declared adapters; default: served name
+    adapter_sync_s: 5                     # seconds between looks at the declared adapters
     max_model_len: 2048                   # tokens, prompt + output, per request
     max_num_seqs: 8                       # requests running at once
     kv_cache_gib: 1                       # CPU only: KV cache space in GiB
@@ -43,6 +45,18 @@ class InferenceSettings(CommonSettings):
         ge=0.0,
         description="seconds between re-resolving NAME@LABEL adapters in the store (a moved "
         "label is loaded in place under NAME-LABEL); 0 = only on POST /admin/labels/refresh",
+    )
+    deployment: str = Field(
+        "",
+        description="the name under which the store keeps the adapters this deployment serves"
+        " (POST/DELETE /admin/adapters change them; every replica of the same deployment"
+        " loads them); default: the served model name",
+    )
+    adapter_sync_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="seconds between looks at the deployment's declared adapters in the store;"
+        " 0 = only when vLLM (re)starts and on POST /admin/adapters/refresh",
     )
     enable_lora: bool = Field(False, description="allow adapters (on when adapters are listed)")
     max_loras: int = Field(2, ge=1, le=64, description="adapters in one batch")
@@ -94,6 +108,11 @@ class InferenceSettings(CommonSettings):
             parse_ref(ref)
         return v
 
+    @field_validator("deployment")
+    @classmethod
+    def _deployment(cls, v: str) -> str:
+        return validate_name(v, "deployment name") if v else v
+
     @field_validator("served_model_name")
     @classmethod
     def _served(cls, v: str) -> str:
@@ -119,6 +138,10 @@ class InferenceSettings(CommonSettings):
     @property
     def resolved_served_name(self) -> str:
         return served_name(self.model, self.served_model_name)
+
+    @property
+    def resolved_deployment(self) -> str:
+        return self.deployment or self.resolved_served_name
 
     @property
     def resolved_workdir(self) -> Path:

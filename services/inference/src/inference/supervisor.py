@@ -228,7 +228,7 @@ class Supervisor:
 
     # -- adapters ----------------------------------------------------------------------
 
-    def _require_ready(self) -> VllmServer:
+    def require_ready(self) -> VllmServer:
         with self._lock:
             if not self.ready or self.server is None:
                 raise EngineFailed(
@@ -236,22 +236,29 @@ class Supervisor:
                 )
             return self.server
 
-    def load_adapter(self, ref: str) -> ServedAdapter:
-        """Fetch (verified) and load an adapter from the store under `<name>-v<version>`."""
+    def fetch_adapter(self, ref: str, source: str = "declared") -> ServedAdapter:
+        """Resolve, check (kind, base, rank) and fetch (verified) an adapter for this model."""
         if not self.settings.enable_lora:
             raise EngineFailed(
                 "this server runs without LoRA",
                 "restart it with enable_lora: true (or list adapters in the config)",
                 status=409,
             )
-        adapter = fetch_adapter(
+        return fetch_adapter(
             self.store,
             ref,
             self.plan.model,
             max_lora_rank=self.settings.max_lora_rank,
-            source="runtime",
+            source=source,
             workdir=self.settings.resolved_workdir,
         )
+
+    def load_adapter(self, ref: str) -> ServedAdapter:
+        """Fetch (verified) and load an adapter from the store under `<name>-v<version>`."""
+        return self.add_adapter(self.fetch_adapter(ref))
+
+    def check_not_loaded(self, adapter: ServedAdapter) -> None:
+        """Conflict when an adapter of that served name is loaded already."""
         with self._lock:
             if adapter.served_name in self._adapters:
                 raise Conflict(
@@ -260,7 +267,11 @@ class Supervisor:
                     if adapter.follows
                     else "a new version gets a new name: publish and load the next version",
                 )
-        server = self._require_ready()
+
+    def add_adapter(self, adapter: ServedAdapter) -> ServedAdapter:
+        """Load a fetched adapter into vLLM and the registry (a restart keeps it)."""
+        self.check_not_loaded(adapter)
+        server = self.require_ready()
         vllm_api.load_lora(server.base_url, adapter.served_name, adapter.path)
         with self._lock:
             self._adapters[adapter.served_name] = adapter
@@ -275,7 +286,7 @@ class Supervisor:
             old = self._adapters.get(new.served_name)
         if old is None:
             raise NotFound(f"no adapter {new.served_name!r} is loaded", "it was unloaded")
-        server = self._require_ready()
+        server = self.require_ready()
         vllm_api.load_lora(server.base_url, new.served_name, new.path, inplace=True)
         with self._lock:
             self._adapters[new.served_name] = new
@@ -297,7 +308,7 @@ class Supervisor:
                 f"no adapter {served_name!r} is loaded",
                 f"loaded: {', '.join(self.adapters) or 'none'}",
             )
-        server = self._require_ready()
+        server = self.require_ready()
         vllm_api.unload_lora(server.base_url, served_name)
         with self._lock:
             self._adapters.pop(served_name, None)

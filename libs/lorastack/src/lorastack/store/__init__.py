@@ -5,6 +5,7 @@ Layout inside a store, the same for both backends:
     blobs/sha256/<hh>/<sha256>            file contents, addressed by their sha256
     manifests/<name>/@<version>.json      one manifest per published version
     labels/<name>/@<label>/<seq>.json     moves of a label (NAME@LABEL), see labels.py
+    deployments/<name>/adapters/<seq>.json  the adapters a deployment serves, see declared.py
 
 Files are uploaded first as content-addressed blobs (idempotent, so concurrent writers
 never overwrite each other's bytes); the manifest is written last with an exclusive
