@@ -10,14 +10,10 @@ Store contents (session):
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
@@ -26,7 +22,7 @@ from lorastack.store import open_store
 
 sys.path.insert(0, str(Path(__file__).parent))  # inference_testkit
 
-from inference_testkit import RunningServe, ServeStore, make_lora
+from inference_testkit import RunningServe, ServeStore, make_lora, serving
 
 from lorastack_testing.net import free_port
 
@@ -67,7 +63,6 @@ def serve(
 ) -> Iterator[RunningServe]:
     """`lorastack serve` of test/merged + test/adapter:1 (LoRA on), one per session."""
     root = tmp_path_factory.mktemp("srv")
-    port, sup_port = free_port(), free_port()
     config = root / "serve.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -80,44 +75,12 @@ def serve(
                 "kv_cache_gib": 1,
                 "max_loras": 2,
                 "max_lora_rank": 16,
-                "port": port,
-                "supervisor_port": sup_port,
+                "port": free_port(),
+                "supervisor_port": free_port(),
                 "workdir": str(root / "w"),
                 "restart_backoff_s": 1.0,
             }
         )
     )
-    log = root / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lorastack.cli", "serve", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=inference_store.env(),
-            start_new_session=True,
-        )
-    running = RunningServe(
-        f"http://127.0.0.1:{sup_port}", f"http://127.0.0.1:{port}", "merged", config, log, proc
-    )
-    vllm_pids: set[int] = set()
-    try:
-        running.wait_ready()
+    with serving(config, "merged", inference_store.env()) as running:
         yield running
-    finally:
-        try:
-            pid = running.status()["vllm"]["pid"]
-            if pid:
-                vllm_pids.add(pid)
-        except httpx.HTTPError:
-            pass
-        proc.send_signal(signal.SIGTERM)  # the supervisor stops vLLM's process group
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        for pid in vllm_pids:  # belt and braces: a vLLM group the supervisor left behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass

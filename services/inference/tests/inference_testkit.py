@@ -1,17 +1,22 @@
-"""Helpers for the inference tests: peft adapters for the store, the running `lorastack
-serve` handle, a chat call, a free port."""
+"""Helpers for the inference tests: peft adapters for the store, `lorastack serve` as a
+process (`serving`) and its handle, a chat call."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore
@@ -101,3 +106,48 @@ def chat(
     assert r.status_code == 200, r.text
     data: dict[str, Any] = r.json()
     return data
+
+
+@contextlib.contextmanager
+def serving(config: Path, served_name: str, env: dict[str, str]) -> Iterator[RunningServe]:
+    """`lorastack serve CONFIG` as a process of its own, ready; stopped (vLLM too) after."""
+    values = yaml.safe_load(config.read_text())
+    log = config.with_suffix(".log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lorastack.cli", "serve", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    running = RunningServe(
+        f"http://127.0.0.1:{values['supervisor_port']}",
+        f"http://127.0.0.1:{values['port']}",
+        served_name,
+        config,
+        log,
+        proc,
+    )
+    vllm_pids: set[int] = set()
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        try:
+            pid = running.status()["vllm"]["pid"]
+            if pid:
+                vllm_pids.add(pid)
+        except httpx.HTTPError:
+            pass
+        proc.send_signal(signal.SIGTERM)  # the supervisor stops vLLM's process group
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for pid in vllm_pids:  # belt and braces: a vLLM group the supervisor left behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

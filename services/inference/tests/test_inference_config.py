@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +146,32 @@ def test_a_crashed_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 300  # did not sit out the 600 s timeout
     assert "exited with status" in e.value.message
     assert "no-such-architecture" in e.value.message  # vLLM's own words, from the log tail
+
+
+def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The pid file names the group; it is stopped only if it still runs in the workdir."""
+    work = tmp_path / "w"
+    work.mkdir()
+    left = subprocess.Popen(["sleep", "60"], cwd=work, start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], cwd=tmp_path, start_new_session=True)
+    reaper = threading.Thread(target=left.wait)  # as init would reap an orphan
+    reaper.start()
+    try:
+        s = VllmServer(tmp_path, served_name="m", port=1, workdir=work, platform="cpu")
+        s.pid_path.write_text(f"{other.pid}\n")
+        assert not s.stop_leftover()  # runs elsewhere: a reused pid, left alone
+        assert other.poll() is None and not s.pid_path.exists()
+        s.pid_path.write_text(f"{left.pid}\n")
+        assert s.stop_leftover()
+        reaper.join(timeout=10)
+        assert left.returncode == -signal.SIGTERM
+    finally:
+        for p in (left, other):
+            p.kill()
+        reaper.join(timeout=10)
+        other.wait(timeout=10)
 
 
 def test_kv_estimate_cli(embedded_model: Path, capsys: pytest.CaptureFixture[str]) -> None:

