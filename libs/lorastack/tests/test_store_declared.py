@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lorastack.errors import InvalidName
+from lorastack.errors import IntegrityError, InvalidName
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, declared, open_store
 from lorastack.store.declared import DeclaredAdapter
@@ -65,3 +65,11 @@ def test_concurrent_changes_all_land(store: ArtifactStore) -> None:
 def test_a_bad_deployment_name_is_refused(store: ArtifactStore) -> None:
     with pytest.raises(InvalidName, match="deployment name"):
         declared.current(store.backend, "../x")
+
+
+def test_a_damaged_record_is_named_with_what_to_do(store: ArtifactStore) -> None:
+    declared.declare(store.backend, "chat", entry(1))
+    store.backend.put_record(declared.declaration_key("chat", 2), b"{not json")
+    with pytest.raises(IntegrityError, match=r"00000002\.json") as e:
+        declared.current(store.backend, "chat")
+    assert "remove that record" in e.value.hint

@@ -191,3 +191,17 @@ def test_a_killed_replica_comes_back_serving_the_declared_adapter(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_a_damaged_declaration_keeps_what_is_served_and_says_so(
+    store: tuple[ArtifactStore, Manifest], tmp_path: Path, replica: Callable[..., TestClient]
+) -> None:
+    st = store[0]
+    adapter(store, tmp_path, "chat/adapter")
+    a = replica("a")
+    assert a.post("/admin/adapters", json={"ref": "chat/adapter:1"}).status_code == 201
+    st.backend.put_record(declared.declaration_key("tiny", 2), b"{not json")
+    errors = a.post("/admin/adapters/refresh").json()
+    assert "00000002.json" in errors["skipped"] and "remove that record" in errors["skipped"]
+    assert "store" in a.get("/status").json()["declared"]["errors"]
+    assert a.get("/ready").status_code == 200 and "chat/adapter-v1" in listed(a)

@@ -83,7 +83,8 @@ class AdapterReconciler:
                 self.check()
             except Exception:  # top of the thread: keep reconciling whatever happened
                 log.exception("reconciling the declared adapters failed")
-                self.last_check = time.time()
+                self.last_check = time.time()  # next try after the interval, not at once
+                self.synced_start = self.supervisor.started_at
 
     # -- reconciling -------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class AdapterReconciler:
             decl = declared.current(sup.store.backend, self.deployment)
         except LorastackError as e:
             self._note("store", f"cannot read the declared adapters: {e.message}", e.hint)
-            self.last_check = time.time()
+            self.last_check, self.synced_start = time.time(), started
             return {"loaded": [], "unloaded": [], "skipped": self.errors["store"]}
         errors: dict[str, str] = {}
         loaded: list[str] = []

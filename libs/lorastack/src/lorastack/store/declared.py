@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
-from lorastack.errors import Conflict
+from lorastack.errors import Conflict, IntegrityError
 from lorastack.manifest import now_iso, validate_name
 from lorastack.store.backend import Backend
 from lorastack.store.labels import who
@@ -68,8 +68,14 @@ def _latest_seq(backend: Backend, deployment: str) -> int:
 def _read(backend: Backend, deployment: str, seq: int) -> Declaration:
     if seq == 0:
         return Declaration(deployment=deployment)
-    raw = backend.get_record(declaration_key(deployment, seq))
-    return Declaration.model_validate(json.loads(raw))
+    key = declaration_key(deployment, seq)
+    try:
+        return Declaration.model_validate(json.loads(backend.get_record(key)))
+    except (ValueError, ValidationError) as e:  # not JSON, or not a declaration
+        raise IntegrityError(
+            f"{key} in {backend.url} is not a declaration of adapters: {str(e)[:300]}",
+            "remove that record from the store (the one before it is then in force)",
+        ) from None
 
 
 def current(backend: Backend, deployment: str) -> Declaration:
