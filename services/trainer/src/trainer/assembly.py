@@ -76,9 +76,10 @@ def estimate_memory(r: Recipe) -> dict[str, int]:
         micro_batch=cfg.micro_batch,
         seq_len=r.widest(),
         gradient_checkpointing=cfg.gradient_checkpointing,
+        cuda=r.device.type == "cuda",
     )
     write_json(r.run_dir / "memory-estimate.json", found)
-    r.say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items()))
+    r.say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
     return found
 
 
