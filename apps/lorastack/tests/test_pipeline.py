@@ -4,6 +4,8 @@ demo's earlier run is continued, or started afresh when other code left it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -87,3 +89,12 @@ def test_a_demo_checkpoint_without_a_readable_run_manifest_is_started_afresh(
     assert continue_or_restart(open_store(settings), runs, config) == []
     assert "run-manifest.json unreadable" in capsys.readouterr().out
     assert not (runs / RUN).exists()
+
+
+def test_the_command_line_starts_without_torch() -> None:
+    """Every `lorastack` command (a gateway process, too) builds the parser of all of them:
+    torch, 2-9 s to import, waits until a command needs it (the demo's earlier run)."""
+    code = "import sys; from lorastack.cli import build_parser; build_parser();"
+    code += " print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

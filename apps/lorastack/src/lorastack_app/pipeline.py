@@ -30,7 +30,6 @@ from lorastack.errors import NotFound, Refused
 from lorastack.settings import CommonSettings
 from lorastack.sse import EventReader, chunk_text
 from lorastack.store import open_store
-from lorastack_app.earlier_run import continue_or_restart
 from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
 from trainer.config import load_config
 from trainer.settings import TrainerSettings
@@ -154,6 +153,8 @@ def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: boo
     # a second demo continues the first run's checkpoints (or, finished, re-publishes it);
     # a run that other code or another config left starts afresh (before the smoke test:
     # the run's folder holds the smoke run's step time, which the training estimate reads)
+    from lorastack_app.earlier_run import continue_or_restart  # torch: the demo's alone
+
     again = continue_or_restart(
         open_store(settings), settings.resolved_runs_dir, load_config(config, overrides)
     )
