@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,7 @@ def main() -> int:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)  # a copy of the model: ~0.5 GB
     print(json.dumps(out, indent=2))
     return 0
 
