@@ -2,7 +2,7 @@
 its deployment declares, when it joins and when it comes back after a SIGKILL.
 
     .venv/bin/python bench/adapters/replica_recovery.py --model HF_DIR \
-        > bench/adapters/results/replica-recovery-$(date +%F)-$(git rev-parse --short HEAD).json
+        > bench/adapters/results/$(date +%F)-$(git rev-parse --short HEAD).json
 
 HF_DIR is the embedded SmolLM2 folder (`lorastack model import-default` makes it; the
 tests' `embedded_model` fixture converts the same GGUF). In a temporary home (file://
