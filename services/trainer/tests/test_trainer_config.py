@@ -37,6 +37,23 @@ def test_errors_name_the_field(overrides: list[str], names: str) -> None:
     assert names in e.value.message and e.value.hint
 
 
+def test_fsdp_refuses_qlora_and_forced_compile_and_keeps_auto_eager() -> None:
+    import torch
+
+    from trainer.compiling import use_compile
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["distributed=fsdp", "quantization=nf4"])
+    assert "quantization: none" in e.value.message and "distributed: ddp" in e.value.message
+    with pytest.raises(ConfigError, match="compile: auto"):
+        load_config(DEMO, ["distributed=fsdp", "compile=true"])
+    with pytest.raises(ConfigError, match="distributed"):
+        load_config(DEMO, ["distributed=zero3"])
+    cfg = load_config(DEMO, ["distributed=fsdp", "gradient_checkpointing=true"])
+    assert not use_compile(cfg, torch.device("cuda"))  # auto: eager under FSDP
+    assert with_overrides(cfg, ["distributed=ddp"]).config_hash() != cfg.config_hash()
+
+
 def test_override_syntax_and_missing_file(tmp_path: Path) -> None:
     assert parse_overrides(["a.b=1", "a.c=x"]) == {"a": {"b": 1, "c": "x"}}
     with pytest.raises(ConfigError, match="key=value"):

@@ -1,7 +1,7 @@
-"""`torchrun --nproc-per-node 2` trains on the CPU (gloo): the forward goes through DDP,
-the two processes take the micro-batches of each step between them, and the losses equal
-one process's with the same global batch; only rank 0 writes and publishes; killed after
-a checkpoint, two processes resume exactly."""
+"""`torchrun --nproc-per-node 2` trains on the CPU (gloo): the forward goes through DDP
+(or FSDP2's sharded layers, distributed: fsdp), the two processes take the micro-batches of
+each step between them, and the losses equal one process's with the same global batch;
+only rank 0 writes and publishes; killed after a checkpoint, two processes resume exactly."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorastack.store import open_store
 from lorastack_testing.net import free_port
@@ -68,8 +69,15 @@ def test_two_processes_train_as_one_and_resume_exactly(
 
     # killed after its step-1 checkpoint, then resumed on two processes: bit for bit
     cut = write_config("ddp-cut", data, **DDP)
-    proc = torchrun(cut)
-    ckpt = runs / "ddp-cut" / "checkpoints" / "step-00000001"
+    kill_after_step_1(torchrun(cut), runs / "ddp-cut")
+    resumed = finish(torchrun(cut, "--resume"))
+    assert "resumed from" in resumed
+    assert read_series(runs / "ddp-cut" / "metrics", "metrics", "loss") == b
+
+
+def kill_after_step_1(proc: subprocess.Popen[str], run: Path) -> None:
+    """SIGKILL torchrun and its workers once the run's step-1 checkpoint is written."""
+    ckpt = run / "checkpoints" / "step-00000001"
     deadline = time.monotonic() + 900
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -81,7 +89,52 @@ def test_two_processes_train_as_one_and_resume_exactly(
         p.send_signal(signal.SIGKILL)
     psutil.wait_procs(family, timeout=60)
     proc.communicate()
-    assert not (runs / "ddp-cut" / "training-complete.json").exists()
+    assert not (run / "training-complete.json").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_equal_one_and_resume_exactly(
+    trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
+) -> None:
+    """distributed: fsdp, 2 processes x micro-batch 2 against 1 process x micro-batch 4 (the
+    same 4 samples a step): the same losses; the published adapter is a normal PEFT one;
+    killed after a checkpoint, two processes resume bit for bit."""
+    from safetensors.torch import load_file
+
+    from lorastack.chat_data import write_jsonl
+    from trainer.demo_data import make_demo
+
+    data = tmp_path / "fsdp.jsonl"
+    write_jsonl(data, make_demo(13, seed=3))
+    runs = trainer_env.resolved_runs_dir
+    fsdp = {**DDP, "distributed": "fsdp"}
+    one = {**DDP, "micro_batch": 4, "grad_accum": 1}
+    single = subprocess.run(
+        [sys.executable, "-m", "lorastack.cli", "train", str(write_config("fsdp-one", data, **one))],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    out = finish(torchrun(write_config("fsdp-two", data, **fsdp)))
+    assert out.count("published fsdp-two/adapter") == 1  # rank 0 alone
+    a = read_series(runs / "fsdp-one" / "metrics", "metrics", "loss")
+    b = read_series(runs / "fsdp-two" / "metrics", "metrics", "loss")
+    assert list(a) == list(b) == [1, 2, 3]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    val_a = read_series(runs / "fsdp-one" / "metrics", "eval", "val_loss")
+    val_b = read_series(runs / "fsdp-two" / "metrics", "eval", "val_loss")
+    assert val_b and val_b == pytest.approx(val_a, rel=1e-5)  # evaluated through the shards
+    weights = [load_file(runs / n / "adapter" / "adapter_model.safetensors") for n in
+               ("fsdp-one", "fsdp-two")]  # fmt: skip
+    assert set(weights[0]) == set(weights[1])  # PEFT's names, whole tensors
+    for k, w in weights[0].items():
+        assert weights[1][k].shape == w.shape
+        assert torch.allclose(weights[1][k], w, atol=1e-5), k
+
+    cut = write_config("fsdp-cut", data, **fsdp)
+    kill_after_step_1(torchrun(cut), runs / "fsdp-cut")
     resumed = finish(torchrun(cut, "--resume"))
     assert "resumed from" in resumed
-    assert read_series(runs / "ddp-cut" / "metrics", "metrics", "loss") == b
+    assert read_series(runs / "fsdp-cut" / "metrics", "metrics", "loss") == b
+    again = load_file(runs / "fsdp-cut" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(again[k], w) for k, w in weights[1].items())

@@ -1,7 +1,7 @@
 """What the recipe's setup assembles once the data is prepared: the run manifest (what
 --resume compares), the data and test splits published, the memory estimate, the model
-with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped on
-several processes), and the live metrics. Preparing the data is trainer.prepare; the order
+with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped or
+FSDP-sharded on several processes), and the live metrics. Preparing the data is trainer.prepare; the order
 of the steps, and the resume in between, stay in trainer.recipe.Recipe.setup.
 """
 
@@ -17,7 +17,7 @@ from lorastack.manifest import Manifest, git_commit
 from trainer import checkpoint
 from trainer.batching import lr_factor
 from trainer.compiling import CompileRun
-from trainer.distributed import wrap_ddp
+from trainer.distributed import wrap
 from trainer.live import LiveRun
 from trainer.memory import estimate, human
 from trainer.metrics import library_versions, write_json
@@ -90,22 +90,24 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(r: Recipe) -> str:
-    """Seed, load the model (maybe compiled), wrap its loss for training (DDP on several
-    processes), and make the optimizer and schedule; returns the compile note for the
+    """Seed, load the model (maybe compiled), wrap its loss for training (DDP or FSDP on
+    several processes), and make the optimizer and schedule; returns the compile note for the
     start line."""
     cfg, settings = r.config, r.settings
     seed_everything(cfg.seed)
-    r.model = load_model(r.base_dir, cfg, r.device)
+    sharded = cfg.distributed == "fsdp" and settings.world_size > 1
+    r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded)  # fully_shard moves it
     r.peft = r.model
     r.compiler = CompileRun(
         cfg, r.device, r.model_config, settings.resolved_cache_dir / "torch-compile"
     )
     compiling = r.compiler.begin(r.peft)
     r.lap("load_model")
-    # training calls the loss through one module; DDP wraps it on several processes
+    # training calls the loss through one module; DDP wraps (FSDP shards) it on several
+    # processes
     r.train_loss = LossModule(r.peft)
     if settings.world_size > 1:
-        r.train_loss = wrap_ddp(r.train_loss, cfg, settings.world_size, r.device)
+        r.train_loss = wrap(r.train_loss, cfg, settings.world_size, r.device, r.mode)
     r.model.train()
     params = [p for p in r.peft.parameters() if p.requires_grad]
     r.trainable = sum(p.numel() for p in params)

@@ -58,11 +58,12 @@ def fit(r: Recipe) -> RunConfig:
     """The run's config with the micro-batch the GPU fits (CUDA only; else unchanged)."""
     cfg = r.config
     effective = cfg.micro_batch * cfg.grad_accum
+    keeping = f"keeping micro_batch={cfg.micro_batch}, grad_accum={cfg.grad_accum}"
     if r.device.type != "cuda":
-        r.say(
-            f"auto-batch: probing needs a CUDA device; keeping micro_batch={cfg.micro_batch}, "
-            f"grad_accum={cfg.grad_accum}",
-        )
+        r.say(f"auto-batch: probing needs a CUDA device; {keeping}")
+        return cfg
+    if cfg.distributed == "fsdp" and r.settings.world_size > 1:
+        r.say(f"auto-batch: the probe loads the whole model on one GPU, not under FSDP; {keeping}")
         return cfg
     model = load_model(r.base_dir, cfg, r.device)
     seq = r.widest()

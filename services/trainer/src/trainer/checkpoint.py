@@ -1,15 +1,16 @@
 """Checkpoints and the run manifest that guards `--resume`.
 
 A checkpoint folder `step-NNNNNNNN/` holds `adapter/` (adapter_config.json +
-adapter_model.safetensors), `optimizer.pt`, `scheduler.pt`, `rng.pt` (torch, CUDA,
-python and numpy states), `trainer-state.json` (step = data position: the batch order is
-derived from (seed, epoch), so the step fixes it) and `run-manifest.json`. It is written
-into a temporary folder, fsynced, then renamed: a reader never sees a torn checkpoint.
-A process killed at any moment (kill -9 included) leaves the step folders whole: what it
-was writing stays a `.tmp-*` folder, what it was removing was renamed to `.trash-*`
-first, and `local_steps` clears both (putting back a step a rewrite had set aside). A
-write that fails (disk full) removes its temporary folder and raises
-CheckpointWriteFailed: the previous checkpoint stays the latest.
+adapter_model.safetensors), `optimizer.pt` (keyed by parameter name under FSDP),
+`scheduler.pt`, `rng.pt` (torch, CUDA, python and numpy states), `trainer-state.json`
+(step = data position: the batch order is derived from (seed, epoch), so the step fixes
+it) and `run-manifest.json`. It is written into a temporary folder, fsynced, then
+renamed: a reader never sees a torn checkpoint. A process killed at any moment (kill -9
+included) leaves the step folders whole: what it was writing stays a `.tmp-*` folder,
+what it was removing was renamed to `.trash-*` first, and `local_steps` clears both
+(putting back a step a rewrite had set aside). A write that fails (disk full) removes its
+temporary folder and raises CheckpointWriteFailed: the previous checkpoint stays the
+latest.
 
 `manifest_diff` compares two run manifests and returns what changed, ignoring the
 config fields declared safe to change (config.SAFE_TO_CHANGE) and the config fields the
@@ -29,8 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer import sharding
 from trainer.config import SAFE_TO_CHANGE, is_default
 from trainer.errors import CheckpointWriteFailed
+from trainer.sharding import Gathered
 
 PREFIX = "step-"
 NOT_COMPARED = frozenset({"git_commit"})  # informational: other services' commits move HEAD
@@ -138,18 +141,24 @@ def save(
     scheduler: Any,
     state: dict[str, Any],
     run_manifest: dict[str, Any],
+    gathered: Gathered | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically under `root`; returns its folder. Raises
-    CheckpointWriteFailed (nothing written, the previous checkpoints untouched) when the
-    disk is full or another OS error stops the write."""
+    """Write checkpoint `step` atomically under `root`; returns its folder. `gathered`:
+    the adapter and optimizer state of a sharded model, gathered whole (trainer.sharding).
+    Raises CheckpointWriteFailed (nothing written, the previous checkpoints untouched) when
+    the disk is full or another OS error stops the write."""
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "adapter")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if gathered is None:
+            model.save_pretrained(tmp / "adapter")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        else:  # a normal PEFT adapter all the same
+            model.save_pretrained(tmp / "adapter", state_dict=gathered.adapter)
+            torch.save(gathered.optimizer, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_states(), tmp / "rng.pt")
         (tmp / "trainer-state.json").write_text(
@@ -199,22 +208,32 @@ def _is_disk_full(e: BaseException) -> bool:
 def load_adapter(folder: Path, model: Any) -> None:
     """Put the adapter weights of checkpoint `folder` into `model`."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    weights = _adapter_weights(folder)
     result = set_peft_model_state_dict(model, weights)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise RuntimeError(f"checkpoint {folder} has unexpected adapter keys {unexpected[:3]}")
 
 
+def _adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+
+
 def load_into(
-    folder: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any
+    folder: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, root: Any = None
 ) -> dict[str, Any]:
     """Restore adapter, optimizer and scheduler from `folder`; returns trainer-state.
+    `root`: the module training calls, sharded by FSDP or not (trainer.sharding).
     Call `set_rng_states(load_rng(folder))` last, after everything that draws numbers."""
-    load_adapter(folder, model)
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
+    if sharding.is_sharded(root):
+        sharding.load(root, model, optimizer, _adapter_weights(folder), optim_state, str(folder))
+    else:
+        load_adapter(folder, model)
+        optimizer.load_state_dict(optim_state)
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     state: dict[str, Any] = json.loads((folder / "trainer-state.json").read_text())
     return state

@@ -55,9 +55,12 @@ def use_compile(config: RunConfig, device: torch.device) -> bool:
     and kept the weights for backward, 8B: 29.0 GiB against eager's 18.8; off on the CPU:
     a long compile for little gain), and then only where choose_compile says it pays. Both need a
     compiler (Triton builds its launcher with a C compiler; inductor's CPU code is C++):
-    auto without one stays eager, true without one is a ConfigError."""
+    auto without one stays eager, true without one is a ConfigError. Under distributed: fsdp
+    auto stays eager (true is refused by the config: compiled sharded layers are untested)."""
     choice = config.compile
-    auto_off = device.type != "cuda" or not config.gradient_checkpointing
+    auto_off = (
+        device.type != "cuda" or not config.gradient_checkpointing or config.distributed == "fsdp"
+    )
     if choice is False or (choice == "auto" and auto_off):
         return False
     env, *names = ("CC", "gcc", "clang") if device.type == "cuda" else ("CXX", "g++", "clang++")

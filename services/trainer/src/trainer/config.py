@@ -158,6 +158,13 @@ class RunConfig(_Strict):
     fused_lora: bool = Field(
         True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"
     )
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="under torchrun with several processes: ddp = every GPU holds the whole "
+        "model (fastest while it fits); fsdp = each decoder layer's weights sharded over the "
+        "processes (FSDP2 fully_shard) for a model that does not fit one GPU (trainer.sharding); "
+        "one process trains unsharded either way",
+    )
     select: Literal["best_val_loss", "last"] = Field(
         "best_val_loss",
         description="which adapter is published: the evaluation with the lowest validation "
@@ -224,6 +231,18 @@ class RunConfig(_Strict):
             raise ValueError(
                 "max_cost needs price_per_gpu_hour (the cost of a run is GPU-hours x that price)"
             )
+        if self.distributed == "fsdp" and self.quantization != "none":
+            raise ValueError(
+                f"quantization: {self.quantization} (QLoRA) is not supported with distributed: "
+                "fsdp: bitsandbytes shards 4-bit weights only with bnb_4bit_quant_storage set "
+                "to the compute dtype, a path not tested here; set quantization: none (LoRA on "
+                "a bf16 base, sharded) or distributed: ddp (QLoRA, the whole model on each GPU)"
+            )
+        if self.distributed == "fsdp" and self.compile is True:
+            raise ValueError(
+                "compile: true is not supported with distributed: fsdp (the compiled decoder "
+                "is not tested with sharded layers); set compile: auto (FSDP runs eager) or false"
+            )
         return self
 
     def config_hash(self) -> str:
@@ -233,6 +252,8 @@ class RunConfig(_Strict):
             data.pop(key, None)
         if data.get("chat_template") is None:  # the hash of runs from before the field
             data.pop("chat_template", None)
+        if data.get("distributed") == "ddp":  # likewise
+            data.pop("distributed", None)
         return "sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

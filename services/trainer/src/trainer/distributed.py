@@ -1,15 +1,17 @@
-"""Several processes under torchrun: DistributedDataParallel around the loss, each
+"""Several processes under torchrun: DistributedDataParallel (or FSDP2, `distributed: fsdp`,
+trainer.sharding) around the loss, gradient sync on a step's last micro-batch only, each
 process's share of a step's micro-batches, the few values the processes agree on, and the
 process group's end.
 
 The global batch is micro_batch x grad_accum whatever the number of processes: each of N
-takes grad_accum / N micro-batches of every step. Gradients are averaged by DDP, so the
-recipe scales each process's loss by N to keep their sum.
+takes grad_accum / N micro-batches of every step. Gradients are averaged by DDP (FSDP's
+reduce-scatter too), so the recipe scales each process's loss by N to keep their sum.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import contextlib
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -19,7 +21,8 @@ from trainer.config import RunConfig
 T = TypeVar("T")
 
 
-def wrap_ddp(module: Any, cfg: RunConfig, world: int, device: torch.device) -> Any:
+def wrap(module: Any, cfg: RunConfig, world: int, device: torch.device, mode: str) -> Any:
+    """`module` (the loss module) in DistributedDataParallel, or sharded (distributed: fsdp)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -32,8 +35,22 @@ def wrap_ddp(module: Any, cfg: RunConfig, world: int, device: torch.device) -> A
         )
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.distributed == "fsdp":
+        from trainer.sharding import shard
+
+        return shard(module, module.model, device, mode)
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids)
+
+
+def syncing(module: Any, last: bool) -> contextlib.AbstractContextManager[None]:
+    """Gradient sync over the processes only on a step's last micro-batch: DDP's no_sync
+    before it, FSDP's reduce-scatter only after it."""
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(last)
+    elif not last and hasattr(module, "no_sync"):  # DDP
+        return cast(contextlib.AbstractContextManager[None], module.no_sync())
+    return contextlib.nullcontext()
 
 
 def shut_down(world: int) -> None:

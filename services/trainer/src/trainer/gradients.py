@@ -1,19 +1,19 @@
 """One optimizer step's batches and gradients: the step's micro-batches from the plan
 (refused when no token is supervised), this process's share of the step's micro-batches
 (trainer.distributed.my_share), each collated, its loss scaled to the step's supervised
-tokens (all processes) and run backward, with DDP's gradient sync only on the last one;
+tokens (all processes) and run backward, with the gradient sync (DDP's, FSDP's) only on
+the last one;
 the step's loss, summed over processes. Clipping and the optimizer step stay in
 trainer.recipe.Recipe.train.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 from trainer.batching import collate_micro_batch, supervised_count
 from trainer.compiling import mark_dynamic_width
-from trainer.distributed import my_share, sum_over_ranks
+from trainer.distributed import my_share, sum_over_ranks, syncing
 from trainer.errors import SmokeFailed
 from trainer.samples import Sample
 
@@ -49,10 +49,7 @@ def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> floa
         batch = {k: v.to(r.device) for k, v in tensors.items()}
         if compiled and pack_to is None:
             mark_dynamic_width(batch)
-        sync_ctx = (
-            r.train_loss.no_sync() if world > 1 and j < len(mine) - 1 else contextlib.nullcontext()
-        )
-        with sync_ctx:
+        with syncing(r.train_loss, j == len(mine) - 1):
             # DDP averages gradients over processes: * world gives their sum
             loss = r._step_loss(batch) / n_sup * world
             if weight != 1.0:

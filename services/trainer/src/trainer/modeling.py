@@ -86,8 +86,11 @@ def read_model_config(base_dir: Path) -> dict[str, Any]:
     return cfg
 
 
-def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
-    """The base model from `base_dir` with fresh LoRA adapters (seeded by config.seed)."""
+def load_model(
+    base_dir: Path, config: RunConfig, device: torch.device, on_host: bool = False
+) -> Any:
+    """The base model from `base_dir` with fresh LoRA adapters (seeded by config.seed), in
+    `device`'s compute dtype; left in host memory with `on_host` (FSDP moves its shards)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -103,7 +106,7 @@ def load_model(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model: Any = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
     model.config.use_cache = False
-    if config.quantization != "nf4":
+    if config.quantization != "nf4" and not on_host:
         model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)  # only the LoRA weights train

@@ -92,14 +92,13 @@ def kept_best(r: Recipe) -> int | None:
 
 
 def select_adapter(r: Recipe) -> dict[str, Any]:
-    """Load the weights of the step `select` picks into the model (trainer.selection)."""
+    """The step `select` picks (trainer.selection), its checkpoint here (publish_adapter
+    publishes that checkpoint's adapter: under FSDP the model holds shards)."""
     step, why = selected_step(r.val_losses, r.config.select, r.step)
-    if step != r.step:
-        folder = checkpoint.step_dir(r.ckpt_root, step)
-        if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
-            name = f"{r.config.output}/checkpoints"
-            r.store.get(r.store.manifest(name, str(step)), folder)
-        checkpoint.load_adapter(folder, r.peft)
+    folder = checkpoint.step_dir(r.ckpt_root, step)
+    if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
+        name = f"{r.config.output}/checkpoints"
+        r.store.get(r.store.manifest(name, str(step)), folder)
     r.say(f"publishing the adapter of step {step}: {why}")
     return {"step": step, "why": why}
 
@@ -130,7 +129,9 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     cfg = r.config
     folder = r.run_dir / "adapter"
     shutil.rmtree(folder, ignore_errors=True)
-    r.peft.save_pretrained(folder)
+    shutil.copytree(
+        checkpoint.step_dir(r.ckpt_root, completion["selected"]["step"]) / "adapter", folder
+    )
     adapter_cfg = folder / "adapter_config.json"
     data = json.loads(adapter_cfg.read_text())
     data["base_model_name_or_path"] = r.base.ref  # a store ref, never a hub id or a local path

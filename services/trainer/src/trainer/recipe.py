@@ -12,7 +12,8 @@ state they share; each stage's pieces live in their own module:
               trainer.resuming (state back from a checkpoint), trainer.auto_batch
     train     trainer.gradients (one step's micro-batches, backward), trainer.progress
               (the step record and line), trainer.validation (eval, early stopping),
-              trainer.stopping (signals, cost caps), trainer.distributed (DDP)
+              trainer.stopping (signals, cost caps), trainer.distributed (DDP),
+              trainer.sharding (FSDP)
     save      trainer.checkpoint (the folder), trainer.publishing (the store)
     finish    trainer.completion (training-complete.json), trainer.publishing (the
               selected adapter), trainer.modes (smoke / overfit verdicts)
@@ -50,6 +51,7 @@ from trainer import (
     progress,
     publishing,
     resuming,
+    sharding,
     stopping,
     validation,
 )
@@ -336,7 +338,9 @@ class Recipe:
             self.save_checkpoint()
 
     def save_checkpoint(self) -> Path | None:
+        gathered = sharding.gather(self.train_loss, self.optimizer)  # every process, FSDP
         if not self.settings.is_main:
+            self.last_checkpoint = checkpoint.step_dir(self.ckpt_root, self.step)  # rank 0's
             return None
         folder = checkpoint.save(
             self.ckpt_root,
@@ -346,6 +350,7 @@ class Recipe:
             self.scheduler,
             resuming.saved_state(self),
             self.run_manifest,
+            gathered,
         )
         self.last_checkpoint = folder
         self.say(f"checkpoint step {self.step}: {folder}")

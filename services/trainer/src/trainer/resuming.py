@@ -42,7 +42,7 @@ def publish_unuploaded(r: Recipe, folder: Path) -> None:
 def restore(r: Recipe, folder: Path) -> None:
     """Load the checkpoint into the model, optimizer and scheduler; take back its step,
     counters, wall time, validation losses and RNG states."""
-    state = checkpoint.load_into(folder, r.peft, r.optimizer, r.scheduler)
+    state = checkpoint.load_into(folder, r.peft, r.optimizer, r.scheduler, r.train_loss)
     r.step = int(state["step"])
     r.tokens_seen = int(state.get("tokens_seen", 0))
     r.supervised_seen = int(state.get("supervised_seen", 0))

@@ -1,6 +1,6 @@
 """How a run stops before its last step, at a checkpoint it can resume from: SIGTERM or
 SIGINT (TrainingInterrupted) and a cost or time cap (CostCapReached, trainer.budget; rank
-0's clock decides for all processes). Early stopping on the validation loss is
+0's clock and rank 0's signal decide for all processes). Early stopping on the validation loss is
 trainer.validation.
 """
 
@@ -40,6 +40,9 @@ def stop_if_asked(r: Recipe) -> None:
     """After a step: on a signal or a reached cap, checkpoint this step and raise."""
     capped = r.mode == "train" and r.meter.caps.any  # rank 0's clock decides
     over = rank0_decides(r.meter.check(), r.settings.world_size) if capped else []
+    # every process stops after the same step (torchrun passes a signal on to each, not
+    # at the same instant): the checkpoint of a sharded model is gathered by all
+    r.stop_signal = rank0_decides(r.stop_signal, r.settings.world_size)
     if r.stop_signal is not None or (over and r.step < r.total_steps):
         r.checkpoint_unless_saved()
         if r.stop_signal is None:

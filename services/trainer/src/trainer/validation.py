@@ -5,6 +5,7 @@ early stopping (the arithmetic of both is trainer.selection).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from trainer.batching import collate, supervised_count
 from trainer.metrics import write_json
 from trainer.modeling import batch_loss
 from trainer.selection import should_stop, standing
+from trainer.sharding import is_sharded
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -23,11 +25,13 @@ def evaluate(r: Recipe) -> float:
     r.model.eval()
     total, count = 0.0, 0
     mb = r.config.micro_batch
+    # FSDP: only a forward through the root has the root's weights whole
+    loss_of = r._step_loss if is_sharded(r.train_loss) else partial(batch_loss, r.model)
     with torch.no_grad():
         for i in range(0, len(r.val_samples), mb):
             chunk = r.val_samples[i : i + mb]
             batch = {k: v.to(r.device) for k, v in collate(chunk, r.pad).items()}
-            total += batch_loss(r.model, batch).item()
+            total += loss_of(batch).item()
             count += supervised_count(chunk)
     r.model.train()
     val = total / max(1, count)
