@@ -33,6 +33,8 @@ def wrap(module: Any, cfg: RunConfig, world: int, device: torch.device, mode: st
             f"set grad_accum to a multiple of {world} (the global batch is micro_batch x "
             "grad_accum, whatever the number of processes)",
         )
+    if device.type == "cuda":  # the object collectives (rank0_decides) use this GPU
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.distributed == "fsdp":

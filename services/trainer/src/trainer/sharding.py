@@ -67,7 +67,6 @@ def shard(root: torch.nn.Module, model: Any, device: torch.device, mode: str) ->
             f"run the {mode} run as one process (without torchrun), or set distributed: ddp",
         )
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()  # fp32: the CPU computes in fp32
