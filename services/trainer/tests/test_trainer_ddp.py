@@ -42,6 +42,24 @@ def finish(proc: subprocess.Popen[str]) -> str:
     return out
 
 
+def one_process(config: Path) -> None:
+    one = subprocess.run(
+        [sys.executable, "-m", "lorastack.cli", "train", str(config)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+
+
+def same_losses(one: Path, two: Path) -> dict[int, float]:
+    """The loss of every step of run folder `two` is `one`'s; returns `two`'s."""
+    a = read_series(one / "metrics", "metrics", "loss")
+    b = read_series(two / "metrics", "metrics", "loss")
+    assert list(a) == list(b) == [1, 2, 3]
+    for step in a:  # the same sums, added in another order
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    return b
+
+
 @pytest.mark.slow
 def test_two_processes_train_as_one_and_resume_exactly(
     trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
@@ -52,18 +70,10 @@ def test_two_processes_train_as_one_and_resume_exactly(
     data = tmp_path / "ddp.jsonl"
     write_jsonl(data, make_demo(13, seed=3))
     runs = trainer_env.resolved_runs_dir
-    one = subprocess.run(
-        [sys.executable, "-m", "lorastack.cli", "train", str(write_config("ddp-one", data, **DDP))],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    one_process(write_config("ddp-one", data, **DDP))
     out = finish(torchrun(write_config("ddp-two", data, **DDP)))
     assert "training" in out and out.count("published ddp-two/adapter") == 1  # rank 0 alone
-    a = read_series(runs / "ddp-one" / "metrics", "metrics", "loss")
-    b = read_series(runs / "ddp-two" / "metrics", "metrics", "loss")
-    assert list(a) == list(b) == [1, 2, 3]
-    for step in a:  # the same sums, added in another order
-        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    b = same_losses(runs / "ddp-one", runs / "ddp-two")
     assert open_store(trainer_env).versions("ddp-two/adapter") == ["1"]
     assert (runs / "ddp-two" / "splits-rank1").is_dir()  # rank 1 staged its data apart
 
@@ -109,18 +119,10 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(
     runs = trainer_env.resolved_runs_dir
     fsdp = {**DDP, "distributed": "fsdp"}
     one = {**DDP, "micro_batch": 4, "grad_accum": 1}
-    single = subprocess.run(
-        [sys.executable, "-m", "lorastack.cli", "train", str(write_config("fsdp-one", data, **one))],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    one_process(write_config("fsdp-one", data, **one))
     out = finish(torchrun(write_config("fsdp-two", data, **fsdp)))
     assert out.count("published fsdp-two/adapter") == 1  # rank 0 alone
-    a = read_series(runs / "fsdp-one" / "metrics", "metrics", "loss")
-    b = read_series(runs / "fsdp-two" / "metrics", "metrics", "loss")
-    assert list(a) == list(b) == [1, 2, 3]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    b = same_losses(runs / "fsdp-one", runs / "fsdp-two")
     val_a = read_series(runs / "fsdp-one" / "metrics", "eval", "val_loss")
     val_b = read_series(runs / "fsdp-two" / "metrics", "eval", "val_loss")
     assert val_b and val_b == pytest.approx(val_a, rel=1e-5)  # evaluated through the shards
