@@ -1,8 +1,9 @@
 """What the recipe's setup assembles once the data is prepared: the run manifest (what
 --resume compares), the data and test splits published, the memory estimate, the model
 with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped or
-FSDP-sharded on several processes), and the live metrics. Preparing the data is trainer.prepare; the order
-of the steps, and the resume in between, stay in trainer.recipe.Recipe.setup.
+FSDP-sharded on several processes), and the live metrics. Preparing the data is
+trainer.prepare; the order of the steps, and the resume in between, stay in
+trainer.recipe.Recipe.setup.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def seed_everything(seed: int) -> None:
 
 def build_model(r: Recipe) -> str:
     """Seed, load the model (maybe compiled), wrap its loss for training (DDP or FSDP on
-    several processes), and make the optimizer and schedule; returns the compile note for the
-    start line."""
+    several processes), and make the optimizer and schedule; returns the compile note for
+    the start line."""
     cfg, settings = r.config, r.settings
     seed_everything(cfg.seed)
     sharded = cfg.distributed == "fsdp" and settings.world_size > 1
