@@ -1,7 +1,7 @@
 """Memory and disk estimates before a run: pure arithmetic over the model's config.json.
 
 The breakdown (bytes): weights by dtype/quantisation, LoRA parameters, their gradients,
-AdamW state, activations and logits. Activations are a rule of thumb (per token per
+AdamW state, activations and logits (and, sharded by FSDP, the weights gathered whole). Activations are a rule of thumb (per token per
 layer ~ (10*hidden + 4*intermediate) values kept for backward; one layer's worth with
 gradient checkpointing); the measured peak at the end says how close it was.
 """
@@ -64,16 +64,24 @@ def estimate(
     seq_len: int,
     gradient_checkpointing: bool,
     cuda: bool = False,
+    shards: int = 1,
 ) -> dict[str, int]:
-    """Bytes per part and the total, for one device."""
+    """Bytes per part and the total, for one device. `shards`: the processes FSDP shards
+    the weights, LoRA weights and AdamW state over (trainer.sharding); each device then
+    also holds two layers gathered whole (the one running and the next, prefetched) and
+    the root's own weights (embeddings, final norm, lm_head) whole while it runs."""
     linear, other = base_params(cfg)
+    layers = int(cfg["num_hidden_layers"])
     if quantization == "nf4":
         weights = int(linear * NF4_BYTES_PER_PARAM) + other * compute_bytes
     else:
         weights = (linear + other) * compute_bytes
-    lp = lora_params(cfg, r, targets)
+    gathered = 0
+    if shards > 1:
+        weights //= shards
+        gathered = (2 * linear // layers + other) * compute_bytes
+    lp = lora_params(cfg, r, targets) // shards
     h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    layers = int(cfg["num_hidden_layers"])
     tokens = micro_batch * seq_len
     per_layer = tokens * (10 * h + 4 * inter) * compute_bytes
     kept_layers = 1 if gradient_checkpointing else layers
@@ -83,6 +91,7 @@ def estimate(
     logits = min(tokens * int(cfg["vocab_size"]), CHUNK_ELEMENTS) * 4 * 3
     parts = {
         "weights": weights,
+        "gathered": gathered,
         "lora_params": lp * 4,  # adapters stay fp32
         "lora_grads": lp * 4,
         "optimizer": lp * 4 * 2,  # AdamW exp_avg + exp_avg_sq
@@ -97,7 +106,8 @@ def estimate(
 PARTS = {  # a measurable part: the parts of the estimate it holds
     "weights_and_adapter": ("weights", "lora_params"),
     "optimizer": ("optimizer", "workspace"),  # what stays after the first step
-    "step": ("activations", "logits", "lora_grads"),  # what one step holds at its peak
+    # what one step holds at its peak
+    "step": ("activations", "logits", "lora_grads", "gathered"),
     "total": ("total",),
 }
 
