@@ -151,7 +151,8 @@ def test_a_crashed_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
 def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
     tmp_path: Path,
 ) -> None:
-    """The pid file names the group; it is stopped only if it still runs in the workdir."""
+    """The pid file names the group and its supervisor; the group is stopped only if that
+    supervisor is gone and the group still runs in the workdir."""
     work = tmp_path / "w"
     work.mkdir()
     left = subprocess.Popen(["sleep", "60"], cwd=work, start_new_session=True)
@@ -160,10 +161,15 @@ def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
     reaper.start()
     try:
         s = VllmServer(tmp_path, served_name="m", port=1, workdir=work, platform="cpu")
-        s.pid_path.write_text(f"{other.pid}\n")
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        s.pid_path.write_text(f"{left.pid} {other.pid}\n")
+        assert not s.stop_leftover()  # its supervisor still runs: not a leftover
+        assert left.poll() is None and s.pid_path.exists()
+        s.pid_path.write_text(f"{other.pid} {dead.pid}\n")
         assert not s.stop_leftover()  # runs elsewhere: a reused pid, left alone
         assert other.poll() is None and not s.pid_path.exists()
-        s.pid_path.write_text(f"{left.pid}\n")
+        s.pid_path.write_text(f"{left.pid} {dead.pid}\n")
         assert s.stop_leftover()
         reaper.join(timeout=10)
         assert left.returncode == -signal.SIGTERM

@@ -56,9 +56,10 @@ def detect_platform() -> Platform:
         ) from e
 
 
-def _group_alive(pgid: int) -> bool:
+def _group_alive(pid: int, *, group: bool = True) -> bool:
+    """A process (or, with `group`, a process group) of that id exists."""
     try:
-        os.killpg(pgid, 0)
+        (os.killpg if group else os.kill)(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -189,7 +190,7 @@ class VllmServer:
                 cwd=self.workdir,
                 start_new_session=True,  # own process group: stop() ends engine processes too
             )
-        self.pid_path.write_text(f"{self._proc.pid}\n")
+        self.pid_path.write_text(f"{self._proc.pid} {os.getpid()}\n")  # vLLM's group, ours
         self.starts += 1
 
     @property
@@ -197,12 +198,21 @@ class VllmServer:
         return self.workdir / "vllm.pid"
 
     def stop_leftover(self, grace_s: float = 10.0) -> bool:
-        """End the vLLM group a killed supervisor left running from this workdir (its pid
-        file names the group; it is ours only if its leader still runs in this workdir, so a
-        reused pid is left alone). True when one was stopped."""
+        """End the vLLM group a killed supervisor left running from this workdir. The pid
+        file names the group and the supervisor that started it; the group is stopped only
+        if that supervisor is gone (another live one sharing the workdir keeps its vLLM) and
+        the group's leader still runs in this workdir (a reused pid is left alone). True
+        when one was stopped."""
         try:
-            pgid = int(self.pid_path.read_text().strip())
+            pgid, owner = (int(f) for f in self.pid_path.read_text().split())
         except (OSError, ValueError):
+            return False
+        if owner != os.getpid() and _group_alive(owner, group=False):
+            log.warning(
+                "%s is in use by another supervisor (pid %d): give each replica a workdir",
+                self.workdir,
+                owner,
+            )
             return False
         self.pid_path.unlink(missing_ok=True)
         try:
