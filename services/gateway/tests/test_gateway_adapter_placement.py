@@ -77,3 +77,13 @@ def test_a_declared_adapter_no_replica_lists_yet_is_503_with_retry_after(
         assert s1.calls() == []
         metrics = httpx.get(f"{gw}/metrics").text
         assert 'lorastack_gateway_rejections_total{reason="adapter_loading"} 1.0' in metrics
+
+
+def test_an_unreadable_declaration_never_fails_a_request(make_gateway, fake, tmp_path) -> None:
+    url1, _ = fake
+    store = open_store(CommonSettings(home=tmp_path / "home"))
+    store.backend.put_record(declared.declaration_key("smollm2", 1), b"{not json")
+    with make_gateway([url1], declared_refresh_s=0.1) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(model="sql-lora"), timeout=30)
+        assert r.status_code == 404, r.text  # the store's error is logged, not answered
+        assert httpx.post(f"{gw}/v1/chat/completions", json=chat(), timeout=30).status_code == 200

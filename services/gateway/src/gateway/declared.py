@@ -24,7 +24,7 @@ import anyio
 
 from gateway.errors import AdapterLoading
 from gateway.settings import GatewaySettings
-from lorastack.store import declared, open_store
+from lorastack.store import Backend, declared, open_store
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,15 @@ class DeclaredAdapters:
         self.read_at = 0.0  # monotonic seconds of the last read (good or not)
         self.error = ""
         self._lock = anyio.Lock()
+        self._backend: Backend | None = None
 
     def _read(self) -> dict[str, str]:
         url = self.settings.resolved_store_url
         if url.startswith("file://") and not Path(url.removeprefix("file://")).is_dir():
             return {}  # no store here yet, so nothing declared (and nothing created)
-        backend = open_store(self.settings).backend
+        if self._backend is None:  # opened once: an S3 client costs ~0.1 s of CPU to build
+            self._backend = open_store(self.settings).backend
+        backend = self._backend
         return {
             name: d.deployment for d in declared.all_current(backend) for name in d.served_names()
         }
