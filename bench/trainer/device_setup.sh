@@ -2,7 +2,7 @@
 # wheels carried in .whl/ (trl, datasets, dill, multiprocess, bitsandbytes, liger-kernel,
 # pydantic, pydantic-core, pydantic-settings, typing-inspection, annotated-types,
 # typing_extensions, python-dotenv, tenacity), then lorastack itself with its entry points.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site libs/lorastack services/trainer apps/lorastack || exit 1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
