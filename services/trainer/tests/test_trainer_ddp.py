@@ -107,7 +107,7 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(
     trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
 ) -> None:
     """distributed: fsdp, 2 processes x micro-batch 2 against 1 process x micro-batch 4 (the
-    same 4 samples a step): the same losses; the published adapter is a normal PEFT one;
+    same 4 samples a step), checkpointed activations: the same losses; the published adapter is a normal PEFT one;
     killed after a checkpoint, two processes resume bit for bit."""
     from safetensors.torch import load_file
 
@@ -117,8 +117,10 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(
     data = tmp_path / "fsdp.jsonl"
     write_jsonl(data, make_demo(13, seed=3))
     runs = trainer_env.resolved_runs_dir
-    fsdp = {**DDP, "distributed": "fsdp"}
-    one = {**DDP, "micro_batch": 4, "grad_accum": 1}
+    # with gradient checkpointing, as a model too big for one GPU trains: the layers'
+    # recomputed forwards gather their shards again
+    fsdp = {**DDP, "distributed": "fsdp", "gradient_checkpointing": True}
+    one = {**DDP, "micro_batch": 4, "grad_accum": 1, "gradient_checkpointing": True}
     one_process(write_config("fsdp-one", data, **one))
     out = finish(torchrun(write_config("fsdp-two", data, **fsdp)))
     assert out.count("published fsdp-two/adapter") == 1  # rank 0 alone
