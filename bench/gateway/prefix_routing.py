@@ -29,23 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import platform
 import random
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from gateway.main import create_app
-from gateway.settings import GatewaySettings
-from lorastack_testing.net import free_port, serve_in_thread, wait_for
+from vllm_replicas import gateway, pct, replicas, samples
 
 WORDS = [
     "river",
@@ -99,15 +92,9 @@ def workload(seed: int, conversations: int, turns: int) -> tuple[str, list[list[
 
 def cache_counters(urls: list[str]) -> tuple[float, float]:
     """(prefix-cache hits, queries) in tokens, summed over the replicas."""
-    hits = queries = 0.0
-    for url in urls:
-        for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-            for s in fam.samples:
-                if s.name == "vllm:prefix_cache_hits_total":
-                    hits += s.value
-                elif s.name == "vllm:prefix_cache_queries_total":
-                    queries += s.value
-    return hits, queries
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    per = [samples(url, names) for url in urls]
+    return sum(m[names[0]] for m in per), sum(m[names[1]] for m in per)
 
 
 async def conversation(
@@ -150,31 +137,6 @@ async def conversation(
                     answer.append(piece)
         out.append({"turn": turn, "status": 200, "ttft_s": ttft, "backend": backend})
         messages.append({"role": "assistant", "content": "".join(answer)})
-
-
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(p * len(values)))] * 1000, 1)
-
-
-@contextlib.contextmanager
-def gateway(model: Path, backends: list[str], slots: int, affinity: bool) -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as home:
-        settings = GatewaySettings(
-            home=Path(home),
-            backends=backends,
-            tokenizers={"smollm2": str(model)},
-            backend_max_num_seqs={url: slots for url in backends},
-            scrape_interval_s=0.5,
-            first_byte_timeout_s=600,
-            prefix_weight=2.0 if affinity else 0.0,
-            session_weight=4.0 if affinity else 0.0,
-        )
-        with serve_in_thread(create_app(settings), free_port()) as url:
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, "gateway ready", 300)
-            yield url
 
 
 async def run_arm(
@@ -221,32 +183,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=4, help="per replica")
     a = p.parse_args()
-    from inference.engine import VllmServer
-
-    with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as stack:
-        servers = []
-        for i in range(2):
-            d = Path(work) / f"vllm{i}"
-            d.mkdir()
-            server = VllmServer(
-                a.model,
-                served_name="smollm2",
-                port=free_port(),
-                workdir=d,
-                max_model_len=4096,
-                max_num_seqs=a.max_num_seqs,
-            )
-            stack.enter_context(server)
-            servers.append(server)
-        for server in servers:
-            server.wait_ready(900)
-        urls = [s.base_url for s in servers]
-        for url in urls:  # a first request per replica, outside the measurement
-            httpx.post(
-                f"{url}/v1/completions",
-                json={"model": "smollm2", "prompt": "warm up", "max_tokens": 2},
-                timeout=300,
-            )
+    with replicas(a.model, [a.max_num_seqs, a.max_num_seqs]) as urls:
         result: dict[str, Any] = {
             "command": " ".join(sys.argv),
             "machine": {"cpus": platform.processor() or platform.machine()},
@@ -255,7 +192,14 @@ def main() -> None:
         }
         for seed, arm in enumerate(("load", "affinity")):
             system, questions = workload(seed, a.conversations, a.turns)
-            with gateway(a.model, urls, a.max_num_seqs, affinity=arm == "affinity") as gw:
+            weight = 1.0 if arm == "affinity" else 0.0
+            with gateway(
+                a.model,
+                urls,
+                backend_max_num_seqs={url: a.max_num_seqs for url in urls},
+                prefix_weight=2.0 * weight,
+                session_weight=4.0 * weight,
+            ) as gw:
                 h0, q0 = cache_counters(urls)
                 t0 = time.perf_counter()
                 rows = asyncio.run(run_arm(gw, system, questions, a.concurrency, a.max_tokens, arm))
