@@ -19,8 +19,10 @@ import aiohttp
 import httpx
 import uvloop
 
+from lorastack_testing.net import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_latency import FAKE, free_port, wait_http
+from harness import FAKE, wait_http
 
 
 async def with_httpx(url: str, body: bytes, n: int, c: int) -> None:

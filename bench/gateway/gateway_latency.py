@@ -5,6 +5,8 @@ Starts the fake vLLM of the tests (lorastack_testing.fake_vllm) and the gateway
 streaming chat requests from this process with a minimal raw HTTP/1.1 client (asyncio +
 uvloop; no SDK overhead in the numbers). For each concurrency it measures TTFT (to the
 first SSE event) and end-to-end time, direct and through the gateway, and prints JSON.
+Starting and pinning the processes, reading the gateway's state and the percentiles are
+harness.py's, beside this script.
 
     .venv/bin/python bench/gateway/gateway_latency.py --tokenizer DIR [--duration 10] \
         [--concurrency 1 16 64 256] [--soak 600] [--lockstep] [--keep-alive] \
@@ -34,14 +36,9 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import re
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,76 +47,21 @@ import psutil
 
 from lorastack_testing.net import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-# the fake vLLM of the tests, as a process of its own
-FAKE = [sys.executable, "-m", "lorastack_testing.fake_vllm"]
-
-
-def cpu_set(spec: str) -> set[int]:
-    """CPUs in taskset's list syntax ("2", "4-5", "0,6-7") as a set."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def pinned(spec: str | None) -> Any:
-    """A `preexec_fn` that pins the child to `spec` before it runs (None: no pinning)."""
-    if spec is None:
-        return None
-    cpus = cpu_set(spec)
-    return lambda: os.sched_setaffinity(0, cpus)
-
-
-NGINX_CONF = """
-worker_processes 1;
-pid {tmp}/nginx.pid;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    upstream fake {{ server 127.0.0.1:{upstream}; keepalive 1024; }}
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
-        location / {{
-            proxy_pass http://fake;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_request_buffering off;
-        }}
-    }}
-}}
-"""
-
-
-def start_nginx(upstream: int, port: int, pin: str | None) -> subprocess.Popen[bytes]:
-    """nginx as a plain streaming reverse proxy to the fake (the `--peer-nginx` peer)."""
-    exe = shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
-    )
-    if exe is None:
-        sys.exit("--peer-nginx needs nginx on PATH (Debian: apt-get install nginx)")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
-    (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, upstream=upstream, port=port))
-    cmd = [exe, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-e", str(tmp / "error.log")]
-    return subprocess.Popen([*cmd, "-g", "daemon off;"], preexec_fn=pinned(pin))
-
-
-def wait_http(port: int, path: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-                if b" 200 " in s.recv(100):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"nothing answered 200 on :{port}{path}")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (
+    REPO,
+    added,
+    chat_bodies,
+    cpu_set,
+    gateway_state,
+    machine,
+    metrics_excerpt,
+    pct,
+    start_fake,
+    start_gateway,
+    start_nginx,
+    wait_http,
+)
 
 
 async def stream_once(
@@ -170,17 +112,6 @@ async def stream_once(
             pool["rw"] = (reader, writer)
         else:
             writer.close()
-
-
-def added(via: dict[str, Any], direct: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """What a path adds to the direct one: `<prefix>ttft_p50_added_ms` and so on."""
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
-    return {prefix + k.replace("_ms", "_added_ms"): round(via[k] - direct[k], 3) for k in keys}
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 async def load(
@@ -253,34 +184,6 @@ async def load_with_excerpt(
     await asyncio.sleep(duration / 2)
     text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
     return await task, text
-
-
-def gateway_state(proc: psutil.Process, port: int) -> dict[str, Any]:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    text = raw.decode()
-    m = re.search(r"^lorastack_gateway_inflight_requests (\S+)$", text, re.M)
-    conns = [c for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED]
-    return {
-        "rss_mib": round(proc.memory_info().rss / 2**20, 1),
-        "established_tcp": len(conns),
-        "inflight_gauge": float(m.group(1)) if m else None,
-        "open_fds": proc.num_fds(),
-    }
-
-
-def metrics_excerpt(port: int) -> str:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    keep = ("inflight", "backend_", "rejections_total", "_count", "_sum", "upstream_errors")
-    lines = raw.decode().split("\r\n\r\n", 1)[1].splitlines()
-    return "\n".join(ln for ln in lines if not ln.startswith("#") and any(k in ln for k in keep))
 
 
 async def soak(
@@ -413,38 +316,8 @@ def main() -> None:
 
     fake_port, gw_port = free_port(), free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
-    fake = subprocess.Popen(
-        [
-            *FAKE,
-            "--port",
-            str(fake_port),
-            "--tokens",
-            str(a.tokens),
-            "--pace",
-            str(a.pace),
-        ],
-        env=env,
-        preexec_fn=pinned(a.pin_upstream),
-    )
-    gw_env = dict(
-        env,
-        LORASTACK_TOKENIZERS=json.dumps({"smollm2": a.tokenizer}),
-        LORASTACK_ADMIT_MAX_WAITING="100000",
-    )
-    gw = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lorastack.cli",
-            "gateway",
-            "--port",
-            str(gw_port),
-            "--backend",
-            f"http://127.0.0.1:{fake_port}",
-        ],
-        env=gw_env,
-        preexec_fn=pinned(a.pin_gateway),
-    )
+    fake = start_fake(fake_port, a.tokens, a.pace, env, a.pin_upstream)
+    gw = start_gateway(gw_port, fake_port, a.tokenizer, env, a.pin_gateway)
     peers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
     if a.peer_nginx:
         nginx_port = free_port()
@@ -455,41 +328,11 @@ def main() -> None:
         for port, _ in peers.values():
             wait_http(port, "/v1/models")
         gw_proc = psutil.Process(gw.pid)
-        body = json.dumps(
-            {
-                "model": "smollm2",
-                "messages": [
-                    {"role": "system", "content": "You are a concise assistant."},
-                    {"role": "user", "content": "Explain in two sentences what a KV cache is."},
-                ],
-                "max_tokens": 64,
-                "stream": True,
-            }
-        ).encode()
-        sentence = "The quick brown fox jumps over the lazy dog, naïve café 東京. "
-        long_text = (sentence * (a.long_prompt_chars // len(sentence) + 1))[: a.long_prompt_chars]
-        long_body = json.dumps(
-            {
-                "model": "smollm2",
-                "messages": [{"role": "user", "content": long_text}],
-                "max_tokens": 16,
-                "stream": True,
-            }
-        ).encode()
+        body, long_body = chat_bodies(a.long_prompt_chars)
         long = (a.long_prompt_streams, long_body)
         results: dict[str, Any] = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "cpu": platform.processor() or platform.machine(),
-                "python": platform.python_version(),
-                "pinned": {
-                    "gateway": a.pin_gateway,
-                    "upstream": a.pin_upstream,
-                    "client": a.pin_client,
-                },
-                "load_avg_at_start": os.getloadavg(),
-            },
+            "machine": machine(a.pin_gateway, a.pin_upstream, a.pin_client),
             "workload": {
                 "tokens_per_answer": a.tokens,
                 "pace_s": a.pace,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from trainer_gpu import ALL_LINEAR, plain_loss_sum  # this folder: the GPU bench's plain path
+from model_paths import ALL_LINEAR, plain_loss_sum  # this folder: the GPU bench's plain path
 
 
 def plain_model(base: Path, quantization: str, seed: int) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import trainer_gpu
+import model_paths
 
 # (label, trainer config fields, trainer.compiling.DECODER_ACTIVATION_BUDGET)
 VARIANTS: list[tuple[str, dict[str, Any], float]] = [
@@ -50,7 +50,7 @@ def saved(model: Any, vocab: int, seq: int) -> dict[str, Any]:
             seen[ptr] = (str(tuple(t.shape)), str(t.dtype), t.untyped_storage().nbytes())
         return t
 
-    ids = torch.randint(0, vocab, (1, seq), device=trainer_gpu.DEVICE)
+    ids = torch.randint(0, vocab, (1, seq), device=model_paths.DEVICE)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_sum(model, ids, torch.ones_like(ids), ids)
     loss.backward()
@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--seq", type=int, default=2048)
     args = ap.parse_args()
-    trainer_gpu.baseline(args.baseline, args.shape, args.seq, 1)
+    model_paths.baseline(args.baseline, args.shape, args.seq, 1)
     config = json.loads(Path(f"/tmp/rand-{args.shape}/config.json").read_text())
     for label, fields, budget in VARIANTS:
         torch._dynamo.reset()
@@ -87,8 +87,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         start = time.time()
         with mock.patch.object(trainer.compiling, "DECODER_ACTIVATION_BUDGET", budget):
-            model = trainer_gpu.load(args.shape, args.seq, **fields)
-            row = trainer_gpu.steps(model, 1, args.seq, config["vocab_size"], 8)
+            model = model_paths.load(args.shape, args.seq, **fields)
+            row = model_paths.steps(model, 1, args.seq, config["vocab_size"], 8)
             row.pop("losses")
             row["saved"] = saved(model, config["vocab_size"], args.seq)
         print(json.dumps({"path": label, "wall_s": round(time.time() - start), **row}))
