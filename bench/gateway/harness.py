@@ -85,7 +85,8 @@ def start_fake(
 ) -> subprocess.Popen[bytes]:
     """The fake vLLM: `tokens` per answer, `pace` seconds apart."""
     cmd = [*FAKE, "--port", str(port), "--tokens", str(tokens), "--pace", str(pace)]
-    return subprocess.Popen(cmd, env=env, preexec_fn=pinned(pin))
+    # its READY line goes to stderr: stdout is the result JSON
+    return subprocess.Popen(cmd, env=env, stdout=sys.stderr, preexec_fn=pinned(pin))
 
 
 def start_gateway(
