@@ -144,3 +144,8 @@ def test_a_packed_run_resumes_exactly(
     assert done["tokens_per_s"] == pytest.approx(done["tokens"] / done["wall_s"], abs=0.06)
     assert 0 < done["supervised_tokens_per_s"] < done["tokens_per_s"]
     assert done["nvml"] is None  # no GPU here; on one: used, total, utilisation, power
+    parts = done["memory_parts"]  # each part of the estimate next to its measurement
+    assert set(parts) == {"weights_and_adapter", "optimizer", "step", "total"}
+    for part in ("weights_and_adapter", "optimizer"):  # tensors' bytes on the CPU: exact
+        assert abs(parts[part]["error"]) < 0.01, parts
+    assert parts["total"]["measured"] > parts["weights_and_adapter"]["measured"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,3 +78,57 @@ def test_the_support_memo_holds_the_facts_and_no_secret(tmp_path: Path) -> None:
     assert bundle["libraries"]["torch"] == torch.__version__.split("+")[0] or bundle["libraries"][
         "torch"
     ].startswith(torch.__version__.split("+")[0])
+
+
+# What `lorastack train` measured (bytes; training-complete.json's memory_parts): the demo on
+# this CPU (`make demo`'s config, 3 steps; and with lora.dropout=0), and on an H200 (1B and
+# 8B widths, bench/trainer/results/2026-12-01-6e8dad9.json). Each shape's config, micro-batch
+# and widest row as those runs had them.
+SMOLLM2 = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+LLAMA = {
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 49152,
+    "tie_word_embeddings": False,
+}
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MEASURED = [  # (config, estimate arguments, measured step, measured total)
+    (SMOLLM2, {"r": 8, "quantization": "none", "compute_bytes": 4, "micro_batch": 4,
+               "seq_len": 76, "gradient_checkpointing": False, "lora_dropout": 0.05},
+     1_432_343_408, 1_999_712_256),
+    (SMOLLM2, {"r": 8, "quantization": "none", "compute_bytes": 4, "micro_batch": 4,
+               "seq_len": 76, "gradient_checkpointing": False, "lora_dropout": 0.0},
+     1_009_566_576, 1_576_935_424),
+    (LLAMA | {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16},
+     {"r": 16, "quantization": "nf4", "compute_bytes": 2, "micro_batch": 2, "seq_len": 2048,
+      "gradient_checkpointing": True, "cuda": True}, 929_466_368, 2_036_851_200),
+    (LLAMA | {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 8},
+     {"r": 16, "quantization": "nf4", "compute_bytes": 2, "micro_batch": 4, "seq_len": 2048,
+      "gradient_checkpointing": True, "cuda": True}, 2_785_740_800, 4_684_345_856),
+    (LLAMA | {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32},
+     {"r": 16, "quantization": "nf4", "compute_bytes": 2, "micro_batch": 4, "seq_len": 2048,
+      "gradient_checkpointing": True, "cuda": True}, 4_405_594_112, 9_382_736_384),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cfg", "args", "step", "total"), MEASURED)
+def test_the_memory_estimate_holds_to_what_runs_measured(
+    cfg: dict[str, Any], args: dict[str, Any], step: int, total: int
+) -> None:
+    """The estimate stays within 15% of the measured peak, and of the step's part, for the
+    CPU demo and the H200 shapes: a change to trainer.memory that breaks a measured case
+    fails here, not in a user's run."""
+    from trainer.memory import against_measured, estimate
+
+    est = estimate(cfg, targets=ALL_LINEAR, **args)
+    parts = against_measured(est, {"step": step, "total": total})
+    assert abs(parts["total"]["error"] or 0) <= 0.15, parts
+    assert abs(parts["step"]["error"] or 0) <= 0.20, parts  # the 1B's step: -19%

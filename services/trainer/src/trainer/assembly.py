@@ -78,6 +78,7 @@ def estimate_memory(r: Recipe) -> dict[str, int]:
         seq_len=r.widest(),
         gradient_checkpointing=cfg.gradient_checkpointing,
         cuda=r.device.type == "cuda",
+        lora_dropout=cfg.lora.dropout,
         shards=r.settings.world_size if cfg.distributed == "fsdp" else 1,
     )
     write_json(r.run_dir / "memory-estimate.json", found)
