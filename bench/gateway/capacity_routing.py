@@ -13,7 +13,7 @@ gateways in this process in front of both, which differ in one setting:
               where a request would wait while another has a free slot
     queue     backend_max_num_seqs unset (no serve config either): routing knows only the
               queues (vLLM's waiting count and the requests sent since the last scrape),
-              as before capacity-aware scoring
+              close to the queue scorer before capacity-aware scoring (gone)
 
 Prefix and session affinity are off in both (weights 0), so capacity alone decides. Per
 repeat and burst size, each arm in turn sends a burst of that many streamed chat requests
@@ -196,6 +196,9 @@ def main() -> None:
     a = p.parse_args()
     slots = list(a.max_num_seqs)
     t_start = time.perf_counter()
+    commit = subprocess.run(  # the code measured: the checkout as the run starts
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     with replicas(a.model, slots) as urls:
         started_s = time.perf_counter() - t_start
         off = {"prefix_weight": 0.0, "session_weight": 0.0, "scrape_interval_s": SCRAPE_S}
@@ -231,9 +234,7 @@ def main() -> None:
                         )
     result = {
         "command": " ".join(sys.argv),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
+        "commit": commit,
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
