@@ -1,5 +1,5 @@
-"""The completion record of a finished run (training-complete.json, also inside the
-published adapter): steps, tokens and throughput over the whole wall time, memory
+"""The end of a run: what `run_training` returns (TrainResult), and the completion record
+(training-complete.json, also inside the published adapter): steps, tokens and throughput over the whole wall time, memory
 (estimated and measured), losses, trainable parameters, billed hours and cost, the device
 and compile facts. The selected step, adapter digest and phase times are added by
 trainer.recipe.Recipe.finish as they become known.
@@ -7,16 +7,53 @@ trainer.recipe.Recipe.finish as they become known.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lorastack.manifest import Manifest
 from trainer.compiling import compile_report
+from trainer.hooks import HookOutcome
 from trainer.memory import against_measured, human
 from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
+from trainer.preflight import PreflightReport
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
+
+
+@dataclass
+class TrainResult:
+    mode: str
+    run_dir: Path
+    steps: int
+    losses: dict[int, float]
+    val_losses: dict[int, float]
+    adapter: Manifest | None = None
+    data: Manifest | None = None
+    test: Manifest | None = None
+    completion: dict[str, Any] = field(default_factory=dict)
+    verdict: dict[str, Any] | None = None
+    preflight: PreflightReport | None = None
+    hook: HookOutcome | None = None  # on_complete's, when it ran
+
+
+def train_result(r: Recipe, completion: dict[str, Any]) -> TrainResult:
+    """The result of a run that ended with `completion` (the adapter and verdict are set
+    by the caller)."""
+    return TrainResult(
+        r.mode,
+        r.run_dir,
+        r.step,
+        dict(r.losses),
+        dict(r.val_losses),
+        data=r.data_manifest,
+        test=r.test_manifest,
+        completion=completion,
+        preflight=r.report,
+    )
 
 
 def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:

@@ -32,7 +32,8 @@ from trainer.config import HookConfig, RunConfig
 from trainer.errors import CostCapReached, HookNotRun, TrainingInterrupted
 
 if TYPE_CHECKING:
-    from trainer.recipe import Recipe, TrainResult
+    from trainer.completion import TrainResult
+    from trainer.recipe import Recipe
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 

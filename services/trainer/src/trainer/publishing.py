@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
 from trainer import budget, checkpoint
+from trainer.completion import train_result
 from trainer.config import SAFE_TO_CHANGE
 from trainer.errors import CostCapReached, ResumeRefused
 from trainer.metrics import write_json
 from trainer.selection import selected_step, standing
 
 if TYPE_CHECKING:
-    from trainer.recipe import Recipe, TrainResult
+    from trainer.completion import TrainResult
+    from trainer.recipe import Recipe
 
 log = logging.getLogger("trainer")
 
@@ -120,7 +122,7 @@ def already_finished(r: Recipe) -> TrainResult | None:
     if m is None:
         return None
     r.say(f"the run had already finished at step {r.step}; keeping {m.ref}")
-    result = r._result(completion)
+    result = train_result(r, completion)
     result.adapter = m
     return result
 

@@ -14,9 +14,11 @@ state they share; each stage's pieces live in their own module:
               (the step record and line), trainer.validation (eval, early stopping),
               trainer.stopping (signals, cost caps), trainer.distributed (DDP),
               trainer.sharding (FSDP)
-    save      trainer.checkpoint (the folder), trainer.publishing (the store)
-    finish    trainer.completion (training-complete.json), trainer.publishing (the
-              selected adapter), trainer.modes (smoke / overfit verdicts)
+    save      trainer.resuming.save_checkpoint (what a resume needs), trainer.checkpoint
+              (the folder), trainer.publishing (the store)
+    finish    trainer.completion (training-complete.json, the TrainResult),
+              trainer.publishing (the selected adapter), trainer.modes (smoke / overfit
+              verdicts)
     failure   trainer.failure (support memo, on_failure hook, error mapping)
 
 Exact resume: the data position is the step (batch order derives from (seed, epoch));
@@ -32,7 +34,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,7 +44,6 @@ from lorastack.store import ArtifactStore
 from trainer import (
     assembly,
     budget,
-    checkpoint,
     failure,
     gradients,
     hooks,
@@ -51,13 +51,13 @@ from trainer import (
     progress,
     publishing,
     resuming,
-    sharding,
     stopping,
     validation,
 )
 from trainer.auto_batch import fit as fit_micro_batch
 from trainer.batching import Plan
 from trainer.compiling import CompileRun
+from trainer.completion import TrainResult, train_result
 from trainer.completion import record as record_completion
 from trainer.config import RunConfig
 from trainer.distributed import rank0_decides, shut_down
@@ -80,22 +80,6 @@ from trainer.settings import TrainerSettings
 from trainer.splits import Splits
 
 log = logging.getLogger("trainer")
-
-
-@dataclass
-class TrainResult:
-    mode: str
-    run_dir: Path
-    steps: int
-    losses: dict[int, float]
-    val_losses: dict[int, float]
-    adapter: Manifest | None = None
-    data: Manifest | None = None
-    test: Manifest | None = None
-    completion: dict[str, Any] = field(default_factory=dict)
-    verdict: dict[str, Any] | None = None
-    preflight: PreflightReport | None = None
-    hook: hooks.HookOutcome | None = None  # on_complete's, when it ran
 
 
 class Recipe:
@@ -323,41 +307,10 @@ class Recipe:
                 or self.step == self.total_steps
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
-                self.save_checkpoint()
+                resuming.save_checkpoint(self)
             if evaluated and validation.early_stop(self):
                 break
             stopping.stop_if_asked(self)
-
-    # ---- checkpoints --------------------------------------------------------------
-
-    def checkpoint_unless_saved(self) -> None:
-        """Save a checkpoint of this step unless the last one is of this step."""
-        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
-            f"{self.step:08d}"
-        ):
-            self.save_checkpoint()
-
-    def save_checkpoint(self) -> Path | None:
-        gathered = sharding.gather(self.train_loss, self.optimizer)  # every process, FSDP
-        if not self.settings.is_main:
-            self.last_checkpoint = checkpoint.step_dir(self.ckpt_root, self.step)  # rank 0's
-            return None
-        folder = checkpoint.save(
-            self.ckpt_root,
-            self.step,
-            self.peft,
-            self.optimizer,
-            self.scheduler,
-            resuming.saved_state(self),
-            self.run_manifest,
-            gathered,
-        )
-        self.last_checkpoint = folder
-        self.say(f"checkpoint step {self.step}: {folder}")
-        if self.mode == "train":
-            publishing.publish_checkpoint(self, folder)
-        checkpoint.prune(self.ckpt_root, self.config.keep_checkpoints, publishing.kept_best(self))
-        return folder
 
     # ---- finish -------------------------------------------------------------------
 
@@ -369,13 +322,13 @@ class Recipe:
             return done
         if self.val_samples and self.step not in self.val_losses and self.step > 0:
             validation.evaluate(self)
-        self.checkpoint_unless_saved()
+        resuming.checkpoint_unless_saved(self)
         train_series = read_series(self.metrics_dir, "metrics", "loss")
         plot = self.run_dir / "loss.png"
         if self.settings.is_main:
             plot_losses(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
         completion = record_completion(self)
-        result = self._result(completion)
+        result = train_result(self, completion)
         result.verdict = modes.verdict(self, train_series)
         if self.mode == "train" and self.settings.is_main:
             completion["selected"] = publishing.select_adapter(self)
@@ -389,19 +342,6 @@ class Recipe:
         if result.verdict is not None:
             modes.say_verdict(self, result.verdict)
         return result
-
-    def _result(self, completion: dict[str, Any]) -> TrainResult:
-        return TrainResult(
-            self.mode,
-            self.run_dir,
-            self.step,
-            dict(self.losses),
-            dict(self.val_losses),
-            data=self.data_manifest,
-            test=self.test_manifest,
-            completion=completion,
-            preflight=self.report,
-        )
 
     def cleanup(self) -> None:
         self.live.close(linger_s=self.settings.metrics_linger_s)

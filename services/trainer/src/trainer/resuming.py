@@ -1,5 +1,6 @@
-"""What a checkpoint keeps of the run for a resume (trainer-state.json) and what a resumed
-run takes back from it: the step, the token counters, the wall time of earlier sessions,
+"""Saving a checkpoint of the run (every step `checkpoint_every`, a new best, the last
+step, a stop), what it keeps for a resume (trainer-state.json) and what a resumed run takes
+back from it: the step, the token counters, the wall time of earlier sessions,
 the validation losses and the RNG states (the adapter, AdamW and scheduler states load
 through trainer.checkpoint.load_into); and the upload of a checkpoint that a killed run
 wrote locally but never published. Which checkpoint to resume from, and the refusal when
@@ -11,10 +12,41 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer import checkpoint, publishing
+from trainer import checkpoint, publishing, sharding
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
+
+
+def save_checkpoint(r: Recipe) -> Path | None:
+    """Write (rank 0), publish (a "train" run) and prune the checkpoint of this step; every
+    process calls it (an FSDP model is gathered by all). Returns the folder on rank 0."""
+    gathered = sharding.gather(r.train_loss, r.optimizer)  # every process, FSDP
+    if not r.settings.is_main:
+        r.last_checkpoint = checkpoint.step_dir(r.ckpt_root, r.step)  # rank 0's
+        return None
+    folder = checkpoint.save(
+        r.ckpt_root,
+        r.step,
+        r.peft,
+        r.optimizer,
+        r.scheduler,
+        saved_state(r),
+        r.run_manifest,
+        gathered,
+    )
+    r.last_checkpoint = folder
+    r.say(f"checkpoint step {r.step}: {folder}")
+    if r.mode == "train":
+        publishing.publish_checkpoint(r, folder)
+    checkpoint.prune(r.ckpt_root, r.config.keep_checkpoints, publishing.kept_best(r))
+    return folder
+
+
+def checkpoint_unless_saved(r: Recipe) -> None:
+    """Save a checkpoint of this step unless the last one is of this step."""
+    if r.last_checkpoint is None or not r.last_checkpoint.name.endswith(f"{r.step:08d}"):
+        save_checkpoint(r)
 
 
 def saved_state(r: Recipe) -> dict[str, Any]:

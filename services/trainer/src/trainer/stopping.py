@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING, Any
 
-from trainer import publishing
+from trainer import publishing, resuming
 from trainer.distributed import rank0_decides
 from trainer.errors import TrainingInterrupted
 
@@ -44,7 +44,7 @@ def stop_if_asked(r: Recipe) -> None:
     # at the same instant): the checkpoint of a sharded model is gathered by all
     r.stop_signal = rank0_decides(r.stop_signal, r.settings.world_size)
     if r.stop_signal is not None or (over and r.step < r.total_steps):
-        r.checkpoint_unless_saved()
+        resuming.checkpoint_unless_saved(r)
         if r.stop_signal is None:
             raise publishing.cap_reached(r, over)
         name = signal.Signals(r.stop_signal).name
