@@ -86,6 +86,19 @@ def timed(cmd: list[str], env: dict[str, str], log: Path, limit: float) -> tuple
     return time.monotonic() - start, code
 
 
+def finished(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """A finished run's completion record and its step records in step order (None when
+    the run did not finish)."""
+    done = run_dir / "training-complete.json"
+    if not done.is_file():
+        return None
+    steps = sorted(
+        (json.loads(p.read_text()) for p in (run_dir / "metrics").glob("metrics-step-*.json")),
+        key=lambda r: r["step"],
+    )
+    return json.loads(done.read_text()), steps
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "": {},
     "layers": {"compile": True, "compile_scope": "layers"},
@@ -128,15 +141,10 @@ def lorastack_arm(
     log = args.logs / f"{run}.log"
     wall, code = timed(["lorastack", "train", str(cfg)], env, log, args.limit)
     row: dict[str, Any] = {"arm": name, "wall_s": round(wall, 1), "rc": code}
-    run_dir = Path(env["LORASTACK_HOME"]) / "runs" / run
-    done = run_dir / "training-complete.json"
-    if code != 0 or not done.is_file():
+    found = finished(Path(env["LORASTACK_HOME"]) / "runs" / run)
+    if code != 0 or found is None:
         return row | {"error": log.read_text()[-3000:]}
-    completion = json.loads(done.read_text())
-    steps = sorted(
-        (json.loads(p.read_text()) for p in (run_dir / "metrics").glob("metrics-step-*.json")),
-        key=lambda r: r["step"],
-    )
+    completion, steps = found
     lines = log.read_text().splitlines()
     return row | {
         "steps": completion["steps"],

@@ -35,18 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import chat_mix  # noqa: E402
-
-
-def timed(cmd: list[str], env: dict[str, str], log: Path, limit: float) -> tuple[float, int]:
-    start = time.monotonic()
-    with log.open("w") as f:
-        try:
-            code = subprocess.run(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = -9
-    return time.monotonic() - start, code
+from gpu_e2e import finished, timed  # noqa: E402
 
 
 def run_config(args: argparse.Namespace, data: Path, packing: bool) -> dict[str, Any]:
@@ -121,15 +110,10 @@ def arm(
         "wall_s": round(wall, 1),
         "rc": code,
     }
-    run_dir = Path(env["LORASTACK_HOME"]) / "runs" / cfg["output"]
-    done = run_dir / "training-complete.json"
-    if code != 0 or not done.is_file():
+    found = finished(Path(env["LORASTACK_HOME"]) / "runs" / cfg["output"])
+    if code != 0 or found is None:
         return row | {"error": log.read_text()[-3000:]}
-    completion = json.loads(done.read_text())
-    steps = sorted(
-        (json.loads(p.read_text()) for p in (run_dir / "metrics").glob("metrics-step-*.json")),
-        key=lambda r: r["step"],
-    )
+    completion, steps = found
     plan = batch_plan(cfg, env, work / f"{cfg['output']}-plan")
     losses = [round(r["loss"], 4) for r in steps]
     return row | {
