@@ -1,11 +1,12 @@
 """Encoding many conversations at once, on every core the process may use.
 
-`encode_all` gives, for each conversation in order, what `preflight.check_sample` gives
-for it alone: the sample or None, and its problems. Small inputs run in this process.
-Large ones are cut into contiguous chunks encoded by forked worker processes: rendering
-through the chat template and masking are Python, so one process encodes about 300
+`encode_all` gives, for each conversation in order, what `check_sample` gives for it
+alone: the sample or None, and its problems. Small inputs run in this process. Large
+ones are cut into contiguous chunks encoded by forked worker processes: rendering
+through the chat template and masking are Python, so one process encodes a few hundred
 chats a second, and a dataset of 100k chats would otherwise cost minutes before the
-first step. Workers inherit the tokenizer and the conversations from the fork (nothing
+first step. A worker that dies (the OOM killer) fails the call with BrokenProcessPool
+rather than hanging it. Workers inherit the tokenizer and the conversations from the fork (nothing
 is pickled to them) and send back the samples; the result does not depend on the number
 of workers. Under torchrun each process takes its share of the cores.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from lorastack.chat_data import Conversation
@@ -89,9 +91,10 @@ def encode_all(
         before = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         try:
-            ctx = multiprocessing.get_context("fork")
-            with ctx.Pool(min(workers, len(ranges))) as pool:
-                chunks = pool.map(_encode_range, ranges, chunksize=1)
+            with ProcessPoolExecutor(
+                min(workers, len(ranges)), mp_context=multiprocessing.get_context("fork")
+            ) as pool:
+                chunks = list(pool.map(_encode_range, ranges))
         finally:
             if before is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
