@@ -1,7 +1,7 @@
 """The end of a run: what `run_training` returns (TrainResult), and the completion record
-(training-complete.json, also inside the published adapter): steps, tokens and throughput over the whole wall time, memory
-(estimated and measured), losses, trainable parameters, billed hours and cost, the device
-and compile facts. The selected step, adapter digest and phase times are added by
+(training-complete.json, also inside the published adapter): steps, tokens and throughput
+over the whole wall time, memory (estimated and measured, part by part), losses,
+trainable parameters, billed hours and cost, the device and compile facts. The selected step, adapter digest and phase times are added by
 trainer.recipe.Recipe.finish as they become known.
 """
 
