@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from gateway.cli import _settings
 from gateway.settings import GatewaySettings
+from lorastack.errors import ConfigError
 
 
 def _serve(tmp_path: Path, text: str) -> Path:
@@ -85,3 +87,22 @@ def test_max_num_seqs_per_backend(
 def test_bad_max_num_seqs_is_refused(given: str, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         GatewaySettings(backends=[A, B], backend_max_num_seqs=given)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"backends": ["ftp://x"]},
+            "gateway setting backends: backend 'ftp://x' must start with http:// or https://",
+        ),
+        ({"api_keys_file": "/no/such/keys"}, "gateway settings: api_keys_file /no/such/keys does"),
+    ],
+)
+def test_a_bad_setting_at_start_is_a_config_error_naming_it(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        _settings(**overrides)
+    assert e.value.message.startswith(message)
+    assert "Value error" not in e.value.message

@@ -54,6 +54,7 @@ def test_bad_serve_configs_say_what_to_fix(
     with pytest.raises(ConfigError) as e:
         load_serve_config(_write(tmp_path, data))
     assert words in e.value.message
+    assert "Value error" not in e.value.message  # pydantic's prefix, not ours
     assert e.value.hint
 
 

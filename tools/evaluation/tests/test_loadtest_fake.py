@@ -137,3 +137,20 @@ def test_cli_loadtest_and_errors(
     code = cli_main(["loadtest", "--base-url", fake.base_url, "--model", "nope", "--concurrency", "1",
                      "--out", str(out)])  # fmt: skip
     assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_cli_bad_levels_name_what_to_give(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(["loadtest", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                     "--requests", "0", "--out", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "invalid load test: requests: Input should be greater than or equal to 1" in err
+    code = cli_main(["loadtest", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                     "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2
+    assert "invalid load test: flags: give --concurrency levels and/or --rate levels" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()

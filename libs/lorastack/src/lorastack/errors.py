@@ -13,9 +13,17 @@ that says what to change. Services map these to exit codes (CLI) or HTTP statuse
     ├── IntegrityError     a downloaded file does not match its recorded sha256
     ├── StoreUnavailable   the store could not be reached after bounded retries
     └── Refused            a check refused to go on (preflight, resume, merge, ...)
+
+`field_errors` words a pydantic ValidationError as the fields it names, for the message of
+one of these errors (a config file, the settings, a request body).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class LorastackError(Exception):
@@ -64,3 +72,13 @@ class Refused(LorastackError):
     """A check refused to continue; the message lists what failed."""
 
     exit_code = 3
+
+
+def field_errors(e: ValidationError, whole: str = "") -> list[tuple[str, str]]:
+    """(where, what) of each entry of a pydantic error: ("lora.r", "Input should be greater
+    than 0"); `whole` stands for an entry about the whole object (no field). A validator's
+    own message loses pydantic's "Value error, " in front of it."""
+    return [
+        (".".join(str(p) for p in err["loc"]) or whole, err["msg"].removeprefix("Value error, "))
+        for err in e.errors()
+    ]

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lorastack.errors import InvalidInput
+from lorastack.errors import InvalidInput, field_errors
 
 MAX_DEPTH = 64  # nested arrays/objects; an OpenAI request needs fewer than 10
 INT_LIMIT = 2**63  # integers must lie in [-2**63, 2**63)
@@ -222,6 +222,4 @@ async def read_object(
 def schema_error(e: ValidationError) -> tuple[str, str]:
     """(where, what) of a pydantic error's first entry, for a message: ("messages.0.role",
     "Input should be 'system', 'user' or 'assistant'")."""
-    first = e.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    return where, first["msg"].removeprefix("Value error, ")
+    return field_errors(e)[0]

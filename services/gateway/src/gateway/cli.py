@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from lorastack.errors import ConfigError
+from lorastack.errors import ConfigError, field_errors
 
 
 def _settings(**overrides: Any) -> Any:
@@ -18,9 +18,9 @@ def _settings(**overrides: Any) -> Any:
     try:
         return GatewaySettings(**overrides)
     except ValidationError as e:
-        err = e.errors()[0]
+        field, what = field_errors(e)[0]
         raise ConfigError(
-            f"gateway setting {'.'.join(str(p) for p in err['loc'])}: {err['msg']}",
+            f"gateway setting {field}: {what}" if field else f"gateway settings: {what}",
             "fix the LORASTACK_* environment variable or the command-line flag",
         ) from None
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
-from lorastack.errors import ConfigError
+from lorastack.errors import ConfigError, field_errors
 from lorastack.manifest import parse_ref, served_name, validate_name
 from lorastack.settings import CommonSettings
 
@@ -163,10 +163,7 @@ def build_settings(**values: Any) -> InferenceSettings:
     try:
         return InferenceSettings(**values)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
-            for err in e.errors()
-        )
+        problems = "; ".join(f"{where}: {what}" for where, what in field_errors(e, "config"))
         raise ConfigError(f"invalid serve settings: {problems}", "fix these keys") from None
 
 

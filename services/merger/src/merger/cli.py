@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lorastack.errors import ConfigError, Refused
+from lorastack.errors import ConfigError, Refused, field_errors
 from merger.settings import VLLM_MAX_LORA_RANKS, MergerSettings
 
 CHECK = "check-adapter"
@@ -53,10 +53,9 @@ def load_settings() -> MergerSettings:
     try:
         return MergerSettings()
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
+        field, what = field_errors(e)[0]
         raise ConfigError(
-            f"merger setting {field}: {err['msg'].removeprefix('Value error, ')}",
+            f"merger setting {field}: {what}" if field else f"merger settings: {what}",
             f"fix the environment variable LORASTACK_{field.upper()}",
         ) from None
 

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
-from lorastack.errors import ConfigError
+from lorastack.errors import ConfigError, field_errors
 from lorastack.manifest import parse_ref, validate_name
 
 # Fields that may differ between a checkpoint and the run that resumes it: they change
@@ -327,9 +327,7 @@ def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         lines = []
-        for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            msg = err["msg"].removeprefix("Value error, ")
+        for (where, msg), err in zip(field_errors(e, "(top level)"), e.errors(), strict=True):
             if err["type"] == "extra_forbidden":
                 msg = "unknown field"
             elif "input" in err and not isinstance(err["input"], dict):

@@ -124,7 +124,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from evaluation.loadtest_config import LoadtestConfig
     from evaluation.loadtest_report import PNG, render_text, write_outputs
     from evaluation.loadtest_run import run_loadtest
-    from lorastack.errors import ConfigError
+    from lorastack.errors import ConfigError, field_errors
 
     fields: dict[str, Any] = {
         "base_url": args.base_url,
@@ -152,10 +152,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     try:
         config = LoadtestConfig.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
-        msgs = "; ".join(
-            f"{'.'.join(map(str, x['loc'])) or 'flags'}: {x['msg'].removeprefix('Value error, ')}"
-            for x in e.errors()
-        )
+        msgs = "; ".join(f"{where}: {what}" for where, what in field_errors(e, "flags"))
         raise ConfigError(f"invalid load test: {msgs}", "see 'lorastack loadtest --help'") from e
     result = run_loadtest(config)
     out = Path(args.out)

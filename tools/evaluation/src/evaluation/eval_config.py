@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from evaluation.scorers import build_scorer
-from lorastack.errors import ConfigError, NotFound
+from lorastack.errors import ConfigError, NotFound, field_errors
 
 DEFAULT_SCORERS: list[str | dict[str, Any]] = ["exact", "normalised", "contains"]
 
@@ -103,10 +103,7 @@ def load_eval_config(path: Path | None, overrides: dict[str, Any]) -> EvalConfig
     try:
         return EvalConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "config"
-            lines.append(f"  {where}: {err['msg'].removeprefix('Value error, ')}")
+        lines = [f"  {where}: {what}" for where, what in field_errors(e, "config")]
         raise ConfigError(
             "invalid eval config:\n" + "\n".join(lines),
             "fix these fields in the YAML file or the flags (see 'lorastack eval --help')",
