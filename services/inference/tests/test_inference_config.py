@@ -1,5 +1,6 @@
 """Serve config, names, the vLLM command line, backoff and the CLI, without a running vLLM
-(except the fail-fast test, which starts one that cannot load)."""
+(except the fail-fast test, which starts one that cannot load); vLLM's refusals worded
+(against the fake vLLM)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from inference.engine import VllmServer
 from inference.errors import EngineFailed
 from inference.settings import build_settings, load_serve_config
 from inference.supervisor import backoff_delay
+from inference.vllm_api import load_lora, unload_lora
 from lorastack.cli import main as lorastack_main
 from lorastack.errors import ConfigError, InvalidName, Refused
 from lorastack.manifest import Manifest, Parent, Producer
+from lorastack_testing.fake_vllm import FakeServer
 
 
 def _write(tmp_path: Path, data: object) -> Path:
@@ -205,3 +208,17 @@ def test_cli_errors_are_exit_codes_not_tracebacks(
     with pytest.raises(SystemExit):
         lorastack_main(["kv-estimate", "--model", "x", "--gpu-util", "1.5"])
     assert "must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_vllm_s_refusals_carry_its_own_message() -> None:
+    with FakeServer() as fake:
+        load_lora(fake.base_url, "chat", Path("/adapters/chat"))
+        with pytest.raises(EngineFailed) as e:
+            load_lora(fake.base_url, "chat", Path("/adapters/chat"))
+        assert e.value.message == (
+            "vLLM refused to load chat (400): The lora adapter 'chat' has already been loaded."
+        )
+        unload_lora(fake.base_url, "chat")
+        with pytest.raises(EngineFailed) as e:
+            unload_lora(fake.base_url, "chat")
+        assert e.value.message.endswith("(404): The lora adapter 'chat' cannot be found.")

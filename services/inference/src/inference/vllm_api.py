@@ -11,19 +11,11 @@ from pathlib import Path
 import httpx
 
 from inference.errors import EngineFailed
+from lorastack.error_body import error_message
 
 
 def _message(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-    except ValueError:
-        return r.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        return str(err)
-    return str(body)[:500]
+    return error_message(r.text)
 
 
 def warm_up(base_url: str, model: str, timeout_s: float = 120.0) -> None:

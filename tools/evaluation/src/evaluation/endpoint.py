@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from lorastack.error_body import error_message
 from lorastack.errors import ConfigError, LorastackError
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -54,17 +55,7 @@ def make_client(
 
 def error_text(response: httpx.Response) -> str:
     """The server's own message from an OpenAI-style error body, else the raw text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])[:500]
-        if isinstance(body.get("detail"), str):
-            return str(body["detail"])[:500]
-    return response.text[:500]
+    return error_message(response.text)
 
 
 def _retry_delay(attempt: int, response: httpx.Response | None) -> float:
