@@ -27,9 +27,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 
 from lorastack.errors import ConfigError, field_errors
 from lorastack.manifest import parse_ref, served_name, validate_name
+from lorastack.serving import check_max_lora_rank
 from lorastack.settings import CommonSettings
-
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32 accepts
 
 
 class InferenceSettings(CommonSettings):
@@ -121,9 +120,7 @@ class InferenceSettings(CommonSettings):
     @field_validator("max_lora_rank")
     @classmethod
     def _rank(cls, v: int) -> int:
-        if v not in LORA_RANKS:
-            raise ValueError(f"vLLM accepts max_lora_rank in {LORA_RANKS}")
-        return v
+        return check_max_lora_rank(v)
 
     @model_validator(mode="after")
     def _consistent(self) -> InferenceSettings:

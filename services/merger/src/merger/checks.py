@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from lorastack.errors import Refused
 from lorastack.manifest import Manifest, Parent
-from merger.settings import VLLM_MAX_LORA_RANKS
+from lorastack.serving import VLLM_MAX_LORA_RANKS
 
 # ---- the base ---------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from lorastack.errors import ConfigError, Refused, field_errors
-from merger.settings import VLLM_MAX_LORA_RANKS, MergerSettings
+from lorastack.serving import VLLM_MAX_LORA_RANKS
+from merger.settings import MergerSettings
 
 CHECK = "check-adapter"
 

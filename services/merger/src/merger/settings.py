@@ -9,10 +9,8 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from lorastack.serving import check_max_lora_rank
 from lorastack.settings import CommonSettings
-
-# The ranks vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks, vLLM 0.32).
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class MergerSettings(CommonSettings):
@@ -45,9 +43,7 @@ class MergerSettings(CommonSettings):
     @field_validator("max_lora_rank")
     @classmethod
     def _rank(cls, v: int) -> int:
-        if v not in VLLM_MAX_LORA_RANKS:
-            raise ValueError(f"vLLM accepts --max-lora-rank only in {VLLM_MAX_LORA_RANKS}")
-        return v
+        return check_max_lora_rank(v)
 
     @property
     def resolved_merge_dir(self) -> Path:
