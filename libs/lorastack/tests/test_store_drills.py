@@ -6,6 +6,9 @@
 - A file of the local cache is damaged: it is found before it is handed out (size and
   mtime against the cache record), fetched again, and `verify_cache` (`lorastack store
   verify`) finds damage that kept size and mtime.
+- A large file from a store on the same disk is a hard link to the store's read-only
+  blob, not a copy; written to anyway (root ignores the mode), it is refused with the
+  store's IntegrityError on every later fetch, never handed out.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from pathlib import Path
 import pytest
 from moto.server import ThreadedMotoServer
 
-from lorastack.errors import StoreUnavailable
+from lorastack.errors import IntegrityError, StoreUnavailable
 from lorastack.settings import CommonSettings
-from lorastack.store import open_store
+from lorastack.store import artifacts, open_store
+from lorastack.store.artifacts import ArtifactStore
 from lorastack.store.backend import blob_key
 from lorastack.store.cache import verify_cache
 
@@ -128,3 +132,53 @@ def test_damaged_cache_file_is_caught_before_use(tmp_path: Path) -> None:
     assert any("weights.bin" in p for p in problems)
     assert verify_cache(store.cache_dir)[1] == []  # removed: clean now
     assert (store.fetch(m) / "weights.bin").read_bytes() == b"w" * 4096  # fetched again
+
+
+def test_a_local_store_is_linked_not_copied_and_a_write_through_the_link_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(artifacts, "LINK_MIN_BYTES", 1024)
+    store = open_store(CommonSettings(home=tmp_path / "home"))
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(b"w" * 4096)
+    (src / "config.json").write_text('{"a": 1}')
+    m = store.publish(src, kind="base-model", name="m", service="test")
+    sha = {f.path: f.sha256 for f in m.files}
+    stored = store.backend.blob_path(sha["weights.bin"])  # type: ignore[attr-defined]
+    cached = store.fetch(m)
+
+    assert (cached / "weights.bin").stat().st_ino == stored.stat().st_ino  # once on disk
+    assert stored.stat().st_mode & 0o222 == 0  # read-only
+    config_blob = store.backend.blob_path(sha["config.json"])  # type: ignore[attr-defined]
+    assert (cached / "config.json").stat().st_ino != config_blob.stat().st_ino  # small: a copy
+    got = store.get(m, tmp_path / "copy")
+    assert (got / "weights.bin").stat().st_mode & 0o200  # `store get` gives plain files
+
+    # written through the link anyway: the store's blob is damaged, and no fetch from this
+    # cache or a fresh one hands it out
+    os.chmod(cached / "weights.bin", 0o644)
+    with (cached / "weights.bin").open("r+b") as f:
+        f.write(b"X")
+    with pytest.raises(IntegrityError, match=r"weights\.bin"):
+        store.fetch(m)
+    with pytest.raises(IntegrityError, match=r"weights\.bin"):
+        ArtifactStore(store.backend, tmp_path / "other-cache").fetch(m)
+
+    # damage that kept size and mtime: `store verify` finds it and marks the blob changed,
+    # so the next fetch verifies instead of linking it again
+    (src / "weights.bin").write_bytes(b"v" * 4096)
+    m2 = store.publish(src, kind="base-model", name="m2", service="test")
+    sha2 = {f.path: f.sha256 for f in m2.files}["weights.bin"]
+    blob = store.backend.blob_path(sha2)  # type: ignore[attr-defined]
+    fetched = store.fetch(m2)
+    st = blob.stat()
+    os.chmod(blob, 0o644)
+    data = bytearray(blob.read_bytes())
+    data[7] ^= 0x01
+    blob.write_bytes(bytes(data))
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (fetched / "weights.bin").read_bytes() == bytes(data)  # slips past the cheap check
+    assert any("weights.bin" in p for p in verify_cache(store.cache_dir)[1])
+    with pytest.raises(IntegrityError, match=r"weights\.bin"):
+        store.fetch(m2)

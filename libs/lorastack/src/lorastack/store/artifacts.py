@@ -42,6 +42,7 @@ from lorastack.store.labels import LabelRecord
 
 log = logging.getLogger(__name__)
 _AUTO_VERSION_TRIES = 5
+LINK_MIN_BYTES = 16 << 20  # fetch: from a local store, files this large are linked, not copied
 
 
 def _version_key(v: str) -> tuple[int, int | str]:
@@ -208,7 +209,16 @@ class ArtifactStore:
     # ---- fetching ---------------------------------------------------------------
 
     def fetch(self, manifest: Manifest) -> Path:
-        """A verified local folder holding the artifact, from the cache when it is intact."""
+        """A verified local folder holding the artifact, from the cache when it is intact.
+
+        From a store on this machine's disk (file://), files of LINK_MIN_BYTES or more are
+        hard links to the store's read-only blobs, not copies: an 8B base is on disk once,
+        and its first use costs no copy and no hash (the store hashed it when it was
+        published; `lorastack store verify` hashes it again). Should such a file be
+        edited in place anyway, the change reaches the store's blob and moves its mtime
+        off the one it was stored with: the check on use and every later fetch then
+        download and verify it against the sha256, and refuse it with IntegrityError
+        rather than hand it out."""
         target = self.cache_dir / "artifacts" / manifest.digest.removeprefix("sha256:")
         if target.is_dir():
             damaged = cache_damage(target, manifest.files)
@@ -227,9 +237,11 @@ class ArtifactStore:
         staging = Path(tempfile.mkdtemp(dir=self.cache_dir / "artifacts", prefix=".tmp-"))
         try:
             for f in manifest.files:
-                blob = self._fetch_blob(manifest, f.path, f.sha256)
                 dest = staging / f.path
                 dest.parent.mkdir(parents=True, exist_ok=True)
+                if self._link_stored(f.sha256, f.size, dest):
+                    continue
+                blob = self._fetch_blob(manifest, f.path, f.sha256)
                 try:
                     os.link(blob, dest)
                 except OSError:
@@ -244,11 +256,29 @@ class ArtifactStore:
             shutil.rmtree(staging, ignore_errors=True)
         return target
 
+    def _link_stored(self, sha256: str, size: int, dest: Path) -> bool:
+        """Hard-link a large blob of a store on this disk into `dest`; False where the
+        store is elsewhere, the file small (a copy keeps an edited config repairable),
+        the blob written to since it was stored (the caller then downloads and verifies
+        it), or the file system refuses the link."""
+        unchanged = getattr(self.backend, "unchanged_blob", None)
+        stored = unchanged(sha256, size) if unchanged and size >= LINK_MIN_BYTES else None
+        if stored is None:
+            return False
+        try:
+            os.link(stored, dest)
+        except OSError:
+            return False
+        return True
+
     def get(self, manifest: Manifest, dest: Path) -> Path:
         """Copy the verified artifact into `dest` (created; must be empty if it exists)."""
         if dest.exists() and any(dest.iterdir()):
             raise ConfigError(f"{dest} is not empty", "choose an empty or new folder")
-        shutil.copytree(self.fetch(manifest), dest, dirs_exist_ok=True)
+        # plain copies: the cache's links to a local store's blobs are read-only
+        shutil.copytree(
+            self.fetch(manifest), dest, dirs_exist_ok=True, copy_function=shutil.copyfile
+        )
         return dest
 
     def _fetch_blob(self, manifest: Manifest, path: str, sha256: str) -> Path:

@@ -8,7 +8,8 @@ artifact with a bad or missing file is thrown away (renamed first, so no reader 
 it half deleted) to be fetched again before anyone is handed it. Damage that keeps size
 and mtime (bit rot) is what `verify_cache` (`lorastack store verify`) is for: it hashes
 everything, `CACHE/blobs/<sha256>` included. Fetching itself is the store's
-(lorastack.store.artifacts).
+(lorastack.store.artifacts), and so are the large files it hard-links from a store on
+this disk instead of copying.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def verify_cache(cache_dir: Path) -> tuple[int, list[str]]:
             file = target / path
             if not file.is_file() or sha256_file(file) != sha:
                 bad.append(path)
+                if file.is_file():
+                    # it may be a local store's blob (linked): marked changed, every
+                    # later fetch verifies it instead of linking it again
+                    os.utime(file)
         if bad:
             problems.append(f"artifact {target.name[:12]}: damaged {', '.join(bad)}; removed")
             discard(target)

@@ -1,8 +1,10 @@
 """`file://DIR` backend: the embedded default. It persists and needs no server.
 
 Atomicity comes from the file system: blobs are written to a temporary file and
-renamed into place; manifests are hard-linked into place, which fails if the name
-exists, so the first writer wins and nobody ever reads a partial manifest.
+renamed into place, read-only and with the mtime STORED_MTIME_NS (as Nix stamps its
+store), so a blob that was ever written after it was stored shows it, and a cache can
+hard-link the others instead of copying them (lorastack.store.artifacts); manifests are hard-linked into place, which fails if the name exists, so the first
+writer wins and nobody ever reads a partial manifest.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.store.backend import RecordManifests, blob_key, manifest_key
+
+STORED_MTIME_NS = 1_000_000_000  # every stored blob's mtime: 1970-01-01T00:00:01Z
 
 
 class LocalBackend(RecordManifests):
@@ -30,17 +34,34 @@ class LocalBackend(RecordManifests):
     def has_blob(self, sha256: str) -> bool:
         return (self.root / blob_key(sha256)).is_file()
 
+    def blob_path(self, sha256: str) -> Path:
+        """Where the blob lies on this machine's disk (it may not exist)."""
+        return self.root / blob_key(sha256)
+
+    def unchanged_blob(self, sha256: str, size: int) -> Path | None:
+        """The blob's path when it still has the size and the mtime it was stored with
+        (nothing wrote to it since); None otherwise."""
+        try:
+            st = self.blob_path(sha256).stat()
+        except OSError:
+            return None
+        if st.st_size != size or st.st_mtime_ns != STORED_MTIME_NS:
+            return None
+        return self.blob_path(sha256)
+
     def put_blob(self, sha256: str, src: Path) -> None:
-        dest = self.root / blob_key(sha256)
+        dest = self.blob_path(sha256)
         if dest.is_file():
             return
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp()
         shutil.copyfile(src, tmp)
+        os.chmod(tmp, 0o444)
+        os.utime(tmp, ns=(STORED_MTIME_NS, STORED_MTIME_NS))
         os.replace(tmp, dest)
 
     def download_blob(self, sha256: str, dest: Path) -> None:
-        src = self.root / blob_key(sha256)
+        src = self.blob_path(sha256)
         if not src.is_file():
             raise NotFound(f"blob {sha256} is missing from {self.url}")
         shutil.copyfile(src, dest)
