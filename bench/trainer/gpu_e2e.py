@@ -157,6 +157,8 @@ def lorastack_arm(
         "peak_reserved_gib": round((completion.get("peak_reserved") or 0) / 2**30, 2),
         "compile": completion.get("compile"),
         "phases_s": completion.get("phases_s"),
+        # process start to the published adapter (the wall adds the interpreter's exit)
+        "to_adapter_s": round(sum((completion.get("phases_s") or {}).values()), 1),
         "memory_parts": completion.get("memory_parts"),
         "nvml": completion.get("nvml"),
         "step_s": [round(r["step_time_s"], 3) for r in steps],
@@ -187,6 +189,7 @@ def trl_arm(args: argparse.Namespace, name: str, env: dict[str, str]) -> dict[st
     row = json.loads(found[-1])
     row["arm"] = name
     row["process_wall_s"] = round(wall, 1)  # with interpreter start and imports
+    row["to_adapter_s"] = row["wall_s"]  # start to the saved adapter, in the process
     row["tokens_per_s_wall"] = round(row["tokens"] / wall, 1)
     row["supervised_per_s_wall"] = round(row["supervised_tokens"] / wall, 1)
     return dict(row)
@@ -239,6 +242,10 @@ def main() -> int:
             "tokens_per_s_wall": r.get("tokens_per_s_wall"),
             "lorastack_speedup": round(ours["tokens_per_s_wall"] / r["tokens_per_s_wall"], 2)
             if ours and r.get("tokens_per_s_wall")
+            else None,
+            "to_adapter_s": r.get("to_adapter_s"),
+            "lorastack_speedup_to_adapter": round(r["to_adapter_s"] / ours["to_adapter_s"], 2)
+            if ours and r.get("to_adapter_s")
             else None,
             "last10_loss": round(sum(r["losses"][-10:]) / 10, 4) if r.get("losses") else None,
         }

@@ -1,6 +1,7 @@
 """A compiled run compiles once: over chats of varied lengths, `lorastack train` with
 compile=true (inductor, on the CPU here) builds exactly one graph and breaks it nowhere,
-packed or not; and compile=auto compiles only where the measured eager steps say the
+packed or not, per decoder layer or whole; a second run takes it from the disk cache;
+and compile=auto compiles only where the measured eager steps say the
 compile pays back, choosing the scope that saves the most."""
 
 from __future__ import annotations
@@ -85,9 +86,12 @@ def varied_chats(path: Path, n: int = 48) -> Path:
     return path
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    ("packing", "scope"), [(False, "layers"), (True, "decoder")], ids=["padded-layers", "packed"]
+)
 def test_a_compiled_run_builds_one_graph_without_breaks(
     packing: bool,
+    scope: str,
     tiny_home: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -97,32 +101,45 @@ def test_a_compiled_run_builds_one_graph_without_breaks(
 
     monkeypatch.setenv("LORASTACK_HOME", str(tiny_home))
     monkeypatch.setenv("LORASTACK_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.delenv("LORASTACK_STORE_URL", raising=False)
-    path = write_config(
-        f"compiled-{packing}",
-        varied_chats(tmp_path / "chats.jsonl"),
-        base_model="tiny-llama",
-        device="cpu",
-        compile=True,
-        compile_scope="decoder",
-        packing=packing,
-        gradient_checkpointing=True,
-        max_seq_len=512,
-        micro_batch=2,
-        grad_accum=2,
-        max_steps=6,
-        epochs=50,  # 38 samples pack into a few rows a step
-        eval_every=100,
-        checkpoint_every=100,
-    )
-    torch._dynamo.reset()
-    counters.clear()
-    result = run_training(load_config(path), TrainerSettings())
-    report = result.completion["compile"]
-    assert report["graph_breaks"] == 0, dict(counters["graph_break"])
-    assert report["graphs"] == 1
-    assert result.steps == 6 and all(np.isfinite(list(result.losses.values())))
+    chats = varied_chats(tmp_path / "chats.jsonl")
+
+    def run(output: str) -> dict[str, int]:
+        path = write_config(
+            output,
+            chats,
+            base_model="tiny-llama",
+            device="cpu",
+            compile=True,
+            compile_scope=scope,
+            packing=packing,
+            gradient_checkpointing=True,
+            max_seq_len=512,
+            micro_batch=2,
+            grad_accum=2,
+            max_steps=6,
+            epochs=50,  # 38 samples pack into a few rows a step
+            eval_every=100,
+            checkpoint_every=100,
+        )
+        torch._dynamo.reset()
+        counters.clear()
+        result = run_training(load_config(path), TrainerSettings())
+        assert result.steps == 6 and all(np.isfinite(list(result.losses.values())))
+        report: dict[str, int] = result.completion["compile"]
+        assert report["graph_breaks"] == 0, dict(counters["graph_break"])
+        return report
+
+    # one graph for every layer: the first layer's input asks for its gradient like the
+    # others' (otherwise a requires_grad guard fails and a second graph compiles)
+    first = run(f"compiled-{scope}")
+    assert first["graphs"] == 1
+    if scope == "layers":
+        # a second run on this machine takes its graphs from the disk cache, AOT
+        # autograd's included (the LoRA autograd.Functions made it bypass the cache)
+        again = run(f"compiled-{scope}-again")
+        assert again["graphs"] == 1
+        assert again["aot_cache_hits"] == 1 and again["fx_cache_misses"] == 0, again
 
 
 def test_compile_auto_compiles_only_where_it_pays() -> None:

@@ -116,8 +116,15 @@ def compile_decoder(model: Any, scope: str) -> None:
 
     # dropout through torch's own RNG ops: the eager masks, replayed by checkpointing
     torch._inductor.config.fallback_random = True
+    # the LoRA layers' autograd.Functions (trainer.fast_lora, bitsandbytes' 4-bit matmul)
+    # made AOT autograd bypass its disk cache, so a warm run still traced every graph;
+    # their forward and backward are traced into the graph, so its cache key covers them
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     decoder = model.get_base_model().get_decoder()
     modules = [decoder] if scope == "decoder" else list(getattr(decoder, "layers", []))
+    if scope == "layers":
+        embeddings = model.get_base_model().get_input_embeddings()
+        embeddings.register_forward_hook(_first_layer_input_needs_grad)
     for module in modules:
         eager = module.forward
         compiled = torch.compile(eager)
@@ -135,6 +142,15 @@ def compile_decoder(model: Any, scope: str) -> None:
                 return _c(*args, **kw)
 
         module.forward = forward
+
+
+def _first_layer_input_needs_grad(module: Any, args: Any, output: torch.Tensor) -> None:
+    """The embeddings' output asks for its gradient while training, as every later
+    layer's input does: otherwise the first layer's call fails the shared graph's
+    requires_grad guard and compiles a second pair of graphs (half the compile again);
+    the price is three input-gradient matmuls in the first layer."""
+    if module.training and torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def mark_dynamic_width(batch: dict[str, torch.Tensor]) -> None:
