@@ -4,6 +4,7 @@ Each service defines one settings class that inherits from `CommonSettings`; it 
 built once at start (from the environment, prefix `LORASTACK_`) and passed down.
 Nothing else in the code base reads the environment. `child_env` goes the other way: the
 environment that gives a child process's settings class the values a parent chose.
+`read_yaml_mapping` reads a config file (run, serve, eval) with the errors every service gives.
 """
 
 from __future__ import annotations
@@ -86,3 +87,23 @@ def child_env(settings_cls: type[BaseSettings], **values: Any) -> dict[str, str]
             text = json.dumps(value)
         env[f"{prefix}{name}".upper()] = text
     return env
+
+
+def read_yaml_mapping(path: Path, what: str, hint: str) -> dict[str, Any]:
+    """The mapping of a YAML config file (`what`: "serve config", ...); a missing or unreadable
+    file, bad YAML or anything but a mapping is a ConfigError (`hint` says what to write)."""
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist", "give the path of a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {path} cannot be read: {e.strerror}", "check its permissions"
+        ) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping (key: value lines)", hint)
+    return data

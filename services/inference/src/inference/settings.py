@@ -22,13 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
 from lorastack.errors import ConfigError, field_errors
 from lorastack.manifest import parse_ref, served_name, validate_name
 from lorastack.serving import check_max_lora_rank
-from lorastack.settings import CommonSettings
+from lorastack.settings import CommonSettings, read_yaml_mapping
 
 
 class InferenceSettings(CommonSettings):
@@ -166,16 +165,7 @@ def build_settings(**values: Any) -> InferenceSettings:
 
 def load_serve_config(path: Path) -> InferenceSettings:
     """Settings from a serve YAML file (keys as in InferenceSettings) plus the environment."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(
-            f"serve config {path} does not exist", "give the path of a YAML file"
-        ) from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}", "fix the file's syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of settings", "e.g. 'model: NAME'")
+    data = read_yaml_mapping(path, "serve config", "e.g. 'model: NAME'")
     settings = build_settings(**data)
     if not settings.model:
         raise ConfigError(f"{path} names no model", "add 'model: NAME[:VERSION]' (a store ref)")

@@ -18,6 +18,7 @@ from pydantic_core import to_jsonable_python
 
 from lorastack.errors import ConfigError, field_errors
 from lorastack.manifest import parse_ref, validate_name
+from lorastack.settings import read_yaml_mapping
 
 # Fields that may differ between a checkpoint and the run that resumes it: they change
 # when the run stops or how often it reports, never the numbers of the steps it takes.
@@ -343,16 +344,7 @@ def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
 
 def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML run config, apply `key=value` overrides, validate."""
-    if not path.is_file():
-        raise ConfigError(
-            f"config file {path} does not exist", "give the path of a YAML run config"
-        )
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of fields", "see trainer/configs/demo.yaml")
+    data = read_yaml_mapping(path, "config file", "see trainer/configs/demo.yaml")
     return build_config(_merge(data, parse_overrides(overrides or [])), str(path))
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import (
     BaseModel,
     Field,
@@ -31,7 +30,8 @@ from pydantic import (
 )
 
 from evaluation.scorers import build_scorer
-from lorastack.errors import ConfigError, NotFound, field_errors
+from lorastack.errors import ConfigError, field_errors
+from lorastack.settings import read_yaml_mapping
 
 DEFAULT_SCORERS: list[str | dict[str, Any]] = ["exact", "normalised", "contains"]
 
@@ -90,15 +90,7 @@ def load_eval_config(path: Path | None, overrides: dict[str, Any]) -> EvalConfig
     """YAML file (optional) with flag values (not None) on top; errors name the field."""
     data: dict[str, Any] = {}
     if path is not None:
-        if not path.is_file():
-            raise NotFound(f"eval config {path} does not exist", "give the path of a YAML file")
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path} must hold a mapping", "write key: value lines")
-        data.update(loaded)
+        data.update(read_yaml_mapping(path, "eval config", "e.g. 'base_url: http://...'"))
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return EvalConfig.model_validate(data)
