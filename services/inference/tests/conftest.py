@@ -4,7 +4,10 @@
 Store contents (session):
     smollm2-135m-instruct      base-model    the embedded SmolLM2 folder
     test/merged-src:1          adapter       LoRA on the base (lora_B non-zero), merged into:
-    test/merged:1              merged-model  parents base + adapter
+    test/merged:1              merged-model  parents base + adapter; renders with the trainer's
+                                             chatml-tools template and records that it was
+                                             trained for Hermes tool calls (the trainer's
+                                             chat_format record), so vLLM parses tool calls
     test/adapter:1, :2         adapter       LoRAs on test/merged (parent role "base"), other seeds
 """
 
@@ -22,7 +25,7 @@ from lorastack.store import open_store
 
 sys.path.insert(0, str(Path(__file__).parent))  # inference_testkit
 
-from inference_testkit import RunningServe, ServeStore, make_lora, serving
+from inference_testkit import RunningServe, ServeStore, make_lora, serving, tool_template
 
 from lorastack_testing.net import free_port
 
@@ -37,6 +40,7 @@ def inference_store(embedded_model: Path, tmp_path_factory: pytest.TempPathFacto
     )
     src, merged_dir = root / "merged-src", root / "merged"
     make_lora(embedded_model, src, seed=1, merge_into=merged_dir)
+    chat_format = tool_template(merged_dir)
     src_m = store.publish(
         src, kind="adapter", name="test/merged-src", service="test",
         parents=[base.as_parent("base")],
@@ -44,6 +48,7 @@ def inference_store(embedded_model: Path, tmp_path_factory: pytest.TempPathFacto
     merged = store.publish(
         merged_dir, kind="merged-model", name="test/merged", service="test",
         parents=[base.as_parent("base"), src_m.as_parent("adapter")],
+        metadata={"chat_format": chat_format},
     )  # fmt: skip
     adapters = {}
     for version, seed in (("1", 2), ("2", 3)):

@@ -4,6 +4,7 @@ process (`serving`) and its handle, a chat call."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -47,6 +48,23 @@ def make_lora(model_dir: Path, out: Path, *, seed: int, merge_into: Path | None 
         merged = peft_model.merge_and_unload()
         merged.save_pretrained(merge_into)
         tokenizer.save_pretrained(merge_into)
+
+
+def tool_template(folder: Path) -> dict[str, Any]:
+    """Give a model folder the trainer's chatml-tools template (SmolLM2's ChatML with Hermes
+    tool calls; plain chats render as with SmolLM2's own) and return the record the
+    trainer publishes for a model trained on tool calls with it (trainer.chat_templates)."""
+    from importlib.resources import files
+
+    text = (files("trainer") / "templates" / "chatml-tools.jinja").read_text("utf-8")
+    (folder / "chat_template.jinja").write_text(text)
+    return {
+        "template": "chatml-tools",
+        "template_file": "chat_template.jinja",
+        "template_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "tools": True,
+        "tool_call_parser": "hermes",
+    }
 
 
 @dataclass

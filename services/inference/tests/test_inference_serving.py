@@ -70,6 +70,47 @@ def test_base_and_adapter_in_one_server_answer_differently(serve: RunningServe) 
     assert base != tuned
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_a_merged_tool_model_gets_its_tool_calls_parsed_by_vllm(serve: RunningServe) -> None:
+    """test/merged records Hermes tool calls: the supervisor started vLLM with the hermes
+    parser and auto tool choice (no flag in the serve config). The untrained model is held
+    to a Hermes answer by a regex (structured outputs); vLLM's parser turns it into
+    `message.tool_calls`, and the tools list was rendered into the prompt."""
+    assert serve.status()["chat_format"]["tool_call_parser"] == "hermes"
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = (
+        r'<tool_call>\n\{"name": "get_weather", '
+        + r'"arguments": \{"city": "Paris"\}\}\n</tool_call>'
+    )
+    body = {
+        "model": "merged", "messages": ask, "tools": [WEATHER], "tool_choice": "auto",
+        "max_tokens": 48, "temperature": 0, "structured_outputs": {"regex": call},
+    }  # fmt: skip
+    r = httpx.post(serve.vllm_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    (tool_call,) = choice["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris"}
+    assert not choice["message"]["content"]
+    assert choice["finish_reason"] == "tool_calls"
+    plain = chat(serve.vllm_url, "merged", ask, max_tokens=1)
+    assert r.json()["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 30  # <tools>
+
+
 def test_kv_estimate_is_within_3_percent_of_vllm(serve: RunningServe) -> None:
     kv = serve.status()["kv_cache"]
     estimate = kv["estimate"]["capacity_tokens"]

@@ -5,6 +5,7 @@ makes them as the uninterrupted one did."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,6 +75,14 @@ def test_a_run_stops_early_and_publishes_its_best_checkpoint(
     assert result.adapter is not None
     meta = result.adapter.metadata
     assert meta["selected_step"] == best and "lowest validation loss" in meta["selected_because"]
+    template = (result.run_dir / "adapter" / "chat_template.jinja").read_bytes()
+    assert meta["chat_format"] == {  # what serving reads (inference.chat_format)
+        "template": "",  # the base model's own
+        "template_file": "chat_template.jinja",
+        "template_sha256": hashlib.sha256(template).hexdigest(),
+        "tools": False,
+        "tool_call_parser": None,
+    }
     # the best checkpoint outlived keep_checkpoints=1, here and in the store
     runs = trainer_env.resolved_runs_dir / "early" / "checkpoints"
     assert (runs / f"step-{best:08d}").is_dir()

@@ -15,7 +15,7 @@ import pytest
 from lorastack.chat_data import load_jsonl
 from lorastack.cli import main
 from lorastack.errors import NotFound
-from trainer.chat_templates import apply_choice, supports_tools, template_text
+from trainer.chat_templates import apply_choice, chat_format_record, supports_tools, template_text
 from trainer.config import load_config
 from trainer.prepare import check
 from trainer.settings import TrainerSettings
@@ -95,3 +95,26 @@ def test_the_tool_demo_config_loads_and_its_template_travels_with_the_tokenizer(
     assert again.chat_template == template_text("chatml-tools") and supports_tools(again)
     with pytest.raises(NotFound, match="neither a shipped template nor a file"):
         apply_choice(again, "chatml-nope")
+
+
+def test_the_adapter_records_the_template_and_the_tool_parser_serving_needs(
+    embedded_model: Path,
+) -> None:
+    """publishing.publish_adapter puts this record in the adapter manifest's
+    metadata.chat_format; the inference service sets vLLM's flags from it."""
+    import hashlib
+
+    text = template_text("chatml-tools")
+    record = chat_format_record(text, "chatml-tools", "chat_template.jinja", True)
+    assert record == {
+        "template": "chatml-tools",
+        "template_file": "chat_template.jinja",
+        "template_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "tools": True,
+        "tool_call_parser": "hermes",  # <tool_call> JSON blocks: what vLLM's hermes parser reads
+    }
+    plain = chat_format_record(text, "chatml-tools", "chat_template.jinja", False)
+    assert plain["tool_call_parser"] is None  # no tool chats trained: no parser asked for
+    smollm2 = (embedded_model / "chat_template.jinja").read_text()
+    own = chat_format_record(smollm2, None, "chat_template.jinja", True)
+    assert own["template"] == "" and own["tool_call_parser"] is None  # no Hermes calls in it

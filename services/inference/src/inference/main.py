@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.artifacts import fetch_adapter, fetch_model
+from inference.chat_format import plan_chat_format
 from inference.declared_adapters import AdapterReconciler
 from inference.engine import VllmServer, detect_platform
 from inference.errors import AdminDenied, error_body, http_status
@@ -78,6 +79,12 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"adapter(s) listed twice: {', '.join(dup)}", "list each once")
+    chat = plan_chat_format(
+        model.path,
+        model.manifest,
+        [(a.manifest, a.path) for a in adapters],
+        settings.extra_vllm_args,
+    )
     shape = read_shape(model.path)
     gpu_mem = gpu_memory_gib(settings) if platform == "cuda" else 0.0
     if platform == "cuda" and not gpu_mem:
@@ -107,7 +114,7 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
     )
     for w in est.warnings:
         log.warning("KV cache: %s", w)
-    return ServePlan(model=model, adapters=adapters, estimate=est, platform=platform)
+    return ServePlan(model=model, adapters=adapters, estimate=est, platform=platform, chat=chat)
 
 
 class AdapterLoad(BaseModel):

@@ -23,6 +23,7 @@ from typing import Any
 
 from inference import vllm_api
 from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
+from inference.chat_format import ChatFormat, check_adapter, vllm_flags
 from inference.engine import VllmServer
 from inference.errors import EngineFailed
 from inference.kv_cache import (
@@ -49,6 +50,7 @@ class ServePlan:
     adapters: list[ServedAdapter]
     estimate: KvEstimate
     platform: str  # "cpu" or "cuda"
+    chat: ChatFormat  # chat template and tool parser (inference.chat_format)
 
 
 @dataclass
@@ -145,6 +147,7 @@ class Supervisor:
     @property
     def engine_args(self) -> list[str]:
         args = list(self.settings.extra_vllm_args)
+        args += vllm_flags(self.plan.chat, args)  # template and tool parser the artifacts need
         if self.settings.kv_cache_dtype != "auto":
             args += ["--kv-cache-dtype", self.settings.kv_cache_dtype]
         return args
@@ -244,7 +247,7 @@ class Supervisor:
                 "restart it with enable_lora: true (or list adapters in the config)",
                 status=409,
             )
-        return fetch_adapter(
+        adapter = fetch_adapter(
             self.store,
             ref,
             self.plan.model,
@@ -252,6 +255,8 @@ class Supervisor:
             source=source,
             workdir=self.settings.resolved_workdir,
         )
+        check_adapter(self.plan.chat, adapter.manifest)
+        return adapter
 
     def load_adapter(self, ref: str) -> ServedAdapter:
         """Fetch (verified) and load an adapter from the store under `<name>-v<version>`."""
@@ -282,6 +287,7 @@ class Supervisor:
         """Serve `new` in place of the adapter of the same served name (a followed label
         moved); returns the one it replaced. vLLM loads it in place from the version's own
         path, so requests never find the name missing."""
+        check_adapter(self.plan.chat, new.manifest)
         with self._lock:
             old = self._adapters.get(new.served_name)
         if old is None:
@@ -363,6 +369,7 @@ class Supervisor:
                 "path": str(self.plan.model.path),
             },
             "adapters": [a.describe() for a in self.adapters.values()],
+            "chat_format": self.plan.chat.describe(),
             "vllm": {
                 "base_url": server.base_url if server else None,
                 "pid": server.pid if server else None,

@@ -211,10 +211,19 @@ def merge_adapter(
             }
             | {"passed": True},
             "lineage": lineage,
-        },
+        }
+        | chat_format(inputs.adapter),
     )
     log.info("published %s (%s)", published.ref, published.digest[:19])
     return MergeResult(manifest=published, report=report, folder=folder)
+
+
+def chat_format(adapter: Manifest) -> dict[str, Any]:
+    """The adapter's record of its chat template and tool parser (trainer.chat_templates),
+    for the merged model, whose folder carries the adapter's tokenizer and template: the
+    inference service reads it to turn vLLM's tool parser on."""
+    record = adapter.metadata.get("chat_format")
+    return {"chat_format": record} if record else {}
 
 
 def already_merged(

@@ -11,10 +11,15 @@ Shipped: `chatml-tools` (templates/chatml-tools.jinja), SmolLM2-Instruct's ChatM
 the same default system prompt (a chat without tools renders byte for byte as SmolLM2's
 own template renders it) plus Hermes-style tool calling, the format vLLM's `hermes` tool
 parser reads back into `tool_calls`.
+
+The published adapter's manifest records what serving needs (`chat_format_record`, in
+`metadata.chat_format`): the template's sha256 and file, and the vLLM tool parser when the
+run trained on tool-calling chats, so the inference service sets vLLM's flags itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -71,3 +76,22 @@ def require_tool_support(tokenizer: Any) -> None:
             "the chat template has no tool support (it never renders `tools` and "
             f"`tool_calls`): {TOOLS_HINT}"
         )
+
+
+def tool_call_parser(template: str) -> str | None:
+    """The vLLM tool parser that reads the calls this template writes: `hermes` for JSON in
+    `<tool_call>` blocks (chatml-tools, Hermes, Qwen), None when unknown."""
+    return "hermes" if "<tool_call>" in template and "</tool_call>" in template else None
+
+
+def chat_format_record(
+    template: str, choice: str | None, template_file: str, trained_on_tools: bool
+) -> dict[str, Any]:
+    """What the adapter was trained with, for serving it the same way (inference.chat_format)."""
+    return {
+        "template": choice or "",  # "" = the base model's own
+        "template_file": template_file,
+        "template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+        "tools": trained_on_tools,
+        "tool_call_parser": tool_call_parser(template) if trained_on_tools else None,
+    }

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
 from trainer import budget, checkpoint
+from trainer.chat_templates import chat_format_record
 from trainer.completion import train_result
 from trainer.config import SAFE_TO_CHANGE
 from trainer.errors import CostCapReached, ResumeRefused
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from trainer.recipe import Recipe
 
 log = logging.getLogger("trainer")
+TEMPLATE_FILE = "chat_template.jinja"  # what the tokenizer's save_pretrained writes
 
 
 def find_resume_point(r: Recipe, resume: bool) -> Path | None:
@@ -138,7 +140,13 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     data = json.loads(adapter_cfg.read_text())
     data["base_model_name_or_path"] = r.base.ref  # a store ref, never a hub id or a local path
     adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    r.tokenizer.save_pretrained(folder)
+    r.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
+    chat_format = chat_format_record(
+        (folder / TEMPLATE_FILE).read_text("utf-8"),
+        cfg.chat_template,
+        TEMPLATE_FILE,
+        trained_on_tools=any(item.conv.has_tools for item in r.splits.train),
+    )
     shutil.copytree(r.metrics_dir, folder / "metrics")
     shutil.copy(plot, folder / "loss.png")
     shutil.copy(r.run_dir / "run-manifest.json", folder / "run-manifest.json")
@@ -162,6 +170,7 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
             "best_val_loss": completion["best_val_loss"],
             "lora_r": cfg.lora.r,
             "quantization": cfg.quantization,
+            "chat_format": chat_format,
         },
     )
     r.say(f"published {m.ref} ({m.digest[:19]})")
