@@ -17,8 +17,9 @@ import time
 import uvloop
 
 from gateway.auth import Key
-from gateway.limits import Budget, MemoryLimiter, RedisLimiter, TokenBucket
+from gateway.limits import Budget, MemoryLimiter, TokenBucket
 from gateway.metrics import GatewayMetrics
+from gateway.redis_limits import RedisLimiter
 from lorastack_testing.redis_server import serve_redis
 
 N = 5000

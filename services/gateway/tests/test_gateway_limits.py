@@ -22,12 +22,13 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from gateway import limits
+from gateway import limits, redis_limits
 from gateway.auth import Authenticator, Key
 from gateway.errors import BudgetExhausted, RateLimited
 from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
-from gateway.limits import Budget, MemoryLimiter, RedisLimiter, TokenBucket
+from gateway.limits import Budget, MemoryLimiter, TokenBucket
 from gateway.metrics import GatewayMetrics
+from gateway.redis_limits import RedisLimiter
 from gateway.settings import GatewaySettings
 from lorastack_testing.net import free_port
 from lorastack_testing.redis_server import require_redis_server, serve_redis
@@ -205,7 +206,7 @@ def test_redis_down_or_silent_falls_back_to_this_replicas_limits(
     is answered from this process's own buckets at once, one warning, a metric; once Redis
     answers again, the shared limits are back."""
     port = free_port()
-    caplog.set_level(logging.WARNING, logger="gateway.limits")
+    caplog.set_level(logging.WARNING, logger="gateway.redis_limits")
 
     async def run() -> None:
         metrics = GatewayMetrics()
@@ -232,7 +233,7 @@ def test_redis_down_or_silent_falls_back_to_this_replicas_limits(
             assert metrics.redis_errors.labels("admit")._value.get() == 2
             await lim.aclose()
 
-        monkeypatch.setattr(limits, "REDIS_RETRY_S", 0.0)
+        monkeypatch.setattr(redis_limits, "REDIS_RETRY_S", 0.0)
         with serve_redis(port):
             lim = RedisLimiter.from_url(f"redis://127.0.0.1:{port}/0", 0.25, metrics)
             lim._down, lim._down_until = True, 0.0  # as after an outage
