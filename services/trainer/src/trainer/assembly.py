@@ -102,7 +102,7 @@ def build_model(r: Recipe) -> str:
     r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded)  # fully_shard moves it
     r.peft = r.model
     r.compiler = CompileRun(
-        cfg, r.device, r.model_config, settings.resolved_cache_dir / "torch-compile"
+        cfg, r.device, r.model_config, settings.resolved_cache_dir / "torch-compile", r.ahead
     )
     compiling = r.compiler.begin(r.peft)
     r.lap("load_model")

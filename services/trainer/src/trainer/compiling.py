@@ -2,7 +2,8 @@
 
 Owns the `compile` / `compile_scope` settings' meaning (use_compile, compile_decoder),
 the decision of `compile: auto` by expected benefit (choose_compile), the on-disk compile
-cache that lets a resumed or repeated run skip most of the compile (use_cache_dir), the
+cache that lets a resumed or repeated run skip most of the compile (use_cache_dir; a
+first run fills it from a child process meanwhile: trainer.compile_ahead), the
 shapes the compiler sees (mark_dynamic_width; trainer.batching keeps them few), and the
 compile report (compile_report). It never loads a model (trainer.modeling does).
 
@@ -15,17 +16,21 @@ widths rounded to a multiple of 64 and a width marked dynamic before the first c
 
 from __future__ import annotations
 
+import copyreg
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lorastack.errors import ConfigError
 from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from trainer.compile_ahead import Ahead
 
 # AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
 # (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
@@ -100,7 +105,7 @@ def choose_compile(
     return best, f"compile auto: compiling {best} ({why})"
 
 
-def compile_decoder(model: Any, scope: str) -> None:
+def compile_decoder(model: Any, scope: str, dynamic_width: bool = False) -> None:
     """torch.compile the decoder for training (evaluation and generation, with their
     caches and one-token shapes, stay eager).
 
@@ -110,7 +115,8 @@ def compile_decoder(model: Any, scope: str) -> None:
     of DECODER_ACTIVATION_BUDGET: on an H200, 8B shape, batch 1 x 2,048: 2.5x the plain
     path's tokens/s at 10.2 GiB. scope "layers": one graph per decoder layer, shared by
     all layers, called inside the per-layer checkpointing: seconds to compile, 7.9 GiB,
-    bound by the host at small batches (bench/trainer/README.md)."""
+    bound by the host at small batches (bench/trainer/README.md). `dynamic_width`: the
+    layers' inputs vary in width (unpacked batches), so the one graph is dynamic."""
     import torch._functorch.config
     import torch._inductor.config
 
@@ -120,6 +126,7 @@ def compile_decoder(model: Any, scope: str) -> None:
     # made AOT autograd bypass its disk cache, so a warm run still traced every graph;
     # their forward and backward are traced into the graph, so its cache key covers them
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    copyreg.pickle(torch.memory_format, _reduce_memory_format)
     decoder = model.get_base_model().get_decoder()
     modules = [decoder] if scope == "decoder" else list(getattr(decoder, "layers", []))
     if scope == "layers":
@@ -135,6 +142,8 @@ def compile_decoder(model: Any, scope: str) -> None:
             if not _m.training:
                 return _e(*args, **kw)
             if scope != "decoder":
+                if dynamic_width:
+                    _mark_width_dynamic(args, kw)
                 return _c(*args, **kw)
             # the joint graph is partitioned at the forward's compile: settings from there
             budget = DECODER_ACTIVATION_BUDGET
@@ -142,6 +151,33 @@ def compile_decoder(model: Any, scope: str) -> None:
                 return _c(*args, **kw)
 
         module.forward = forward
+
+
+def _memory_format(name: str) -> torch.memory_format:
+    return cast(torch.memory_format, getattr(torch, name.removeprefix("torch.")))
+
+
+def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, tuple[str]]:
+    """Pickle a memory format through a fixed module. The compile caches' keys pickle
+    the inputs' metadata, and pickle names a memory format by the first module in
+    sys.modules that holds `torch`: the key moved with import order, so a graph another
+    kind of process compiled (trainer.compile_ahead, a test) never hit."""
+    return _memory_format, (str(fmt),)
+
+
+def _mark_width_dynamic(args: Any, kw: dict[str, Any]) -> None:
+    """A layer's inputs vary in width with unpacked batches (hidden states, rotary
+    tables, the mask): mark every dimension of that width dynamic before the first
+    call, as mark_dynamic_width does for the batch, or the first graph is static."""
+    from torch.utils._pytree import tree_leaves
+
+    first = args[0] if args else kw["hidden_states"]
+    width = first.shape[1]
+    for t in tree_leaves((args, kw)):
+        if isinstance(t, torch.Tensor):
+            for dim in range(1, t.dim()):
+                if t.shape[dim] == width:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def _first_layer_input_needs_grad(module: Any, args: Any, output: torch.Tensor) -> None:
@@ -218,9 +254,17 @@ class CompileRun:
     weighs both scopes (choose_compile)."""
 
     def __init__(
-        self, config: RunConfig, device: torch.device, model_config: dict[str, Any], cache: Path
+        self,
+        config: RunConfig,
+        device: torch.device,
+        model_config: dict[str, Any],
+        cache: Path,
+        ahead: Ahead | None = None,
     ) -> None:
         self.allowed = use_compile(config, device)
+        self.ahead = ahead  # the child compiling the layer graph (trainer.compile_ahead)
+        self.ahead_said = ""
+        self.packed = config.packing  # packed rows have one width: a static graph
         scope = config.compile_scope
         self.scopes: list[str] = ["layers", "decoder"] if scope == "auto" else [scope]
         self.layers = int(model_config.get("num_hidden_layers", 0))
@@ -245,8 +289,16 @@ class CompileRun:
         return ""
 
     def _compile(self, model: Any, scope: str) -> None:
-        compile_decoder(model, scope)
+        if self.ahead is not None and scope == "layers":
+            self.ahead_said = "; " + self.ahead.wait()
+        self.stop_ahead()
+        compile_decoder(model, scope, dynamic_width=not self.packed)
         self.scope = scope
+
+    def stop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead.stop()
+            self.ahead = None
 
     def after_step(
         self, model: Any, session_steps: int, step_s: float, steps_left: int, agree: Any = None
@@ -261,15 +313,17 @@ class CompileRun:
                 f"compiled {self.scope}: first compiled step {step_s:.1f} s, "
                 f"{r['compile_s']:.0f} s in dynamo; {r['graphs']} graph(s), "
                 f"{r['graph_breaks']} graph break(s); disk cache {r['fx_cache_hits']} hit(s), "
-                f"{r['fx_cache_misses']} miss(es) ({self.cache_dir})"
+                f"{r['fx_cache_misses']} miss(es) ({self.cache_dir}){self.ahead_said}"
             )
         if not self.pending or session_steps < EAGER_PROBE_STEPS:
             return None
         self.pending = False
         warm = {s: is_warm(self.cache_dir, k) for s, k in self.keys.items()}
+        warm["layers"] = warm.get("layers", False) or self.ahead is not None
         scope, line = choose_compile(step_s, steps_left, self.layers, self.scopes, warm)
         if agree is not None:
             scope = agree(scope)
         if scope is not None:
             self._compile(model, scope)
+        self.stop_ahead()
         return line

@@ -8,6 +8,7 @@ tokenizer and runs the preflight. No model weights are loaded.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,13 +52,21 @@ def _resolve_base(store: ArtifactStore, config: RunConfig) -> Manifest:
         ) from e
 
 
-def prepare(config: RunConfig, settings: TrainerSettings, staging: Path) -> Prepared:
-    """Everything up to (not including) loading the model; `staging` receives the splits."""
+def prepare(
+    config: RunConfig,
+    settings: TrainerSettings,
+    staging: Path,
+    on_base: Callable[[dict[str, Any]], None] | None = None,
+) -> Prepared:
+    """Everything up to (not including) loading the model; `staging` receives the splits.
+    `on_base` gets the base's config as soon as it is known (the data is prepared after)."""
     store = open_store(settings)
     base = _resolve_base(store, config)
     base_dir = store.fetch(base)
     check_target_modules(base_dir, config.lora.target_modules)
     model_config = read_model_config(base_dir)
+    if on_base is not None:
+        on_base(model_config)
     splits = make_splits(config, store)
     shutil.rmtree(staging, ignore_errors=True)
     data_dir, test_dir = write_folders(splits, config, staging)

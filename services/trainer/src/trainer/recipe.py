@@ -44,6 +44,7 @@ from lorastack.store import ArtifactStore
 from trainer import (
     assembly,
     budget,
+    compile_ahead,
     failure,
     gradients,
     hooks,
@@ -135,6 +136,9 @@ class Recipe:
         self.memory_estimate: dict[str, int] = {}
         self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
         self.model: Any = None
+        self.ahead: compile_ahead.Ahead | None = (
+            None  # the child compiling ahead (trainer.compile_ahead)
+        )
         self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
     def say(self, line: str, show: bool = True) -> None:
@@ -155,9 +159,13 @@ class Recipe:
         if self.mode != "train":
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        def compile_early(model_config: dict[str, Any]) -> None:
+            self.ahead = compile_ahead.start(self, model_config, auto_batch)
+
         # each process prepares the data; only rank 0's folder is published
         staging = "splits" if settings.is_main else f"splits-rank{settings.rank}"
-        prep = prepare(cfg, settings, self.run_dir / staging)
+        prep = prepare(cfg, settings, self.run_dir / staging, on_base=compile_early)
         self.store: ArtifactStore = prep.store
         self.base, self.base_dir, self.model_config = prep.base, prep.base_dir, prep.model_config
         self.data_dir, self.test_dir = prep.data_dir, prep.test_dir
@@ -344,6 +352,8 @@ class Recipe:
         return result
 
     def cleanup(self) -> None:
+        if self.ahead is not None:
+            self.ahead.stop()
         self.live.close(linger_s=self.settings.metrics_linger_s)
         stopping.restore_handlers(self)
         shut_down(self.settings.world_size)

@@ -37,6 +37,11 @@ class TrainerSettings(CommonSettings):
         description="keep serving the metrics this long after the run ends, so that "
         "Prometheus scrapes the final values (one scrape interval or more)",
     )
+    compile_ahead: bool | None = Field(
+        None,
+        description="compile the layer graph in a child process while the run prepares its "
+        "data and loads its base (trainer.compile_ahead); unset: on CUDA",
+    )
     cuda_alloc_conf: str | None = Field(
         None,
         validation_alias=AliasChoices("PYTORCH_CUDA_ALLOC_CONF"),

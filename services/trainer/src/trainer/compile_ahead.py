@@ -1,0 +1,173 @@
+"""Compiling ahead: a child process fills this machine's compile cache with the run's
+layer graph while the run itself prepares its data and loads its base.
+
+On an H200 a cold compile of one decoder layer's graph held the first compiled step for
+13-20 s (inductor and Triton); from a warm on-disk cache it took 2 s. `start` launches
+`python -m trainer.compile_ahead SPEC` at the beginning of a run that may compile its
+layers (packed rows: one shape for the whole run) when the cache has not seen that graph
+yet. The child builds a one-layer copy of the base (its widths, random weights, a
+256-token vocabulary: the embeddings and the head are not in the layer's graph), loads
+it with the run's own `load_model`, compiles it with `compile_decoder` and runs one step
+on packed rows of the run's shape, so its graphs land in the FX, AOT autograd and Triton
+caches under the run's cache folder. Before the run compiles its layers it waits for the
+child (`Ahead.wait`), then takes the graphs from the cache. The child is best-effort: if
+it fails or takes too long, the run compiles them itself, and says why.
+
+Not ahead: unpacked batches (their width varies), auto-batch (the child would hold GPU
+memory while the probe measures it), several processes, the whole-decoder scope.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe
+
+VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
+WAIT_S = 240.0  # the longest a run waits for the child before compiling itself
+
+
+@dataclass
+class Ahead:
+    """The child compiling ahead, and where it writes its output."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started: float
+
+    def wait(self, timeout: float = WAIT_S) -> str:
+        """Wait for the child; a line saying how it went."""
+        try:
+            code = self.proc.wait(timeout=max(0.0, self.started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return f"compile ahead: still running after {timeout:.0f} s; stopped, compiling here"
+        took = time.monotonic() - self.started
+        if code != 0:
+            return f"compile ahead: failed (exit {code}, see {self.log}); compiling here"
+        return f"compile ahead: layer graph compiled in a child process in {took:.0f} s"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | None:
+    """Launch the child where it can help (see the module docstring), else None."""
+    import torch
+
+    from trainer.compiling import graph_key, is_warm, use_compile
+    from trainer.modeling import resolve_device
+
+    cfg, settings = r.config, r.settings
+    wanted = settings.compile_ahead
+    device = resolve_device(cfg.device, settings.local_rank)
+    if wanted is None:
+        wanted = device.type == "cuda"
+    if (
+        not wanted
+        or not cfg.packing
+        or auto_batch
+        or settings.world_size > 1
+        or r.mode != "train"
+        or cfg.compile_scope == "decoder"
+        or not use_compile(cfg, device)
+    ):
+        return None
+    cache = settings.resolved_cache_dir / "torch-compile"
+    key = graph_key(model_config, cfg, "layers")
+    if is_warm(cache, key):
+        return None
+    r.run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model_config": model_config,
+        "run": cfg.model_dump(mode="json"),
+        "device": str(device),
+        "cache_dir": str(cache),
+        "key": key,
+        "threads": torch.get_num_threads(),  # inductor's CPU code (and cache key) follow it
+    }
+    spec_path = r.run_dir / "compile-ahead.json"
+    spec_path.write_text(json.dumps(spec))
+    log = r.run_dir / "compile-ahead.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.compile_ahead", str(spec_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return Ahead(proc, log, time.monotonic())
+
+
+def one_layer_copy(model_config: dict[str, Any], folder: Path, device: Any) -> None:
+    """Save a random one-layer model of the base's widths into `folder`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.modeling import compute_dtype
+
+    small = dict(model_config, num_hidden_layers=1, vocab_size=VOCAB)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config"):
+        small.pop(k, None)
+    if isinstance(small.get("layer_types"), list):
+        small["layer_types"] = small["layer_types"][:1]
+    (folder / "config.json").write_text(json.dumps(small))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(folder), dtype=compute_dtype(device)
+        )
+    model.save_pretrained(folder)
+
+
+def packed_rows(micro_batch: int, width: int) -> dict[str, Any]:
+    """A micro-batch as the run collates its packed rows: two samples a row."""
+    import torch
+
+    from trainer.packing import collate_rows
+    from trainer.samples import Sample
+
+    half = width // 2
+    ids = torch.randint(0, VOCAB, (half,)).tolist()
+    sample = Sample(input_ids=ids, labels=ids, parts={}, rendered="", offsets=[])
+    return collate_rows([[sample, sample]] * micro_batch, 0, width)
+
+
+def main(spec_path: str) -> int:
+    import torch
+
+    from trainer.compiling import compile_decoder, mark_warm, use_cache_dir
+    from trainer.modeling import load_model, loss_sum
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    cache = use_cache_dir(Path(spec["cache_dir"]))
+    config = RunConfig.model_validate(spec["run"])
+    device = torch.device(spec["device"])
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        one_layer_copy(spec["model_config"], Path(tmp), device)
+        model = load_model(Path(tmp), config, device)
+    compile_decoder(model, "layers")
+    model.train()
+    batch = {
+        k: v.to(device) for k, v in packed_rows(config.micro_batch, config.max_seq_len).items()
+    }
+    loss_sum(model, batch["input_ids"], None, batch["labels"], batch["position_ids"]).backward()
+    mark_warm(cache, spec["key"])
+    print(f"compiled the layer graph in {time.monotonic() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))
