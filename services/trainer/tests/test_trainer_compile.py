@@ -156,3 +156,48 @@ def test_compile_auto_compiles_only_where_it_pays() -> None:
     scope, line = choose_compile(1.5, 250, 32, ["decoder"], {"decoder": True})
     assert scope == "decoder"
     assert "250 steps left x 1.50 s eager" in line and "warm cache" in line
+
+
+def test_auto_steps_on_eagerly_while_a_child_compiles_ahead(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import trainer.compiling as compiling
+    from trainer.config import RunConfig
+
+    compiled: list[str] = []
+    monkeypatch.setattr(compiling, "use_compile", lambda config, device: True)
+    monkeypatch.setattr(compiling, "compile_decoder", lambda m, scope, **kw: compiled.append(scope))
+
+    class Child:
+        done = False
+        stopped = False
+
+        def finished(self) -> bool:
+            return self.done
+
+        def wait(self) -> str:
+            return "compile ahead: done"
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    child = Child()
+    config = RunConfig.model_validate(
+        {"base_model": "m", "dataset": {"path": "d.jsonl"}, "packing": True, "compile": "auto"}
+    )
+    run = compiling.CompileRun(
+        config,
+        torch.device("cpu"),
+        {"num_hidden_layers": 16},
+        tmp_path,
+        child,  # type: ignore[arg-type]
+    )
+    assert run.after_step(None, 1, 0.5, 150) is None
+    line = run.after_step(None, 2, 0.5, 150)  # the probe: layers pay, the child is not done
+    assert line is not None and "compiling layers" in line and "eager until" in line
+    assert run.after_step(None, 3, 0.5, 147) is None and compiled == [] and not run.active
+    child.done = True
+    assert run.after_step(None, 4, 0.5, 146) is None
+    assert compiled == ["layers"] and run.active and child.stopped
+    report = run.after_step(None, 5, 0.4, 145)
+    assert report is not None and report.endswith("compile ahead: done")

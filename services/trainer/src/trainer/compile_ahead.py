@@ -9,9 +9,10 @@ yet. The child builds a one-layer copy of the base (its widths, random weights, 
 256-token vocabulary: the embeddings and the head are not in the layer's graph), loads
 it with the run's own `load_model`, compiles it with `compile_decoder` and runs one step
 on packed rows of the run's shape, so its graphs land in the FX, AOT autograd and Triton
-caches under the run's cache folder. Before the run compiles its layers it waits for the
-child (`Ahead.wait`), then takes the graphs from the cache. The child is best-effort: if
-it fails or takes too long, the run compiles them itself, and says why.
+caches under the run's cache folder. The run steps on eagerly until the child is done
+(trainer.compiling.CompileRun), then compiles, taking the graphs from the cache. The
+child is best-effort: if it fails or takes too long, the run compiles them itself, and
+says why.
 
 Not ahead: unpacked batches (their width varies), auto-batch (the child would hold GPU
 memory while the probe measures it), several processes, the whole-decoder scope.
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from trainer.recipe import Recipe
 
 VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
-WAIT_S = 240.0  # the longest a run waits for the child before compiling itself
+WAIT_S = 240.0  # the longest a run steps on eagerly for the child before compiling itself
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Ahead:
     proc: subprocess.Popen[bytes]
     log: Path
     started: float
+
+    def finished(self) -> bool:
+        """Done, or past its time (wait then stops it)."""
+        return self.proc.poll() is not None or time.monotonic() - self.started > WAIT_S
 
     def wait(self, timeout: float = WAIT_S) -> str:
         """Wait for the child; a line saying how it went."""

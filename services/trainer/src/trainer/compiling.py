@@ -264,6 +264,7 @@ class CompileRun:
         self.allowed = use_compile(config, device)
         self.ahead = ahead  # the child compiling the layer graph (trainer.compile_ahead)
         self.ahead_said = ""
+        self.deferred: str | None = None  # the scope to compile once the child is done
         self.packed = config.packing  # packed rows have one width: a static graph
         scope = config.compile_scope
         self.scopes: list[str] = ["layers", "decoder"] if scope == "auto" else [scope]
@@ -281,12 +282,18 @@ class CompileRun:
 
     def begin(self, model: Any) -> str:
         """Compile now if forced; what the start line says of compiling."""
-        if self.allowed and not self.pending:
+        if self.allowed and not self.pending:  # every step compiled: waits for a child
             self._compile(model, self.scopes[0])
             return f", {self.scope} compiled at the first step"
         if self.pending:
             return f", compile auto decides after {EAGER_PROBE_STEPS} eager steps"
         return ""
+
+    def _ready(self, scope: str) -> bool:
+        """False while a child compiles this scope's graph ahead: compile=auto steps on
+        eagerly meanwhile (an eager step costs little more than a compiled one; waiting
+        costs it all) and compiles from the cache once the child is done."""
+        return scope != "layers" or self.ahead is None or self.ahead.finished()
 
     def _compile(self, model: Any, scope: str) -> None:
         if self.ahead is not None and scope == "layers":
@@ -305,6 +312,11 @@ class CompileRun:
     ) -> str | None:
         """Called after each optimizer step; returns a line to print, if any. `agree`
         turns this process's choice into the run's (rank 0's, under DDP)."""
+        if self.deferred is not None:
+            if self._ready(self.deferred):
+                self._compile(model, self.deferred)
+                self.deferred = None
+            return None
         if self.scope is not None and not self.reported:
             self.reported = True
             mark_warm(self.cache_dir, self.keys[self.scope])
@@ -323,6 +335,9 @@ class CompileRun:
         scope, line = choose_compile(step_s, steps_left, self.layers, self.scopes, warm)
         if agree is not None:
             scope = agree(scope)
+        if scope is not None and not self._ready(scope):
+            self.deferred = scope
+            return line + "; eager until the child compiling ahead is done"
         if scope is not None:
             self._compile(model, scope)
         self.stop_ahead()
