@@ -104,6 +104,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "layers": {"compile": True, "compile_scope": "layers"},
     "decoder": {"compile": True, "compile_scope": "decoder"},
     "eager": {"compile": False},
+    # each micro-batch padded to its longest chat (width rounded up to 64), 8 chats a row
+    "padded": {"packing": False, "micro_batch": 8},
 }
 
 
@@ -141,6 +143,7 @@ def lorastack_arm(
     log = args.logs / f"{run}.log"
     wall, code = timed(["lorastack", "train", str(cfg)], env, log, args.limit)
     row: dict[str, Any] = {"arm": name, "wall_s": round(wall, 1), "rc": code}
+    row |= {k: fields[k] for k in ("micro_batch", "packing") if k in fields}
     found = finished(Path(env["LORASTACK_HOME"]) / "runs" / run)
     if code != 0 or found is None:
         return row | {"error": log.read_text()[-3000:]}
@@ -231,8 +234,8 @@ def main() -> int:
             row = lorastack_arm(args, arm, env, n)
         else:
             row = trl_arm(args, arm, env)
-        row |= {"shape": args.shape, "micro_batch": args.micro_batch,
-                "grad_accum": args.grad_accum, "seq": args.seq}  # fmt: skip
+        row = {"shape": args.shape, "micro_batch": args.micro_batch,
+               "grad_accum": args.grad_accum, "seq": args.seq} | row  # fmt: skip
         print(json.dumps(row), flush=True)
         results.append(row)
     ours = next((r for r in results if r["arm"] == "lorastack" and "error" not in r), None)
