@@ -23,6 +23,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from lorastack.errors import IntegrityError, StoreUnavailable
+from lorastack.manifest import Manifest
 from lorastack.settings import CommonSettings
 from lorastack.store import artifacts, open_store
 from lorastack.store.artifacts import ArtifactStore
@@ -101,13 +102,18 @@ def _upload_id(s3: object, bucket: str, key: str) -> str:
     return str(one["UploadId"])
 
 
-def test_damaged_cache_file_is_caught_before_use(tmp_path: Path) -> None:
+def _published_model(tmp_path: Path) -> tuple[ArtifactStore, Path, Manifest]:
+    """A local store holding a model folder of a 4 KB weights file and a config."""
     store = open_store(CommonSettings(home=tmp_path / "home"))
     src = tmp_path / "model"
     src.mkdir()
     (src / "weights.bin").write_bytes(b"w" * 4096)
     (src / "config.json").write_text('{"a": 1}')
-    m = store.publish(src, kind="base-model", name="m", service="test")
+    return store, src, store.publish(src, kind="base-model", name="m", service="test")
+
+
+def test_damaged_cache_file_is_caught_before_use(tmp_path: Path) -> None:
+    store, _, m = _published_model(tmp_path)
     cached = store.fetch(m)
 
     # overwritten in place (size kept, mtime moves): refetched before anyone gets it
@@ -138,12 +144,7 @@ def test_a_local_store_is_linked_not_copied_and_a_write_through_the_link_is_caug
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(artifacts, "LINK_MIN_BYTES", 1024)
-    store = open_store(CommonSettings(home=tmp_path / "home"))
-    src = tmp_path / "model"
-    src.mkdir()
-    (src / "weights.bin").write_bytes(b"w" * 4096)
-    (src / "config.json").write_text('{"a": 1}')
-    m = store.publish(src, kind="base-model", name="m", service="test")
+    store, src, m = _published_model(tmp_path)
     sha = {f.path: f.sha256 for f in m.files}
     stored = store.backend.blob_path(sha["weights.bin"])  # type: ignore[attr-defined]
     cached = store.fetch(m)
