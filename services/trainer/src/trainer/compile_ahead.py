@@ -50,13 +50,13 @@ class Ahead:
         """Done, or past its time (wait then stops it)."""
         return self.proc.poll() is not None or time.monotonic() - self.started > WAIT_S
 
-    def wait(self, timeout: float = WAIT_S) -> str:
-        """Wait for the child; a line saying how it went."""
+    def wait(self) -> str:
+        """Wait for the child (until WAIT_S after its start); a line saying how it went."""
         try:
-            code = self.proc.wait(timeout=max(0.0, self.started + timeout - time.monotonic()))
+            code = self.proc.wait(timeout=max(0.0, self.started + WAIT_S - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.stop()
-            return f"compile ahead: still running after {timeout:.0f} s; stopped, compiling here"
+            return f"compile ahead: still running after {WAIT_S:.0f} s; stopped, compiling here"
         took = time.monotonic() - self.started
         if code != 0:
             return f"compile ahead: failed (exit {code}, see {self.log}); compiling here"
