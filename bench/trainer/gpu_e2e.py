@@ -13,6 +13,7 @@ other:
   trl-best         SFTTrainer, packing (bfd, padding-free) and Liger kernels
   trl-wrapped      SFTTrainer, packing "wrapped" (no padding-free) and Liger kernels
   trl-default      SFTTrainer defaults: no packing, micro-batches padded per batch
+  trl-X:nogc       that TRL arm without gradient checkpointing
 Prints one JSON object per arm (wall seconds from the command's start to the adapter on
 disk or in the store, non-padding and supervised tokens per second of that wall time,
 peak memory, losses) and a summary with each arm's ratio to the lorastack run.
@@ -104,6 +105,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "layers": {"compile": True, "compile_scope": "layers"},
     "decoder": {"compile": True, "compile_scope": "decoder"},
     "eager": {"compile": False},
+    # no activation checkpointing, the layer graph compiled from the first step
+    "nogc": {"gradient_checkpointing": False, "compile": True, "compile_scope": "layers"},
     # each micro-batch padded to its longest chat (width rounded up to 64), 8 chats a row
     "padded": {"packing": False, "micro_batch": 8},
 }
@@ -171,20 +174,22 @@ def lorastack_arm(
 
 
 def trl_arm(args: argparse.Namespace, name: str, env: dict[str, str]) -> dict[str, Any]:
+    kind, _, variant = name.partition(":")
     packing, liger, mb, ga = {
         "trl-best": ("bfd", True, args.micro_batch, args.grad_accum),
         "trl-wrapped": ("wrapped", True, args.micro_batch, args.grad_accum),
         # the defaults a user starts from, as measured before: 4 x 2 chats a step
         "trl-default": ("none", False, 4, 2),
-    }[name]
-    out = Path(f"/tmp/trl-{name}")
+    }[kind]
+    out = Path(f"/tmp/trl-{kind}")
     cmd = [
         sys.executable, str(HERE / "trl_sft.py"), "--model", str(args.model),
         "--data", str(args.data), "--out", str(out), "--steps", str(args.steps),
         "--micro-batch", str(mb), "--grad-accum", str(ga), "--max-length", str(args.seq),
         "--packing", packing, *(["--liger"] if liger else []),
+        *(["--no-gradient-checkpointing"] if variant == "nogc" else []),
     ]  # fmt: skip
-    log = args.logs / f"{name}.log"
+    log = args.logs / f"{name.replace(':', '-')}.log"
     wall, code = timed(cmd, env, log, args.limit)
     found = [ln for ln in log.read_text().splitlines() if ln.startswith('{"arm"')]
     if code != 0 or not found:

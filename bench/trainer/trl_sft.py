@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--liger", action="store_true")
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--no-gradient-checkpointing", action="store_true")
     args = ap.parse_args()
 
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line]
@@ -73,7 +74,7 @@ def main() -> int:
         save_strategy="no",
         report_to="none",
         bf16=True,
-        gradient_checkpointing=True,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         max_length=args.max_length,
         packing=packing,
