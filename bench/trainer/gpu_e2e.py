@@ -6,11 +6,14 @@ Builds a random-weight model of a real shape with the real SmolLM2 tokenizer, a 
 dataset with a long-tailed length mix (bench/trainer/chat_mix.py), imports the model
 with `lorastack model import`, then runs each arm as its own process, one after the
 other:
-  lorastack        `lorastack train` with packing and the CUDA defaults (compile auto)
+  lorastack        `lorastack train` with packing and the CUDA defaults (compile auto,
+                   gradient checkpointing auto: as few layers as the GPU's memory needs)
   lorastack:X      the same with compile forced: X = layers or decoder (compile_scope),
-                   or eager (compile false); a second run of a kind finds its compile
-                   cache warm
-  trl-best         SFTTrainer, packing (bfd, padding-free) and Liger kernels
+                   or eager (compile false); or X = padded (no packing), ckpt (every
+                   layer checkpointed), nogc (none, compiled); a second run of a kind finds
+                   its compile cache warm
+  trl-best         SFTTrainer, packing (bfd, padding-free) and Liger kernels, gradient
+                   checkpointing (TRL's default; without it measured no faster)
   trl-wrapped      SFTTrainer, packing "wrapped" (no padding-free) and Liger kernels
   trl-default      SFTTrainer defaults: no packing, micro-batches padded per batch
   trl-X:nogc       that TRL arm without gradient checkpointing
@@ -105,6 +108,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "layers": {"compile": True, "compile_scope": "layers"},
     "decoder": {"compile": True, "compile_scope": "decoder"},
     "eager": {"compile": False},
+    # every layer checkpointed (what gradient_checkpointing auto does when memory is short)
+    "ckpt": {"gradient_checkpointing": True},
     # no activation checkpointing, the layer graph compiled from the first step
     "nogc": {"gradient_checkpointing": False, "compile": True, "compile_scope": "layers"},
     # each micro-batch padded to its longest chat (width rounded up to 64), 8 chats a row
@@ -134,7 +139,6 @@ def lorastack_arm(
                 "lr": 2e-4,
                 "max_steps": args.steps,
                 "epochs": 100,
-                "gradient_checkpointing": True,
                 "checkpoint_every": args.steps,
                 "eval_every": args.steps,
                 "log_every": 1,

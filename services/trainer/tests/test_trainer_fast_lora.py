@@ -17,11 +17,11 @@ from trainer.config import RunConfig
 from trainer.modeling import load_model, loss_sum
 
 
-def build(path: Path, fused: bool, **fields: Any) -> Any:
+def build(path: Path, fused: bool, checkpointed: int | None = None, **fields: Any) -> Any:
     config = RunConfig.model_validate(
         {"dataset": {"path": "unused.jsonl"}, "device": "cpu", "fused_lora": fused, **fields}
     )
-    model = load_model(path, config, torch.device("cpu"))
+    model = load_model(path, config, torch.device("cpu"), checkpointed=checkpointed)
     if config.compile is True:
         compile_decoder(model, config.compile_scope)
     torch.manual_seed(1)  # peft initialises B to zero: make every gradient non-trivial
@@ -72,6 +72,29 @@ def test_fused_lora_equals_peft(
         assert g.abs().max() > 0, name
         assert grads_f[name].dtype == torch.float32
         torch.testing.assert_close(grads_f[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_some_layers_checkpointed_give_the_same_gradients(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gradient_checkpointing auto recomputes only the first layers the memory plan names:
+    with one of the two checkpointed, only its 7 LoRA linears run twice, and the loss and
+    gradients are those of no checkpointing (dropout masks replayed)."""
+    fields = {"quantization": "nf4", "lora": {"dropout": 0.1}}
+    loss_0, grads_0 = loss_and_grads(build(tiny_llama, True, checkpointed=0, **fields))
+    calls = []
+    apply = fast_lora.LoraLinearFunction.apply
+    monkeypatch.setattr(
+        fast_lora.LoraLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    model = build(tiny_llama, True, checkpointed=1, **fields)
+    layers = model.get_base_model().get_decoder().layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    loss_1, grads_1 = loss_and_grads(model)
+    assert len(calls) == 14 + 7
+    assert loss_1 == pytest.approx(loss_0, rel=1e-6)
+    for name, g in grads_0.items():
+        torch.testing.assert_close(grads_1[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_disabled_adapter_falls_back_to_peft(tiny_llama: Path) -> None:
@@ -126,22 +149,25 @@ def saved_for_backward(model: Any) -> int:
     return sum(saved.values())
 
 
-def test_compiled_decoder_keeps_no_dequantised_weight_for_backward(tiny_llama: Path) -> None:
-    """The whole decoder compiled without checkpointing saves no more than eager: with AOT
-    autograd's CSE on, the forward's and backward's nf4 dequantisations merged and every
-    dequantised weight stayed alive until backward (8B on an H200: 25.7 GiB, not 7.9)."""
+@pytest.mark.parametrize("scope", ["layers", "decoder"])
+def test_compiled_decoder_keeps_no_dequantised_weight_for_backward(
+    tiny_llama: Path, scope: str
+) -> None:
+    """The decoder compiled without checkpointing (gradient_checkpointing auto's choice
+    where memory allows) saves no more than eager: with AOT autograd's CSE on, the whole
+    decoder's forward and backward nf4 dequantisations merged and every dequantised weight
+    stayed alive until backward (8B on an H200: 25.7 GiB, not 7.9)."""
     fields = {"quantization": "nf4", "lora": {"dropout": 0.0}}
     eager = saved_for_backward(build(tiny_llama, True, **fields))
-    model = build(tiny_llama, True, compile=True, compile_scope="decoder", **fields)
+    model = build(tiny_llama, True, compile=True, compile_scope=scope, **fields)
     saved_for_backward(model)  # compiles
     assert saved_for_backward(model) <= eager
 
 
-def test_compile_auto_needs_cuda_checkpointing_and_a_compiler(
+def test_compile_auto_needs_cuda_and_a_compiler(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """compile=auto compiles on CUDA with gradient checkpointing and a compiler on PATH
-    only; compile=true without a compiler is refused with what to change, not a Triton
+    """compile=auto compiles on CUDA with a compiler on PATH only (checkpointed or not); compile=true without a compiler is refused with what to change, not a Triton
     stack trace at the first step."""
 
     def use(compile: Any, device: str, checkpointing: bool = True) -> bool:
@@ -156,7 +182,7 @@ def test_compile_auto_needs_cuda_checkpointing_and_a_compiler(
 
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
     assert use("auto", "cuda")
-    assert not use("auto", "cuda", checkpointing=False)
+    assert use("auto", "cuda", checkpointing=False)
     assert not use("auto", "cpu")
     assert not use(False, "cuda")
     assert use(True, "cpu", checkpointing=False)

@@ -20,7 +20,7 @@ from trainer.batching import lr_factor
 from trainer.compiling import CompileRun
 from trainer.distributed import wrap
 from trainer.live import LiveRun
-from trainer.memory import estimate, human
+from trainer.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
 from trainer.metrics import library_versions, write_json
 from trainer.modeling import LossModule, compute_dtype, load_model
 from trainer.samples import template_hash
@@ -66,21 +66,33 @@ def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
 
 
 def estimate_memory(r: Recipe) -> dict[str, int]:
-    """The memory estimate (trainer.memory), written as memory-estimate.json and said."""
+    """The memory estimate (trainer.memory), written as memory-estimate.json and said;
+    sets how many decoder layers recompute their activations (gradient_checkpointing)."""
     cfg = r.config
-    found = estimate(
-        r.model_config,
-        r=cfg.lora.r,
-        targets=cfg.lora.target_modules,
-        quantization=cfg.quantization,
-        compute_bytes=2 if compute_dtype(r.device) == torch.bfloat16 else 4,
-        micro_batch=cfg.micro_batch,
-        seq_len=r.widest(),
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        cuda=r.device.type == "cuda",
-        lora_dropout=cfg.lora.dropout,
-        shards=r.settings.world_size if cfg.distributed == "fsdp" else 1,
-    )
+    args: dict[str, Any] = {
+        "r": cfg.lora.r,
+        "targets": cfg.lora.target_modules,
+        "quantization": cfg.quantization,
+        "compute_bytes": 2 if compute_dtype(r.device) == torch.bfloat16 else 4,
+        "micro_batch": cfg.micro_batch,
+        "seq_len": r.widest(),
+        "cuda": r.device.type == "cuda",
+        "lora_dropout": cfg.lora.dropout,
+        "shards": r.settings.world_size if cfg.distributed == "fsdp" else 1,
+    }
+    layers = int(r.model_config["num_hidden_layers"])
+    r.checkpointed = 0 if cfg.gradient_checkpointing is False else layers
+    if cfg.gradient_checkpointing == "auto":
+        r.checkpointed = 0
+        if r.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(r.device)[0] * PLAN_HEADROOM)
+            r.checkpointed = plan_checkpointing(r.model_config, budget, **args)
+            r.say(
+                f"gradient checkpointing auto: {r.checkpointed} of {layers} layers recomputed "
+                f"in backward (the estimate fits {human(budget)}, {PLAN_HEADROOM:.0%} of the "
+                "GPU's free memory)"
+            )
+    found = estimate(r.model_config, checkpointed=r.checkpointed, **args)
     write_json(r.run_dir / "memory-estimate.json", found)
     r.say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
     return found
@@ -99,10 +111,16 @@ def build_model(r: Recipe) -> str:
     cfg, settings = r.config, r.settings
     seed_everything(cfg.seed)
     sharded = cfg.distributed == "fsdp" and settings.world_size > 1
-    r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded)  # fully_shard moves it
+    # fully_shard moves it
+    r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded, checkpointed=r.checkpointed)
     r.peft = r.model
     r.compiler = CompileRun(
-        cfg, r.device, r.model_config, settings.resolved_cache_dir / "torch-compile", r.ahead
+        cfg,
+        r.device,
+        r.model_config,
+        settings.resolved_cache_dir / "torch-compile",
+        r.ahead,
+        all_checkpointed=r.checkpointed == int(r.model_config["num_hidden_layers"]),
     )
     compiling = r.compiler.begin(r.peft)
     r.lap("load_model")

@@ -65,7 +65,12 @@ def fit(r: Recipe) -> RunConfig:
     if cfg.distributed == "fsdp" and r.settings.world_size > 1:
         r.say(f"auto-batch: the probe loads the whole model on one GPU, not under FSDP; {keeping}")
         return cfg
-    model = load_model(r.base_dir, cfg, r.device)
+    # gradient_checkpointing auto probes with every layer recomputed (the least memory);
+    # the plan then recomputes as few as the chosen micro-batch allows
+    every = int(r.model_config["num_hidden_layers"])
+    model = load_model(
+        r.base_dir, cfg, r.device, checkpointed=every if cfg.gradient_checkpointing else 0
+    )
     seq = r.widest()
     try:
         best, accum = choose(effective, probe(model, seq, r.eot, r.device), seq)

@@ -55,17 +55,13 @@ EAGER_PROBE_STEPS = 2  # auto measures this many eager steps (the first warms up
 def use_compile(config: RunConfig, device: torch.device) -> bool:
     """Whether the run may compile its decoder (config `compile`: true, false, auto).
 
-    true compiles from the first step; auto only on CUDA with gradient checkpointing (off
-    without it: AOT autograd's CSE merged the forward's and backward's nf4 dequantisation
-    and kept the weights for backward, 8B: 29.0 GiB against eager's 18.8; off on the CPU:
-    a long compile for little gain), and then only where choose_compile says it pays. Both need a
+    true compiles from the first step; auto only on CUDA (off on the CPU: a long compile
+    for little gain), and then only where choose_compile says it pays. Both need a
     compiler (Triton builds its launcher with a C compiler; inductor's CPU code is C++):
     auto without one stays eager, true without one is a ConfigError. Under distributed: fsdp
     auto stays eager (true is refused by the config: compiled sharded layers are untested)."""
     choice = config.compile
-    auto_off = (
-        device.type != "cuda" or not config.gradient_checkpointing or config.distributed == "fsdp"
-    )
+    auto_off = device.type != "cuda" or config.distributed == "fsdp"
     if choice is False or (choice == "auto" and auto_off):
         return False
     env, *names = ("CC", "gcc", "clang") if device.type == "cuda" else ("CXX", "g++", "clang++")
@@ -141,11 +137,12 @@ def compile_decoder(model: Any, scope: str, dynamic_width: bool = False) -> None
         ) -> Any:
             if not _m.training:
                 return _e(*args, **kw)
+            # the joint graph is partitioned at the forward's compile: settings from there
             if scope != "decoder":
                 if dynamic_width:
                     _mark_width_dynamic(args, kw)
-                return _c(*args, **kw)
-            # the joint graph is partitioned at the forward's compile: settings from there
+                with torch._functorch.config.patch(cse=False):
+                    return _c(*args, **kw)
             budget = DECODER_ACTIVATION_BUDGET
             with torch._functorch.config.patch(cse=False, activation_memory_budget=budget):
                 return _c(*args, **kw)
@@ -251,7 +248,8 @@ class CompileRun:
     one line that says what the compile cost and whether the cache served it.
 
     compile_scope auto: compile=true takes "layers" (seconds to compile); compile=auto
-    weighs both scopes (choose_compile)."""
+    weighs both scopes (choose_compile), the whole decoder only when every layer is
+    checkpointed (its activation budget was measured so)."""
 
     def __init__(
         self,
@@ -260,6 +258,7 @@ class CompileRun:
         model_config: dict[str, Any],
         cache: Path,
         ahead: Ahead | None = None,
+        all_checkpointed: bool = True,
     ) -> None:
         self.allowed = use_compile(config, device)
         self.ahead = ahead  # the child compiling the layer graph (trainer.compile_ahead)
@@ -267,7 +266,8 @@ class CompileRun:
         self.deferred: str | None = None  # the scope to compile once the child is done
         self.packed = config.packing  # packed rows have one width: a static graph
         scope = config.compile_scope
-        self.scopes: list[str] = ["layers", "decoder"] if scope == "auto" else [scope]
+        auto = ["layers", "decoder"] if all_checkpointed else ["layers"]
+        self.scopes: list[str] = auto if scope == "auto" else [scope]
         self.layers = int(model_config.get("num_hidden_layers", 0))
         self.pending = self.allowed and config.compile == "auto"
         self.scope: str | None = None  # once compiled

@@ -142,13 +142,18 @@ class RunConfig(_Strict):
         "tool-calling data when the model's template has no tool support); or a .jinja file. "
         "The adapter carries it, so serving renders the same way (trainer.chat_templates)",
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="recompute decoder layers' activations in backward instead of keeping "
+        "them: true = every layer (least memory), false = none (fastest); auto = on CUDA as "
+        "few layers as the memory estimate needs to fit the GPU's free memory, none on the "
+        "CPU (trainer.memory.plan_checkpointing)",
+    )
     compile: bool | Literal["auto"] = Field(
         "auto",
-        description="torch.compile the decoder for training; auto = on CUDA with "
-        "gradient checkpointing and a C compiler (Triton needs one), when the first eager "
-        "steps' time says the compile pays back over the steps left "
-        "(trainer.compiling.choose_compile)",
+        description="torch.compile the decoder for training; auto = on CUDA with a C "
+        "compiler (Triton needs one), when the first eager steps' time says the compile pays "
+        "back over the steps left (trainer.compiling.choose_compile)",
     )
     compile_scope: Literal["auto", "layers", "decoder"] = Field(
         "auto",

@@ -87,10 +87,17 @@ def read_model_config(base_dir: Path) -> dict[str, Any]:
 
 
 def load_model(
-    base_dir: Path, config: RunConfig, device: torch.device, on_host: bool = False
+    base_dir: Path,
+    config: RunConfig,
+    device: torch.device,
+    on_host: bool = False,
+    checkpointed: int | None = None,
 ) -> Any:
     """The base model from `base_dir` with fresh LoRA adapters (seeded by config.seed), in
-    `device`'s compute dtype; left in host memory with `on_host` (FSDP moves its shards)."""
+    `device`'s compute dtype; left in host memory with `on_host` (FSDP moves its shards).
+    `checkpointed`: how many decoder layers (the first ones) recompute their activations
+    in backward; unset: every layer with gradient_checkpointing true, else none (the
+    recipe plans auto: trainer.assembly.estimate_memory)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -110,8 +117,12 @@ def load_model(
         model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)  # only the LoRA weights train
-    if config.gradient_checkpointing:
+    if checkpointed is None:
+        checkpointed = decoder_layers(model) if config.gradient_checkpointing is True else 0
+    if checkpointed:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(model.get_decoder().layers):
+            layer.gradient_checkpointing = i < checkpointed
     torch.manual_seed(config.seed)  # LoRA A init
     lora = LoraConfig(
         r=config.lora.r,
@@ -131,9 +142,13 @@ def load_model(
                 module.cast_input_dtype_enabled = False  # type: ignore[assignment]
     if config.fused_lora:
         fast_lora.install(peft_model)
-    if config.gradient_checkpointing:
+    if checkpointed:
         drop_input_require_grads(peft_model.get_base_model())
     return peft_model
+
+
+def decoder_layers(model: Any) -> int:
+    return len(model.get_decoder().layers)
 
 
 def drop_input_require_grads(model: Any) -> None:

@@ -134,6 +134,7 @@ class Recipe:
         self.test_manifest: Manifest | None = None
         self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
+        self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
         self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
         self.model: Any = None
         self.ahead: compile_ahead.Ahead | None = (
