@@ -439,3 +439,30 @@ def test_backend_down_then_up(make_gateway, fake) -> None:
             and "ConnectError" in ready["backends"]["http://127.0.0.1:9"]
         )
         assert httpx.post(f"{gw}/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_usage_is_asked_of_the_backend_whatever_the_body_says(make_gateway, fake) -> None:
+    """The gateway adds `stream_options.include_usage` by splicing the client's bytes when
+    the body has no `stream_options`, else by writing the body again: either way the
+    backend gets one `stream_options` with usage on, and the client no usage event."""
+    url, state = fake
+    bodies = [
+        b'  \n{"model":"smollm2","stream":true,"messages":[{"role":"user","content":"Hi {x}"}]}',
+        json.dumps(chat(stream=True, stream_options=None)).encode(),
+        json.dumps(chat(stream=True, stream_options={"continuous_usage_stats": False})).encode(),
+    ]
+    with make_gateway([url]) as gw:
+        for i, body in enumerate(bodies):
+            r = httpx.post(
+                f"{gw}/v1/chat/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+            assert r.status_code == 200, r.text
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]" and all(e["choices"] for e in events[:-1])
+            sent = state.calls()[-1]
+            assert sent["stream_options"]["include_usage"] is True
+            assert sent["messages"] == json.loads(body)["messages"]
+            if i == 2:
+                assert sent["stream_options"]["continuous_usage_stats"] is False

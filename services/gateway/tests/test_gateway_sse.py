@@ -131,3 +131,49 @@ def test_silence_watch_fires_only_while_waiting_for_the_backend() -> None:
     assert isinstance(idle, _Silence) and idle.seconds == 0.05
     assert steady is None
     assert paused is None
+
+
+class _Call:
+    """What the relay reads from: body reads, then b"" (an `UpstreamCall` stand-in)."""
+
+    backend = "http://b"
+
+    def __init__(self, reads: list[bytes], ended_with_last: bool) -> None:
+        self.reads = list(reads)
+        self.ended_with_last = ended_with_last  # the last read brought the body's end too
+
+    async def read(self) -> bytes:
+        return self.reads.pop(0) if self.reads else b""
+
+    def at_end(self) -> bool:
+        return self.ended_with_last and not self.reads
+
+
+def _relay_messages(call: _Call) -> tuple[list[dict[str, object]], list[object]]:
+    from gateway.relay import SseRelay
+
+    sent: list[dict[str, object]] = []
+    ends: list[object] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, object]:
+        await asyncio.sleep(3600)  # the client stays
+        return {"type": "http.disconnect"}
+
+    relay = SseRelay(call, {}, keep_usage=False, t0=0.0, on_end=ends.append)  # type: ignore[arg-type]
+    asyncio.run(relay({"type": "http"}, receive, send))  # type: ignore[arg-type]
+    return sent, ends
+
+
+def test_a_body_that_ends_with_its_last_events_takes_one_write_to_finish() -> None:
+    sent, ends = _relay_messages(_Call([DELTA, USAGE_ONLY + DONE], ended_with_last=True))
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    assert bodies == [(DELTA, True), (DONE, False)]  # usage dropped, [DONE] ends the response
+    assert [(e.status, e.usage) for e in ends] == [("200", USAGE)]  # type: ignore[attr-defined]
+    # the body's end arriving in a read of its own: the same bytes, one more (empty) write
+    sent, ends = _relay_messages(_Call([DELTA, USAGE_ONLY + DONE], ended_with_last=False))
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    assert bodies == [(DELTA, True), (DONE, True), (b"", False)]
+    assert [e.status for e in ends] == ["200"]  # type: ignore[attr-defined]

@@ -30,8 +30,30 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+class RouteSeries:
+    """The histograms of one (model, route), bound once: `.labels()` per request cost a
+    lock and a label check each (bench/gateway/history.md)."""
+
+    __slots__ = ("_duration", "_labels", "_statuses", "output_tokens", "tpot", "ttft")
+
+    def __init__(self, m: GatewayMetrics, model: str, route: str) -> None:
+        self._duration = m.duration
+        self._labels = (model, route)
+        self._statuses: dict[str, Histogram] = {}
+        self.ttft = m.ttft.labels(model, route)
+        self.tpot = m.tpot.labels(model, route)
+        self.output_tokens = m.output_tokens.labels(model, route)
+
+    def duration(self, status: str) -> Histogram:
+        child = self._statuses.get(status)
+        if child is None:
+            child = self._statuses[status] = self._duration.labels(*self._labels, status)
+        return child
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._series: dict[tuple[str, str], RouteSeries] = {}
         self.registry = r = CollectorRegistry(auto_describe=True)
         b = ["backend"]
         self.backend_up = Gauge(
@@ -165,6 +187,14 @@ class GatewayMetrics:
         )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
+
+    def series(self, model: str, route: str) -> RouteSeries:
+        """The request histograms of `model` on `route` (models come from the backends'
+        catalog, so the cache is as bounded as the label sets themselves)."""
+        found = self._series.get((model, route))
+        if found is None:
+            found = self._series[(model, route)] = RouteSeries(self, model, route)
+        return found
 
     def mirror_backend(self, url: str, up: bool, m: BackendMetrics | None) -> None:
         for kind in UPSTREAM_ERROR_KINDS:

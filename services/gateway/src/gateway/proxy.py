@@ -100,6 +100,17 @@ class Prepared:
     count_later: Callable[[], list[int]] | None = None
 
 
+INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+
+
+def with_include_usage(raw: bytes) -> bytes:
+    """`raw` (a JSON object with members and no `stream_options`) with
+    `"stream_options": {"include_usage": true}` as its first member: the bytes the client
+    sent, spliced, instead of the parsed body serialised again."""
+    start = raw.index(b"{") + 1
+    return raw[:start] + INCLUDE_USAGE + b"," + raw[start:]
+
+
 class Proxy:
     def __init__(
         self,
@@ -225,10 +236,15 @@ class Proxy:
         client_wants_usage = route == "responses" or bool(
             (req.stream_options or {}).get("include_usage")
         )
+        raw = original
         if req.stream and not client_wants_usage:
+            if changed or "stream_options" in body:
+                changed = True
+            else:  # the common case: one member to add, not the whole body to serialise again
+                raw = with_include_usage(original)
             body["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
-            changed = True
-        raw = json.dumps(body).encode() if changed else original
+        if changed:
+            raw = json.dumps(body).encode()
         return Prepared(
             model=req.model,
             route=route,
@@ -312,21 +328,21 @@ class Proxy:
         usage: dict[str, Any] | None,
     ) -> None:
         e2e = time.perf_counter() - t0
-        m = self.metrics
-        m.duration.labels(prep.model, prep.route, status).observe(e2e)
+        series = self.metrics.series(prep.model, prep.route)
+        series.duration(status).observe(e2e)
         # chat and completions name them prompt/completion_tokens; Responses input/output_tokens
         out = usage.get("completion_tokens", usage.get("output_tokens")) if usage else None
         if isinstance(out, int):
-            m.output_tokens.labels(prep.model, prep.route).observe(out)
+            series.output_tokens.observe(out)
             self.auth.refund(prep.key, prep.reserved_tokens - prep.prompt_tokens - out)
             prompt = usage.get("prompt_tokens", usage.get("input_tokens")) if usage else None
             self.auth.record_usage(
                 prep.key, prompt if isinstance(prompt, int) else prep.prompt_tokens, out
             )
         if ttft is not None:
-            m.ttft.labels(prep.model, prep.route).observe(ttft)
+            series.ttft.observe(ttft)
             if isinstance(out, int) and out >= 2:
-                m.tpot.labels(prep.model, prep.route).observe((e2e - ttft) / (out - 1))
+                series.tpot.observe((e2e - ttft) / (out - 1))
 
     async def _unary(self, prep: Prepared, call: UpstreamCall, t0: float) -> Response:
         raw = b""
@@ -352,11 +368,10 @@ class Proxy:
             raw, status_code=call.status, media_type=call.content_type, headers=prep.headers
         )
 
-    async def _end_stream(
-        self, prep: Prepared, call: UpstreamCall, t0: float, end: StreamEnd
-    ) -> None:
-        """Once per stream (the relay calls it, shielded): metrics, then close the upstream
-        (an unfinished response drops its connection: vLLM aborts the request)."""
+    def _end_stream(self, prep: Prepared, call: UpstreamCall, t0: float, end: StreamEnd) -> None:
+        """Once per stream (the relay calls it; synchronous, so no cancel can cut it
+        short): metrics, then close the upstream (an unfinished response drops its
+        connection: vLLM aborts the request)."""
         if end.error_kind is not None:
             self.metrics.upstream_errors.labels(call.backend, end.error_kind).inc()
             log.warning(
@@ -367,4 +382,4 @@ class Proxy:
             )
         self._observe(prep, end.status, t0, end.ttft, end.usage)
         self.metrics.inflight.dec()
-        await call.aclose()
+        call.close()

@@ -201,6 +201,8 @@ def pick_backend(
         )
     fresh = [v for v in open_ if v.url not in avoid] or open_
     fresh = [v for v in fresh if not is_full(v)] or fresh
+    if len(fresh) == 1:  # one candidate (one replica per model is common): nothing to score
+        return fresh[0].url
     scores = score_combined(req, fresh, weights)
     by_url: Mapping[str, BackendView] = {v.url: v for v in fresh}
     return min(scores, key=lambda u: (-round(scores[u], 9), by_url[u].inflight, u))

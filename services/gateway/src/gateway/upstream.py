@@ -85,12 +85,26 @@ class UpstreamCall:
             watch.stop()
         return chunk
 
+    def at_end(self) -> bool:
+        """Whether the body has been read to its end already (the next `read()` would
+        return b""); then the call counts as complete, as after that read."""
+        p = self.conn.parser
+        if p is None or p.body or not p.complete:  # as `Connection.read` decides
+            return False
+        self.complete = True
+        self.watch.stop()
+        return True
+
     async def chunks(self) -> AsyncIterator[bytes]:
         """`read()` as an iterator."""
         while chunk := await self.read():
             yield chunk
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """`aclose` for synchronous callers (the relay's end of stream)."""
         if not self.closed:
             self.closed = True
             self.watch.stop()
