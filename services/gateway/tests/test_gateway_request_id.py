@@ -132,3 +132,22 @@ def test_openai_client_sees_the_request_id(make_gateway, fake) -> None:
                 model="nope", messages=[{"role": "user", "content": "x"}]
             )
         assert e.value.request_id and len(e.value.request_id) == 32
+
+
+def test_header_fields_read_as_starlette_reads_them() -> None:
+    """The proxy's one-dict view of the header list: the first of a repeated field, as
+    `request.headers.get` gives it, None for an absent one, latin-1 values."""
+    from starlette.datastructures import Headers
+
+    from gateway.proxy import HeaderFields
+
+    raw = [
+        (b"x-request-id", b"first"),
+        (b"authorization", b"Bearer k"),
+        (b"x-request-id", b"second"),
+        (b"x-session-id", "caf\u00e9".encode("latin-1")),
+    ]
+    fields, starlette = HeaderFields(raw), Headers(raw=raw)
+    for name in ("x-request-id", "authorization", "x-session-id", "x-lorastack-clamp"):
+        assert fields.get(name.encode()) == starlette.get(name)
+    assert fields.get(b"x-request-id") == "first" and fields.get(b"x-session-id") == "caf\u00e9"

@@ -30,7 +30,7 @@ from gateway.routing import RouteRequest
 
 BLOCK_CHARS = 256  # characters per hashed block
 MAX_BLOCKS = 64  # leading blocks hashed (16 K characters): enough to tell chats apart
-SESSION_HEADER = "x-session-id"
+SESSION_HEADER = b"x-session-id"  # lower-case, as ASGI gives header names
 MAX_SESSION_CHARS = 256  # a longer key is hashed down (the table's memory stays bounded)
 
 

@@ -69,7 +69,7 @@ from lorastack.untrusted_json import BodyTooLarge, NotJson, read_object
 
 log = logging.getLogger(__name__)
 
-CLAMP_HEADER = "x-lorastack-clamp"  # request: "1"/"true" turns clamp mode on
+CLAMP_HEADER = b"x-lorastack-clamp"  # request: "1"/"true" turns clamp mode on
 CLAMPED_HEADER = "X-Lorastack-Clamped-Max-Tokens"  # response: "<from>-><to>"
 PROMPT_TOKENS_HEADER = "X-Lorastack-Prompt-Tokens"
 BACKEND_HEADER = "X-Lorastack-Backend"
@@ -103,6 +103,26 @@ class Prepared:
 INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 
 
+class HeaderFields:
+    """A request's header fields by lower-case name (ASGI servers lower-case them), the
+    first of a repeated one as Starlette's `request.headers.get` gives it: one dict built
+    per request instead of a scan of the list per field read (and an exception per absent
+    field, the common case for the optional ones)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = dict(reversed(raw))
+
+    def get(self, name: bytes) -> str | None:
+        value = self._raw.get(name)
+        return None if value is None else value.decode("latin-1")
+
+
+def header_fields(request: Request) -> HeaderFields:
+    return HeaderFields(request.scope["headers"])
+
+
 def with_include_usage(raw: bytes) -> bytes:
     """`raw` (a JSON object with members and no `stream_options`) with
     `"stream_options": {"include_usage": true}` as its first member: the bytes the client
@@ -133,11 +153,12 @@ class Proxy:
         t0 = time.perf_counter()
         self.metrics.inflight.inc()
         done_here = True  # a streaming response takes the in-flight count over
-        rid = request_id(request.headers.get("x-request-id"))
+        fields = header_fields(request)
+        rid = request_id(fields.get(b"x-request-id"))
         key: Key | None = None
         try:
-            key = self.auth.authenticate(request.headers.get("authorization"))
-            prep = await self._prepare(request, route, rid, key)
+            key = self.auth.authenticate(fields.get(b"authorization"))
+            prep = await self._prepare(request, fields, route, rid, key)
             call = await (self._open(prep) if prep.count_later is None else self._open_count(prep))
             if prep.stream:
                 done_here = False
@@ -194,7 +215,9 @@ class Proxy:
         except InvalidInput as e:
             raise BadRequest(e.message, e.hint) from None
 
-    async def _prepare(self, request: Request, route: str, rid: str, key: Key) -> Prepared:
+    async def _prepare(
+        self, request: Request, fields: HeaderFields, route: str, rid: str, key: Key
+    ) -> Prepared:
         body, original = await self.read_json(request)
         req: ChatRequest | CompletionRequest
         if route == "chat":
@@ -214,7 +237,7 @@ class Proxy:
         inputs, counts, count_later = await count_prompts(
             tok, req, requested, max_len, param, exact_first=exact_first
         )
-        clamp = self.settings.clamp_max_tokens or request.headers.get(CLAMP_HEADER, "").lower() in (
+        clamp = self.settings.clamp_max_tokens or (fields.get(CLAMP_HEADER) or "").lower() in (
             "1",
             "true",
             "yes",
@@ -257,7 +280,7 @@ class Proxy:
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
             request_id=rid,
-            session=session_key(request.headers.get(SESSION_HEADER), body),
+            session=session_key(fields.get(SESSION_HEADER), body),
             prefix=self._prefix(inputs),
             count_later=count_later,
         )

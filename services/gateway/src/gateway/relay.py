@@ -38,6 +38,9 @@ class StreamEnd:
     error_kind: str | None = None  # "timeout" | "broken_stream" when status is "502"
 
 
+_LEFT = StreamEnd("499", None, None)
+
+
 class SseRelay(Response):
     """An ASGI response that relays `call` (an open upstream SSE response)."""
 
@@ -67,7 +70,7 @@ class SseRelay(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scanner = EventScanner(keep_usage=self._keep_usage, end=self._end)
-        end = StreamEnd("499", None, None)  # until the relay says otherwise
+        end = _LEFT  # until the relay says otherwise
         task = asyncio.current_task()
         assert task is not None
         left: list[bool] = []  # the watcher appends once the client has hung up
