@@ -299,6 +299,12 @@ class CompileRun:
         if self.ahead is not None and scope == "layers":
             self.ahead_said = "; " + self.ahead.wait()
         self.stop_ahead()
+        if is_warm(self.cache_dir, self.keys[scope]):
+            # the graphs come from the disk cache: no pool of compile workers (16 processes
+            # importing torch on a 16-core host, beside the steps, and shut down at exit)
+            import torch._inductor.config
+
+            torch._inductor.config.compile_threads = 1
         compile_decoder(model, scope, dynamic_width=not self.packed)
         self.scope = scope
 

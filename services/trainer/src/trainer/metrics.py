@@ -13,7 +13,8 @@ import logging
 import platform
 import re
 import resource
-import threading
+import subprocess
+import sys
 import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
@@ -125,23 +126,20 @@ def process_age() -> float:
     return round(time.time() - psutil.Process().create_time(), 2)
 
 
-def warm_plotting() -> threading.Thread:
-    """Import matplotlib and build its font cache on a thread while the steps run: on a
-    fresh host that took seconds at the end of the run, between the last step and the
-    published adapter."""
-
-    def warm() -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.font_manager
-        import matplotlib.pyplot
-
-        matplotlib.font_manager.findfont("DejaVu Sans")
-
-    thread = threading.Thread(target=warm, name="warm-plotting", daemon=True)
-    thread.start()
-    return thread
+def warm_plotting() -> subprocess.Popen[bytes] | None:
+    """Build matplotlib's font cache in a child process while the run prepares and steps:
+    on a fresh host that took seconds at the end of the run, between the last step and the
+    published adapter; on a thread it held the GIL that the first steps launch with."""
+    code = (
+        "import matplotlib; matplotlib.use('Agg'); import matplotlib.font_manager as fm; "
+        "import matplotlib.pyplot; fm.findfont('DejaVu Sans')"
+    )
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    except OSError:
+        return None  # plotting then builds the cache itself
 
 
 def plot_losses(train: dict[int, float], val: dict[int, float], path: Path, title: str) -> Path:

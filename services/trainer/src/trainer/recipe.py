@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -135,6 +136,7 @@ class Recipe:
         self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
+        self.plot_warmer: subprocess.Popen[bytes] | None = None
         self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
         self.model: Any = None
         self.ahead: compile_ahead.Ahead | None = (
@@ -160,6 +162,8 @@ class Recipe:
         if self.mode != "train":
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if settings.is_main:
+            self.plot_warmer = warm_plotting()
 
         def compile_early(model_config: dict[str, Any]) -> None:
             self.ahead = compile_ahead.start(self, model_config, auto_batch)
@@ -260,7 +264,6 @@ class Recipe:
         session_steps = 0
         if self.val_losses and validation.early_stop(self):  # a resumed run that had stopped early
             return
-        warm_plotting()
         self.meter.mark()
         while self.step < self.total_steps:
             t0 = time.monotonic()
@@ -334,6 +337,8 @@ class Recipe:
         resuming.checkpoint_unless_saved(self)
         train_series = read_series(self.metrics_dir, "metrics", "loss")
         plot = self.run_dir / "loss.png"
+        if self.plot_warmer is not None:
+            self.plot_warmer.wait()  # started at setup: done by now on any host
         if self.settings.is_main:
             plot_losses(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
         completion = record_completion(self)
