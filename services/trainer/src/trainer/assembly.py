@@ -81,17 +81,18 @@ def estimate_memory(r: Recipe) -> dict[str, int]:
         "shards": r.settings.world_size if cfg.distributed == "fsdp" else 1,
     }
     layers = int(r.model_config["num_hidden_layers"])
-    r.checkpointed = 0 if cfg.gradient_checkpointing is False else layers
-    if cfg.gradient_checkpointing == "auto":
+    if cfg.gradient_checkpointing != "auto":
+        r.checkpointed = layers if cfg.gradient_checkpointing else 0
+    elif r.device.type != "cuda":
         r.checkpointed = 0
-        if r.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(r.device)[0] * PLAN_HEADROOM)
-            r.checkpointed = plan_checkpointing(r.model_config, budget, **args)
-            r.say(
-                f"gradient checkpointing auto: {r.checkpointed} of {layers} layers recomputed "
-                f"in backward (the estimate fits {human(budget)}, {PLAN_HEADROOM:.0%} of the "
-                "GPU's free memory)"
-            )
+    else:
+        budget = int(torch.cuda.mem_get_info(r.device)[0] * PLAN_HEADROOM)
+        r.checkpointed = plan_checkpointing(r.model_config, budget, **args)
+        r.say(
+            f"gradient checkpointing auto: {r.checkpointed} of {layers} layers recomputed "
+            f"in backward (the estimate fits {human(budget)}, {PLAN_HEADROOM:.0%} of the "
+            "GPU's free memory)"
+        )
     found = estimate(r.model_config, checkpointed=r.checkpointed, **args)
     write_json(r.run_dir / "memory-estimate.json", found)
     r.say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
@@ -111,7 +112,7 @@ def build_model(r: Recipe) -> str:
     cfg, settings = r.config, r.settings
     seed_everything(cfg.seed)
     sharded = cfg.distributed == "fsdp" and settings.world_size > 1
-    # fully_shard moves it
+    # left on the host under FSDP: fully_shard moves it
     r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded, checkpointed=r.checkpointed)
     r.peft = r.model
     r.compiler = CompileRun(

@@ -118,7 +118,9 @@ def load_model(
     for p in model.parameters():
         p.requires_grad_(False)  # only the LoRA weights train
     if checkpointed is None:
-        checkpointed = decoder_layers(model) if config.gradient_checkpointing is True else 0
+        checkpointed = (
+            len(model.get_decoder().layers) if config.gradient_checkpointing is True else 0
+        )
     if checkpointed:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for i, layer in enumerate(model.get_decoder().layers):
@@ -145,10 +147,6 @@ def load_model(
     if checkpointed:
         drop_input_require_grads(peft_model.get_base_model())
     return peft_model
-
-
-def decoder_layers(model: Any) -> int:
-    return len(model.get_decoder().layers)
 
 
 def drop_input_require_grads(model: Any) -> None:
