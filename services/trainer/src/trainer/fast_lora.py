@@ -68,6 +68,128 @@ def dense_weight(
     return out.to(dtype)
 
 
+def _frozen(weight: Any, quant: QuantTensors | None) -> tuple[Any, ...]:
+    """The frozen weight's tensors as the ops take them (absent ones None)."""
+    return (weight, *(quant or (None,) * 5))
+
+
+def _meta_args(meta: QuantMeta | None) -> tuple[int, str, list[int], torch.dtype, int]:
+    return meta or (0, "", [], torch.bfloat16, 0)
+
+
+def _weight(
+    weight: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    absmax: torch.Tensor | None,
+    nested_absmax: torch.Tensor | None,
+    nested_code: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    qdtype: torch.dtype,
+    nested_blocksize: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    if packed is None:
+        return dense_weight(weight, None, None, dtype)
+    assert absmax is not None
+    quant = (packed, absmax, nested_absmax, nested_code, offset)
+    return dense_weight(
+        None, quant, (blocksize, quant_type, shape, qdtype, nested_blocksize), dtype
+    )
+
+
+# The two halves of the layer as opaque ops: inside a compiled graph each stays one
+# call, so the rank-r product is written first and the big matmul accumulates onto it
+# in place (cuBLAS beta=1). Traced as plain aten ops instead, the in-place add became an
+# out-of-place addmm that copied every output once more: on an H200 (8B widths) 13% of
+# a step went to those copies and adds.
+@torch.library.custom_op("lorastack::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd(
+    x2: torch.Tensor,
+    xd2: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    weight: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    absmax: torch.Tensor | None,
+    nested_absmax: torch.Tensor | None,
+    nested_code: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    qdtype: torch.dtype,
+    nested_blocksize: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x·Wᵀ + s·(xd·Aᵀ)·Bᵀ and xd·Aᵀ (kept for backward), for 2-D x and xd."""
+    xa = xd2 @ a.t()  # [tokens, r]
+    y = (xa * scale) @ b.t()
+    w = _weight(weight, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                quant_type, shape, qdtype, nested_blocksize, x2.dtype)  # fmt: skip
+    y.addmm_(x2, w.t())
+    return y, xa
+
+
+@lora_linear_fwd.register_fake
+def _(x2, xd2, a, b, scale, weight, packed, *rest):
+    out = b.shape[0]
+    return x2.new_empty((x2.shape[0], out)), xd2.new_empty((xd2.shape[0], a.shape[0]))
+
+
+@torch.library.custom_op("lorastack::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd(
+    dy2: torch.Tensor,
+    xd2: torch.Tensor,
+    xa: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    same_input: bool,
+    weight: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    absmax: torch.Tensor | None,
+    nested_absmax: torch.Tensor | None,
+    nested_code: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    qdtype: torch.dtype,
+    nested_blocksize: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, d(xd) (empty when x itself was the LoRA input: then it is in dx), dA, dB."""
+    g = (dy2 @ b) * scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
+    w = _weight(weight, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                quant_type, shape, qdtype, nested_blocksize, dy2.dtype)  # fmt: skip
+    # dx also where the input needs none (first layer, 1/32 of the work): no branch on
+    # needs_input_grad, so one compiled graph serves every layer
+    if same_input:
+        dx = g @ a
+        dx.addmm_(dy2, w)
+        dxd = dx.new_empty(0)
+    else:
+        dx = dy2 @ w
+        dxd = g @ a
+    da = (g.t() @ xd2).float()
+    db = (dy2.t() @ xa).mul_(scale).float()
+    return dx, dxd, da, db
+
+
+@lora_linear_bwd.register_fake
+def _(dy2, xd2, xa, a, b, scale, same_input, *rest):
+    dx = dy2.new_empty((dy2.shape[0], a.shape[1]))
+    dxd = dx.new_empty(0) if same_input else dx.new_empty(dx.shape)
+    return (
+        dx,
+        dxd,
+        a.new_empty(a.shape, dtype=torch.float32),
+        b.new_empty(b.shape, dtype=torch.float32),
+    )
+
+
 class LoraLinearFunction(torch.autograd.Function):
     """Autograd of the frozen-base LoRA linear; see the module docstring."""
 
@@ -89,12 +211,10 @@ class LoraLinearFunction(torch.autograd.Function):
         xd2 = x2 if x_dropped is None else x_dropped.reshape(-1, x.shape[-1])
         a = lora_a.to(dtype)
         b = lora_b.to(dtype)
-        y = x2 @ dense_weight(weight, quant, meta, dtype).t()
-        xa = xd2 @ a.t()  # [tokens, r]
-        y.addmm_(xa, b.t(), alpha=scale)
+        frozen = _frozen(weight, quant)
+        y, xa = lora_linear_fwd(x2, xd2, a, b, scale, *frozen, *_meta_args(meta))
         if bias is not None:
-            y += bias.to(dtype)
-        frozen = (weight,) if quant is None else quant
+            y = y + bias.to(dtype)
         ctx.present = tuple(t is not None for t in frozen)  # save_for_backward gets no None
         ctx.save_for_backward(xd2, xa, a, b, *(t for t in frozen if t is not None))
         ctx.scale, ctx.meta = scale, meta
@@ -107,20 +227,12 @@ class LoraLinearFunction(torch.autograd.Function):
         found = iter(kept)
         frozen = tuple(next(found) if p else None for p in ctx.present)
         dy2 = dy.reshape(-1, dy.shape[-1]).to(xa.dtype)
-        g = (dy2 @ b) * ctx.scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
-        weight, quant = (frozen[0], None) if ctx.meta is None else (None, frozen)
-        # dx also where the input needs none (first layer, 1/32 of the work): no branch on
-        # needs_input_grad, so one compiled graph serves every layer
-        dx = dy2 @ dense_weight(weight, quant, ctx.meta, dy2.dtype)  # type: ignore[arg-type]
-        dxd = None
-        if ctx.same_input:
-            dx.addmm_(g, a)
-        else:
-            dxd = (g @ a).reshape(*dy.shape[:-1], a.shape[-1])
+        dx, dxd, da, db = lora_linear_bwd(
+            dy2, xd2, xa, a, b, ctx.scale, ctx.same_input, *frozen, *_meta_args(ctx.meta)
+        )
         dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
-        da = (g.t() @ xd2).float()
-        db = (dy2.t() @ xa).mul_(ctx.scale).float()
-        return dx, dxd, da, db, None, None, None, None, None
+        dxd_out = None if ctx.same_input else dxd.reshape(*dy.shape[:-1], a.shape[-1])
+        return dx, dxd_out, da, db, None, None, None, None, None
 
 
 def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
