@@ -79,6 +79,12 @@ def _parse_float(text: str) -> float:
     return value
 
 
+# one decoder for every call: json.loads with hooks builds a decoder and its scanner each time
+_DECODER = json.JSONDecoder(
+    parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
+)
+
+
 def _path(parts: list[str | int]) -> str:
     text = ".".join(str(p) for p in parts) or "(top level)"
     return text if len(text) <= 60 else text[:57] + "..."
@@ -143,9 +149,9 @@ def loads_object(
         text = data
     where: list[str | int] | None
     try:
-        value = json.loads(
-            text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
-        )
+        if text.startswith("\ufeff"):  # as json.loads says it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        value = _DECODER.decode(text)
     except RecursionError:  # deeper than the decoder's own recursion limit (~1,000)
         value, where = None, []
     except json.JSONDecodeError as e:
@@ -198,6 +204,18 @@ async def read_object(
 ) -> tuple[dict[str, Any], bytes]:
     """An HTTP request body: (the object, its raw bytes). A missing content type is taken
     as JSON (curl -d without -H is the common case); a declared other one is refused."""
+    check_body_head(content_type, content_length, limit)
+    raw = b""
+    async for chunk in chunks:
+        raw += chunk
+        if len(raw) > limit:
+            raise body_over(limit)
+    return loads_object(raw, max_depth=max_depth), raw
+
+
+def check_body_head(content_type: str | None, content_length: str | None, limit: int) -> None:
+    """What `read_object` checks before reading a body: a JSON content type (a missing one
+    is taken as JSON) and a declared length within `limit`."""
     if content_type is not None and not is_json_type(content_type):
         raise NotJson(
             f"the body is sent as {content_type[:100]!r}; this route takes JSON",
@@ -208,15 +226,14 @@ async def read_object(
             f"the request body has {content_length} bytes; the limit is {limit}",
             "send a shorter body (a shorter prompt, fewer messages)",
         )
-    raw = b""
-    async for chunk in chunks:
-        raw += chunk
-        if len(raw) > limit:
-            raise BodyTooLarge(
-                f"the request body is over {limit} bytes",
-                "send a shorter body (a shorter prompt, fewer messages)",
-            )
-    return loads_object(raw, max_depth=max_depth), raw
+
+
+def body_over(limit: int) -> BodyTooLarge:
+    """The error for a body that grew past `limit` bytes while it was read."""
+    return BodyTooLarge(
+        f"the request body is over {limit} bytes",
+        "send a shorter body (a shorter prompt, fewer messages)",
+    )
 
 
 def schema_error(e: ValidationError) -> tuple[str, str]:

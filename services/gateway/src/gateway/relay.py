@@ -59,7 +59,12 @@ class SseRelay(Response):
     ) -> None:
         self.status_code = 200
         self.background = None
-        self.init_headers({**headers, "cache-control": "no-cache"})
+        # as Starlette's init_headers makes them, without its general case
+        self.raw_headers = [
+            *[(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()],
+            (b"cache-control", b"no-cache"),
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+        ]
         self._call = call
         self._keep_usage = keep_usage
         self._t0 = t0
