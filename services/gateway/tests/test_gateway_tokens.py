@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from gateway.errors import BadRequest
 from gateway.tokens import LONG_COUNTS, CountingTokenizer
 from gateway.validation import parse_chat, parse_completion
 
@@ -32,6 +34,30 @@ def test_counts_equal_the_tokenizers_own(embedded_model: Path) -> None:
         )
         expected = len(hf(rendered, add_special_tokens=False).input_ids)
         assert tok.count_chat(chat) == expected
+
+
+def test_a_template_renders_the_same_with_its_globals_flattened(embedded_model: Path) -> None:
+    """CountingTokenizer gives the compiled template (transformers' cached one) its
+    globals as one dict (a render cost less): the text, the globals a template calls
+    (raise_exception) and what it is passed (bos_token, add_generation_prompt) stay."""
+    hf = AutoTokenizer.from_pretrained(embedded_model)
+    hf.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('no tools here') }}{% endif %}"
+        "{{ bos_token }}{{ m['role'] | upper }}={{ m['content'] | tojson }};{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    tok = CountingTokenizer(hf, str(embedded_model))
+    compiled = _compile_jinja_template(hf.chat_template)
+    assert type(compiled.globals) is dict and "raise_exception" in compiled.globals
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": 'a "b"'}]}, 8)
+    assert tok.render_chat(chat) == '<|im_start|>USER="a \\"b\\"";>'
+    assert tok.render_chat(chat) == hf.apply_chat_template(
+        [{"role": "user", "content": 'a "b"'}], tokenize=False, add_generation_prompt=True
+    )
+    tool = parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, 8)
+    with pytest.raises(BadRequest, match="no tools here"):
+        tok.render_chat(tool)
 
 
 def test_upper_bound_is_never_below_the_exact_count(embedded_model: Path) -> None:
