@@ -4,6 +4,7 @@ equal those of its samples computed alone, and no token attends across a boundar
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -149,3 +150,85 @@ def test_a_packed_run_resumes_exactly(
     for part in ("weights_and_adapter", "optimizer"):  # tensors' bytes on the CPU: exact
         assert abs(parts[part]["error"]) < 0.01, parts
     assert parts["total"]["measured"] > parts["weights_and_adapter"]["measured"]
+
+
+def test_sample_offsets_mark_every_sample_and_the_padding() -> None:
+    rng = np.random.default_rng(6)
+    rows = [[sample(rng, 5), sample(rng, 3)], [sample(rng, 8)]]
+    batch = collate_micro_batch(rows, pad_id=0, pack_to=10)
+    # row 0: samples of 5 and 3, then 2 padding tokens; row 1: 8, then 2 padding
+    assert batch["cu_seq_lens"].tolist() == [0, 5, 8, 10, 18, 20]
+    assert batch["cu_seq_lens"].dtype == torch.int32
+
+
+def per_sample_attention(calls: list[int]) -> Callable[..., torch.Tensor]:
+    """What FlashAttention's variable-length kernel computes, one sample at a time."""
+
+    def attend(q: Any, k: Any, v: Any, cu: Any, width: int, scale: float) -> torch.Tensor:
+        calls.append(width)
+        bounds = cu.tolist()
+        out = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+            for s, e in itertools.pairwise(bounds)
+        ]  # fmt: skip
+        return torch.cat(out)
+
+    return attend
+
+
+def test_variable_length_attention_gives_the_masked_result(
+    tiny: Any, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loaded for variable-length attention (CUDA's choice for packed rows), the model
+    hands each layer the samples' offsets and gets the loss and gradients of the dense
+    block-diagonal mask; calls without offsets (evaluation) take SDPA's path."""
+    from trainer import attention
+
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "use_varlen", lambda *a: True)
+    monkeypatch.setattr(attention, "flash_varlen", per_sample_attention(calls))
+    config = RunConfig.model_validate(
+        {"dataset": {"path": "unused.jsonl"}, "device": "cpu", "lora": {"dropout": 0.0}}
+    )
+    varlen = load_model(tiny_llama, config, torch.device("cpu"))
+    assert varlen.config._attn_implementation == attention.VARLEN
+    varlen.load_state_dict(tiny.state_dict())
+    varlen.train()
+    rng = np.random.default_rng(7)
+    samples = [sample(rng, n) for n in (17, 5, 30, 9, 22)]
+    batch = collate_micro_batch([samples[:3], samples[3:]], pad_id=0, pack_to=64)
+    loss, grads = loss_and_grads(tiny, batch)
+    loss_v, grads_v = loss_and_grads(varlen, batch)
+    assert calls == [64, 64]  # each of the two layers, the row width as the longest bound
+    assert loss_v == pytest.approx(loss, rel=1e-5)
+    for g, gv in zip(grads, grads_v, strict=True):
+        torch.testing.assert_close(gv, g, rtol=1e-4, atol=1e-6)
+    batch.pop("cu_seq_lens")  # without offsets: SDPA and the mask transformers built
+    assert loss_and_grads(varlen, batch)[0] == pytest.approx(loss, rel=1e-5)
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_flash_varlen_matches_sdpa_on_cuda() -> None:
+    """The real kernel (CUDA only) against SDPA with the dense mask, grouped-query heads."""
+    from trainer import attention
+
+    torch.manual_seed(0)
+    lengths, heads, kv, d = [300, 5, 700, 1043], 8, 2, 64
+    total = sum(lengths)
+    q, k, v = (
+        torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for h in (heads, kv, kv)
+    )
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+    out = attention.flash_varlen(q, k, v, cu, 2048, d**-0.5)
+    ref = per_sample_attention([])(q, k, v, cu, 2048, d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()
+    dq = q.grad.clone()
+    q.grad = None
+    ref.float().square().sum().backward()
+    torch.testing.assert_close(dq, q.grad, rtol=5e-2, atol=5e-2)

@@ -151,7 +151,7 @@ def packed_rows(micro_batch: int, width: int) -> dict[str, Any]:
 def main(spec_path: str) -> int:
     import torch
 
-    from trainer.compiling import compile_decoder, mark_warm, use_cache_dir
+    from trainer.compiling import compile_decoder, mark_dynamic_samples, mark_warm, use_cache_dir
     from trainer.modeling import load_model, loss_sum
 
     spec = json.loads(Path(spec_path).read_text())
@@ -168,7 +168,11 @@ def main(spec_path: str) -> int:
     batch = {
         k: v.to(device) for k, v in packed_rows(config.micro_batch, config.max_seq_len).items()
     }
-    loss_sum(model, batch["input_ids"], None, batch["labels"], batch["position_ids"]).backward()
+    mark_dynamic_samples(batch)
+    ids, labels, pos, cu = (
+        batch[k] for k in ("input_ids", "labels", "position_ids", "cu_seq_lens")
+    )
+    loss_sum(model, ids, None, labels, pos, cu).backward()
     mark_warm(cache, spec["key"])
     print(f"compiled the layer graph in {time.monotonic() - t0:.1f} s", flush=True)
     return 0

@@ -193,6 +193,14 @@ def mark_dynamic_width(batch: dict[str, torch.Tensor]) -> None:
         torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
+def mark_dynamic_samples(batch: dict[str, torch.Tensor]) -> None:
+    """Packed rows hold a different number of samples each micro-batch: their offsets
+    (variable-length attention's input, trainer.attention) are marked dynamic before the
+    first call, or the first graph is static and the second micro-batch compiles again."""
+    if "cu_seq_lens" in batch:
+        torch._dynamo.maybe_mark_dynamic(batch["cu_seq_lens"], 0)
+
+
 def use_cache_dir(cache_dir: Path) -> Path:
     """Keep inductor's and Triton's caches (FX graphs, AOT autograd, kernels) in
     `cache_dir`: by default they live in /tmp (torch sets TORCHINDUCTOR_CACHE_DIR there

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainer.batching import collate_micro_batch, supervised_count
-from trainer.compiling import mark_dynamic_width
+from trainer.compiling import mark_dynamic_samples, mark_dynamic_width
 from trainer.distributed import my_share, sum_over_ranks, syncing
 from trainer.errors import SmokeFailed
 from trainer.samples import Sample
@@ -47,8 +47,8 @@ def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> floa
     for j, (b, weight) in enumerate(mine):
         tensors = collate_micro_batch(b, r.pad, pack_to, fixed_rows)
         batch = {k: v.to(r.device) for k, v in tensors.items()}
-        if compiled and pack_to is None:
-            mark_dynamic_width(batch)
+        if compiled:
+            (mark_dynamic_width if pack_to is None else mark_dynamic_samples)(batch)
         with syncing(r.train_loss, j == len(mine) - 1):
             # DDP averages gradients over processes: * world gives their sum
             loss = r._step_loss(batch) / n_sup * world

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lorastack.errors import ConfigError
-from trainer import fast_lora
+from trainer import attention, fast_lora
 from trainer.config import RunConfig
 from trainer.cross_entropy import linear_cross_entropy_sum
 
@@ -111,6 +111,9 @@ def load_model(
             bnb_4bit_compute_dtype=dtype,
         )
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    if attention.use_varlen(config, device, read_model_config(base_dir)):
+        attention.register()
+        kwargs["attn_implementation"] = attention.VARLEN
     model: Any = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
     model.config.use_cache = False
     if config.quantization != "nf4" and not on_host:
@@ -168,19 +171,22 @@ def loss_sum(
     attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of the next-token cross-entropy over supervised positions (fp32).
 
     `labels` is aligned with `input_ids` (IGNORE where not supervised); position t's
     hidden state predicts token t+1. Divide by the step's supervised-token count outside.
-    Packed rows (trainer.packing) come with `position_ids` and no `attention_mask`.
+    Packed rows (trainer.packing) come with `position_ids`, `cu_seq_lens` and no
+    `attention_mask`.
     """
     base = model.get_base_model()
     head = base.get_output_embeddings().weight
     low = head.dtype != torch.float32  # bf16 compute on CUDA, fp32 on CPU
+    extra = attention.model_kwargs(base, cu_seq_lens, input_ids.shape[1])
     with torch.autocast(input_ids.device.type, dtype=head.dtype, enabled=low):
         out = base.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra
         )
         return linear_cross_entropy_sum(out.last_hidden_state, head, labels)
 
@@ -193,6 +199,7 @@ def batch_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch.get("attention_mask"),
         batch["labels"],
         batch.get("position_ids"),
+        batch.get("cu_seq_lens"),
     )
 
 
@@ -211,5 +218,6 @@ class LossModule(torch.nn.Module):
         attention_mask: torch.Tensor | None,
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        cu_seq_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return loss_sum(self.model, input_ids, attention_mask, labels, position_ids)
+        return loss_sum(self.model, input_ids, attention_mask, labels, position_ids, cu_seq_lens)

@@ -52,7 +52,8 @@ def collate_rows(rows: list[list[Sample]], pad_id: int, width: int) -> dict[str,
     """One batch of packed rows, each padded to `width` tokens.
 
     Returns input_ids, position_ids (restarting at 0 at each sample, and for the padding
-    after the last one) and labels (IGNORE at each sample's first token and on padding).
+    after the last one), labels (IGNORE at each sample's first token and on padding) and
+    cu_seq_lens (sample_offsets: what variable-length attention takes, trainer.attention).
     No attention_mask: transformers builds the block-diagonal causal mask from the
     position ids."""
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -69,4 +70,18 @@ def collate_rows(rows: list[list[Sample]], pad_id: int, width: int) -> dict[str,
             pos[r, at:end] = torch.arange(s.length)
             at = end
         pos[r, at:] = torch.arange(width - at)
-    return {"input_ids": ids, "position_ids": pos, "labels": labels}
+    return {
+        "input_ids": ids,
+        "position_ids": pos,
+        "labels": labels,
+        "cu_seq_lens": sample_offsets(pos),
+    }
+
+
+def sample_offsets(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where each sample starts in the flattened rows, then their total (int32): a
+    sample starts where its position id is 0, a row's trailing padding included (it
+    attends only to itself)."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).reshape(-1)
+    return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)

@@ -252,6 +252,7 @@ class Recipe:
                 batch.get("attention_mask"),
                 batch["labels"],
                 batch.get("position_ids"),
+                batch.get("cu_seq_lens"),
             ),
         )
 
