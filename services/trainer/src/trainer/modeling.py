@@ -111,10 +111,17 @@ def load_model(
             bnb_4bit_compute_dtype=dtype,
         )
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    model: Any = None
     if attention.use_varlen(config, device, read_model_config(base_dir)):
         attention.register()
-        kwargs["attn_implementation"] = attention.VARLEN
-    model: Any = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
+        try:  # refused at the class check, before any weight loads
+            model = AutoModelForCausalLM.from_pretrained(
+                base_dir, attn_implementation=attention.VARLEN, **kwargs
+            )
+        except ValueError:  # an architecture without transformers' attention interface
+            model = None
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
     model.config.use_cache = False
     if config.quantization != "nf4" and not on_host:
         model.to(device)
