@@ -6,8 +6,8 @@ Why (bench/trainer/results/): at batch 1 on an H200 the step was bound by the
 host, not the GPU: peft + bitsandbytes issue ~15 Python-level ops per linear (module
 calls, a defensive clone, a separate scale and add), 224 linears per 8B forward. Here:
 
-- forward: dequantise W (nf4) once, x·Wᵀ, x·Aᵀ, and the LoRA product added in place
-  with its scale (one addmm); nothing of W is kept for backward;
+- forward: x·Aᵀ, its scaled product with Bᵀ, then W (nf4) dequantised once and x·Wᵀ
+  accumulated onto it in place (cuBLAS beta=1); nothing of W is kept for backward;
 - backward: dequantise W again (never stored: 16 GB of bf16 for an 8B model), the
   scale is applied to the rank-r tensors only;
 - LoRA weights stay fp32 (the optimizer's copy) and are cast to the input's dtype
