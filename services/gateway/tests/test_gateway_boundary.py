@@ -10,6 +10,7 @@ silently skip.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,20 @@ def test_body_limits_and_metrics_on_the_proxied_routes(make_gateway, fake) -> No
         after = metric(gw, "lorastack_gateway_request_duration_seconds_count")
         assert after - before == PROXIED_ROUTES
         assert metric(gw, "lorastack_gateway_inflight_requests") == 0
+
+
+def test_forwarded_headers_reach_the_fastapi_routes_from_trusted_hosts(tmp_path: Path) -> None:
+    """`lorastack gateway` runs uvicorn without its X-Forwarded-* middleware; the app puts
+    it in front of the FastAPI routes, with uvicorn's default trusted hosts: a redirect's
+    scheme follows X-Forwarded-Proto from a trusted proxy and only from one."""
+    app = create_app(GatewaySettings(home=tmp_path, backends=["http://127.0.0.1:9"]))
+
+    async def redirect_from(client: tuple[str, int]) -> str:
+        transport = httpx.ASGITransport(app=app, client=client)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            r = await c.get("/health/", headers={"x-forwarded-proto": "https"})
+            assert r.status_code == 307 and r.headers["x-request-id"]
+            return r.headers["location"]
+
+    assert asyncio.run(redirect_from(("127.0.0.1", 5000))) == "https://gw/health"
+    assert asyncio.run(redirect_from(("10.0.0.9", 5000))) == "http://gw/health"

@@ -46,6 +46,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         http="httptools",  # silently falling back to asyncio + h11 (several times slower)
         log_level="warning",
         access_log=False,
+        proxy_headers=False,  # GatewayApp applies them to the routes that read them
         timeout_graceful_shutdown=10,
     )
     return 0

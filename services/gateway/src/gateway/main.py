@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.auth import Authenticator
 from gateway.backends import Backends
@@ -40,13 +42,28 @@ PROXIED = {
 
 
 class GatewayApp(FastAPI):
-    """FastAPI with the proxied routes served straight from the ASGI entry point."""
+    """FastAPI with the proxied routes served straight from the ASGI entry point.
+
+    uvicorn's X-Forwarded-For/-Proto middleware (`lorastack gateway` turns uvicorn's own
+    off) wraps only the FastAPI side: the proxied routes read neither the client's address
+    nor the scheme, and on their path the middleware cost a call per request and a frame
+    on every resume of a stream's task (bench/gateway/history.md)."""
 
     proxy: Proxy
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # the hosts uvicorn trusts by default (its FORWARDED_ALLOW_IPS)
+        trusted = os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1,::1")
+        middleware = ProxyHeadersMiddleware(cast(Any, self._fastapi), trusted_hosts=trusted)
+        self.forwarded = cast(ASGIApp, middleware)  # uvicorn's ASGI types are its own
+
+    async def _fastapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            return await super().__call__(scope, receive, send)
+            return await self.forwarded(scope, receive, send)
         route = PROXIED.get(scope["path"])
         if route is not None and scope["method"] == "POST":
             response = await self.proxy.handle(Request(scope, receive), route)
@@ -55,7 +72,7 @@ class GatewayApp(FastAPI):
         if route is not None:
             response = http_error(scope["method"], scope["path"], 405, "Method Not Allowed", rid)
             return await response(scope, receive, send)
-        await super().__call__(scope, receive, _with_request_id(send, rid))
+        await self.forwarded(scope, receive, _with_request_id(send, rid))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
