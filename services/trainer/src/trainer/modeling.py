@@ -21,6 +21,7 @@ bench/trainer/gpu_e2e.py the whole `lorastack train` against TRL):
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,12 @@ def load_model(
     model: Any = None
     if attention.use_varlen(config, device, read_model_config(base_dir)):
         attention.register()
-        try:  # refused at the class check, before any weight loads
+        # an architecture without transformers' attention interface refuses the name at
+        # the class check, before any weight loads: it loads with the default below
+        with contextlib.suppress(ValueError):
             model = AutoModelForCausalLM.from_pretrained(
                 base_dir, attn_implementation=attention.VARLEN, **kwargs
             )
-        except ValueError:  # an architecture without transformers' attention interface
-            model = None
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
     model.config.use_cache = False
