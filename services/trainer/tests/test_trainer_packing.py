@@ -211,6 +211,35 @@ def test_variable_length_attention_gives_the_masked_result(
     assert len(calls) == 2
 
 
+def test_variable_length_rows_need_no_mask_unless_a_layer_can_fall_back() -> None:
+    """transformers' mask for packed rows waits for the GPU and is never read by the
+    variable-length kernel: an empty stand-in skips it, unless some layer of the model
+    can fall back to SDPA (sliding windows, dropout), which then needs the real mask."""
+    from types import SimpleNamespace
+
+    from trainer import attention
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+
+    def kwargs(**config: Any) -> dict[str, Any]:
+        model = SimpleNamespace(
+            config=SimpleNamespace(_attn_implementation=attention.VARLEN, **config)
+        )
+        return attention.model_kwargs(model, cu, 9)
+
+    assert kwargs()["attention_mask"].shape == (0, 0, 0, 0)
+    assert kwargs(layer_types=["full_attention"] * 2)["attention_mask"].numel() == 0
+    for config in ({"sliding_window": 4096}, {"attention_dropout": 0.1},
+                   {"layer_types": ["sliding_attention", "full_attention"]}):  # fmt: skip
+        assert "attention_mask" not in kwargs(**config)
+    q = torch.zeros(1, 2, 9, 8)
+    with pytest.raises(RuntimeError, match="without their mask"):
+        attention.varlen_attention(
+            torch.nn.Module(), q, q, q, kwargs()["attention_mask"], cu_seq_lens_q=cu,
+            sliding_window=4,
+        )  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_flash_varlen_matches_sdpa_on_cuda() -> None:
     """The real kernel (CUDA only) against SDPA with the dense mask, grouped-query heads."""

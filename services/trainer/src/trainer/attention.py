@@ -27,6 +27,20 @@ from trainer.config import RunConfig
 
 VARLEN = "lorastack_varlen"  # the name registered with transformers' attention interfaces
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # kwargs the varlen call cannot honour
+# model settings under which a layer can pass one of those (or dropout) and fall back
+_FALLBACK_CONFIG = (
+    "sliding_window",
+    "use_sliding_window",
+    "attn_logit_softcapping",
+    "attention_dropout",
+)
+
+
+def _may_fall_back(config: Any) -> bool:
+    """Whether some layer of this model can pass _UNSUPPORTED kwargs or dropout."""
+    if any(getattr(config, k, None) for k in _FALLBACK_CONFIG):
+        return True
+    return any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())
 
 
 def use_varlen(config: RunConfig, device: torch.device, model_config: dict[str, Any]) -> bool:
@@ -71,6 +85,9 @@ def varlen_attention(
     if cu is None or dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if attention_mask is not None and attention_mask.numel() == 0:  # model_kwargs' stand-in
+            raise RuntimeError("packed rows reached SDPA without their mask: " + str(kwargs))
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -95,10 +112,18 @@ def register() -> None:
 
 def model_kwargs(model: Any, cu: torch.Tensor | None, width: int) -> dict[str, Any]:
     """The decoder's extra arguments for packed rows: their sample offsets where the
-    model attends with VARLEN, none otherwise."""
-    if cu is None or getattr(model.config, "_attn_implementation", None) != VARLEN:
+    model attends with VARLEN, none otherwise. Where no layer can fall back to SDPA, an
+    empty 4-D attention_mask stands in for the block-diagonal mask that transformers
+    would otherwise build from the position ids for nothing: its check for packed rows
+    waits for the GPU, and the mask (seq x seq per row) is computed only to be ignored."""
+    config = model.config
+    if cu is None or getattr(config, "_attn_implementation", None) != VARLEN:
         return {}
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": width, "max_length_k": width}
+    out: dict[str, Any] = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    out |= {"max_length_q": width, "max_length_k": width}
+    if not _may_fall_back(config):
+        out["attention_mask"] = cu.new_empty((0, 0, 0, 0), dtype=torch.bool)
+    return out
 
 
 __all__ = ["VARLEN", "model_kwargs", "register", "use_varlen", "varlen_attention"]

@@ -24,21 +24,36 @@ def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) 
     return F.cross_entropy(logits.to(wide), target, reduction="sum")
 
 
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions of the flattened [batch * seq] inputs whose next label is supervised,
+    computed where `labels` lives (the host, at collation): given to
+    linear_cross_entropy_sum, the device needs no boolean mask, whose count synchronises
+    the host with the GPU (twice in forward, once in backward, each micro-batch)."""
+    b, t = torch.nonzero(labels[:, 1:] != IGNORE, as_tuple=True)
+    return b * labels.shape[1] + t
+
+
 def linear_cross_entropy_sum(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_elements: int = CHUNK_ELEMENTS,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of CE(hidden[t] @ weight.T, labels[t+1]) over positions whose label is supervised.
 
     hidden: [batch, seq, dim] final hidden states; weight: [vocab, dim] output projection;
-    labels: [batch, seq] aligned with the inputs, IGNORE where not supervised.
+    labels: [batch, seq] aligned with the inputs, IGNORE where not supervised;
+    positions: loss_positions(labels) on hidden's device, if known (no host sync).
     """
-    target = labels[:, 1:]
-    keep = target != IGNORE
-    rows = hidden[:, :-1][keep]  # [n_supervised, dim]
-    tgt = target[keep]
+    if positions is None:
+        target = labels[:, 1:]
+        keep = target != IGNORE
+        rows = hidden[:, :-1][keep]  # [n_supervised, dim]
+        tgt = target[keep]
+    else:
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        tgt = labels.reshape(-1).index_select(0, positions + 1)
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     step = max(1, chunk_elements // weight.shape[0])
     for start in range(0, rows.shape[0], step):

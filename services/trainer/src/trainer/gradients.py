@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from trainer.batching import collate_micro_batch, supervised_count
 from trainer.compiling import mark_dynamic_samples, mark_dynamic_width
+from trainer.cross_entropy import loss_positions
 from trainer.distributed import my_share, sum_over_ranks, syncing
 from trainer.errors import SmokeFailed
 from trainer.samples import Sample
@@ -35,18 +38,20 @@ def step_batches(r: Recipe) -> tuple[list[list[list[Sample]]], int, int]:
     return batches, n_sup, sum(s.length for s in flat)
 
 
-def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> float:
+def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> torch.Tensor:
     """Backward over this process's micro-batches of the step; the step's loss per
-    supervised token (all processes)."""
+    supervised token (all processes), on the device: nothing here waits for the GPU, so
+    the host collates and copies the next micro-batch while the last one computes."""
     world = r.settings.world_size
     compiled = r.compiler.active
     pack_to = r.config.max_seq_len if r.config.packing else None
     fixed_rows = r.config.micro_batch if compiled else 0  # few shapes for the compiler
     mine = my_share(batches, r.settings.rank, world)
-    step_loss = 0.0
+    step_loss = torch.zeros((), device=r.device)
     for j, (b, weight) in enumerate(mine):
         tensors = collate_micro_batch(b, r.pad, pack_to, fixed_rows)
-        batch = {k: v.to(r.device) for k, v in tensors.items()}
+        tensors["loss_positions"] = loss_positions(tensors["labels"])
+        batch = {k: to_device(v, r.device) for k, v in tensors.items()}
         if compiled:
             (mark_dynamic_width if pack_to is None else mark_dynamic_samples)(batch)
         with syncing(r.train_loss, j == len(mine) - 1):
@@ -55,7 +60,15 @@ def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> floa
             if weight != 1.0:
                 loss = loss * weight
             loss.backward()
-        step_loss += loss.item() / world
+        step_loss += loss.detach() / world
     if world > 1:
-        step_loss = sum_over_ranks(step_loss, r.device)
+        return torch.tensor(sum_over_ranks(step_loss.item(), r.device))
     return step_loss
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; from pinned memory to a GPU, so that the copy does not wait for
+    the kernels queued before it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

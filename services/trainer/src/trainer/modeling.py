@@ -180,23 +180,26 @@ def loss_sum(
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     cu_seq_lens: torch.Tensor | None = None,
+    loss_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of the next-token cross-entropy over supervised positions (fp32).
 
     `labels` is aligned with `input_ids` (IGNORE where not supervised); position t's
     hidden state predicts token t+1. Divide by the step's supervised-token count outside.
     Packed rows (trainer.packing) come with `position_ids`, `cu_seq_lens` and no
-    `attention_mask`.
+    `attention_mask`. `loss_positions` (cross_entropy.loss_positions, computed on the
+    host) spares the device a boolean mask and its host syncs.
     """
     base = model.get_base_model()
     head = base.get_output_embeddings().weight
     low = head.dtype != torch.float32  # bf16 compute on CUDA, fp32 on CPU
     extra = attention.model_kwargs(base, cu_seq_lens, input_ids.shape[1])
     with torch.autocast(input_ids.device.type, dtype=head.dtype, enabled=low):
-        out = base.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra
+        extra.setdefault("attention_mask", attention_mask)
+        out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, **extra)
+        return linear_cross_entropy_sum(
+            out.last_hidden_state, head, labels, positions=loss_positions
         )
-        return linear_cross_entropy_sum(out.last_hidden_state, head, labels)
 
 
 def batch_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -227,5 +230,14 @@ class LossModule(torch.nn.Module):
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cu_seq_lens: torch.Tensor | None = None,
+        loss_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return loss_sum(self.model, input_ids, attention_mask, labels, position_ids, cu_seq_lens)
+        return loss_sum(
+            self.model,
+            input_ids,
+            attention_mask,
+            labels,
+            position_ids,
+            cu_seq_lens,
+            loss_positions,
+        )

@@ -253,6 +253,7 @@ class Recipe:
                 batch["labels"],
                 batch.get("position_ids"),
                 batch.get("cu_seq_lens"),
+                batch.get("loss_positions"),
             ),
         )
 
@@ -269,7 +270,7 @@ class Recipe:
         while self.step < self.total_steps:
             t0 = time.monotonic()
             batches, n_sup, step_tokens = gradients.step_batches(self)
-            step_loss = gradients.accumulate(self, batches, n_sup)
+            loss_on_device = gradients.accumulate(self, batches, n_sup)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
             )
@@ -277,6 +278,7 @@ class Recipe:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            step_loss = float(loss_on_device)  # the first wait for the GPU in this step
             self.memory_marks.setdefault("resting", held_bytes(self.device))
             self.step += 1
             self.tokens_seen += step_tokens
