@@ -11,7 +11,11 @@ return an exit code. The host stays in the core so that every image has the same
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import os
 import sys
+import threading
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
@@ -78,5 +82,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def entry() -> None:
+    """The console script: main(), then the process ends without tearing its interpreter
+    down (freeing every module and tensor one by one: 1.2 s after a small training on the
+    CPU, 2.3 s after an 8B-wide one on an H200, for nothing the OS would not do). The
+    atexit handlers still run and the output is flushed; while a thread that is not a
+    daemon is alive it exits as usual."""
+    code = main()
+    main_thread = threading.main_thread()
+    if any(not t.daemon for t in threading.enumerate() if t is not main_thread):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or a broken pipe
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
