@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from lorastack.store import open_store
-from lorastack_testing.net import free_port
 from trainer.metrics import read_series
 from trainer.settings import TrainerSettings
 
@@ -30,8 +29,10 @@ DDP = {"micro_batch": 2, "grad_accum": 2, "max_steps": 3, "checkpoint_every": 1,
 
 def torchrun(config: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         f"--master-port={free_port()}", "-m", "lorastack.cli", "train", str(config), *extra],
+        # --standalone: the rendezvous store binds port 0 itself, no port picked ahead and
+        # raced for
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "lorastack.cli", "train", str(config), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -91,7 +92,11 @@ def kill_after_step_1(proc: subprocess.Popen[str], run: Path) -> None:
     deadline = time.monotonic() + 900
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    if proc.poll() is not None:
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"the run ended (exit {proc.returncode}) before it could be killed:\n" + out[-4000:]
+        )
     import psutil
 
     family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
