@@ -183,9 +183,10 @@ def test_a_template_without_tool_support_is_refused(smollm2_tokenizer: Any) -> N
 
 def test_encoding_in_worker_processes_equals_one_process(smollm2_tokenizer: Any) -> None:
     """`encode_all` cut over forked workers gives what one process gives, sample for
-    sample and problem for problem, in the input's order."""
+    sample and problem for problem, in the input's order: `encode`'s ids, labels and
+    parts, without the text and offsets (only `data inspect` reads them)."""
     from trainer.encoding import encode_all
-    from trainer.samples import end_of_turn_id
+    from trainer.samples import encode, end_of_turn_id
 
     convs = [
         Conversation.model_validate(
@@ -206,9 +207,12 @@ def test_encoding_in_worker_processes_equals_one_process(smollm2_tokenizer: Any)
             convs, smollm2_tokenizer, "all_assistant", specials, eot,
             workers=workers, parallel_from=0, chunk=6,
         )  # fmt: skip
-        return [(s and (s.input_ids, s.labels, s.parts, s.rendered), bad) for s, bad in got]
+        assert all(s is None or (s.rendered, s.offsets) == ("", []) for s, _ in got)
+        return [(s and (s.input_ids, s.labels, s.parts), bad) for s, bad in got]
 
     one, three = run(1), run(3)
     assert one == three
+    alone = encode(convs[0], smollm2_tokenizer, "all_assistant")
+    assert one[0][0] == (alone.input_ids, alone.labels, alone.parts) and alone.offsets
     assert one[7][0] is None and one[7][1][0][0] == "special_token"
     assert all(s is not None for i, (s, _) in enumerate(one) if i != 7)

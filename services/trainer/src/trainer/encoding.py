@@ -1,14 +1,15 @@
 """Encoding many conversations at once, on every core the process may use.
 
 `encode_all` gives, for each conversation in order, what `check_sample` gives for it
-alone: the sample or None, and its problems. Small inputs run in this process. Large
-ones are cut into contiguous chunks encoded by forked worker processes: rendering
-through the chat template and masking are Python, so one process encodes a few hundred
-chats a second, and a dataset of 100k chats would otherwise cost minutes before the
-first step. A worker that dies (the OOM killer) fails the call with BrokenProcessPool
-rather than hanging it. Workers inherit the tokenizer and the conversations from the fork (nothing
-is pickled to them) and send back the samples; the result does not depend on the number
-of workers. Under torchrun each process takes its share of the cores.
+alone: the sample (lean: without its text and offsets, most of its memory) or None, and
+its problems. Small inputs run in this process. Large ones are cut into contiguous chunks
+encoded by forked worker processes: rendering through the chat template and masking are
+Python, so one process encodes a few hundred chats a second, and a dataset of 100k chats
+would otherwise cost minutes before the first step. A worker that dies (the OOM killer)
+fails the call with BrokenProcessPool rather than hanging it. Workers inherit the
+tokenizer and the conversations from the fork (nothing is pickled to them) and send back
+the samples; the result does not depend on the number of workers. Under torchrun each
+process takes its share of the cores.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _encode_range(bounds: tuple[int, int]) -> list[Result]:
     convs, tokenizer, loss_on, specials, eot = _job
     chunk = list(convs[bounds[0] : bounds[1]])
     tok = Pretokenized(tokenizer, chunk)
-    return [check_sample(conv, tok, loss_on, specials, eot) for conv in chunk]
+    results = (check_sample(conv, tok, loss_on, specials, eot) for conv in chunk)
+    return [(s if s is None else s.lean(), bad) for s, bad in results]
 
 
 def encode_all(

@@ -50,6 +50,11 @@ class Sample:
     def supervised(self) -> int:
         return sum(1 for x in self.labels if x != -100)
 
+    def lean(self) -> Sample:
+        """Without the text and its offsets, which only `data inspect` reads: what a run
+        keeps of each sample, and a fraction of the bytes a worker process sends back."""
+        return Sample(self.input_ids, self.labels, self.parts, "", [])
+
 
 def end_of_turn_id(tokenizer: Any) -> int:
     """The token that ends an assistant turn: the tokenizer's eos (`<|im_end|>`)."""
