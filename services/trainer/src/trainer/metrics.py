@@ -1,8 +1,8 @@
-"""Run records: metrics files, memory readings, the loss plot, the support bundle.
+"""Run records: metrics files, memory readings, the support bundle.
 
-Owns `metrics/metrics-step-N.json` (one per log interval), `metrics/eval-step-N.json`,
-`loss.png`, and `support-bundle.json` written on a crash. It reads devices (torch,
-NVML, RSS) but never trains.
+Owns `metrics/metrics-step-N.json` (one per log interval), `metrics/eval-step-N.json`
+and `support-bundle.json` written on a crash. It reads devices (torch, NVML, RSS) but
+never trains. The loss plot is `trainer.plotting`'s.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import logging
 import platform
 import re
 import resource
-import subprocess
-import sys
 import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
@@ -124,44 +122,6 @@ def process_age() -> float:
     import psutil
 
     return round(time.time() - psutil.Process().create_time(), 2)
-
-
-def warm_plotting() -> subprocess.Popen[bytes] | None:
-    """Build matplotlib's font cache in a child process while the run prepares and steps:
-    on a fresh host that took seconds at the end of the run, between the last step and the
-    published adapter; on a thread it held the GIL that the first steps launch with."""
-    code = (
-        "import matplotlib; matplotlib.use('Agg'); import matplotlib.font_manager as fm; "
-        "import matplotlib.pyplot; fm.findfont('DejaVu Sans')"
-    )
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-    except OSError:
-        return None  # plotting then builds the cache itself
-
-
-def plot_losses(train: dict[int, float], val: dict[int, float], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(list(train), list(train.values()), label="train loss", linewidth=1)
-    if val:
-        ax.plot(list(val), list(val.values()), "o-", label="validation loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats / supervised token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Software": None})
-    plt.close(fig)
-    return path
 
 
 class LogTail(logging.Handler):

@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,13 +67,12 @@ from trainer.live import LiveRun
 from trainer.metrics import (
     LogTail,
     held_bytes,
-    plot_losses,
     process_age,
     read_series,
-    warm_plotting,
     write_json,
 )
 from trainer.modeling import resolve_device, use_expandable_segments
+from trainer.plotting import Plotter
 from trainer.preflight import PreflightReport, refuse_unless_ok
 from trainer.prepare import prepare
 from trainer.samples import end_of_turn_id
@@ -136,7 +134,7 @@ class Recipe:
         self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
-        self.plot_warmer: subprocess.Popen[bytes] | None = None
+        self.plotter: Plotter | None = None  # rank 0's
         self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
         self.model: Any = None
         self.ahead: compile_ahead.Ahead | None = (
@@ -163,7 +161,7 @@ class Recipe:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if settings.is_main:
-            self.plot_warmer = warm_plotting()
+            self.plotter = Plotter()
 
         def compile_early(model_config: dict[str, Any]) -> None:
             self.ahead = compile_ahead.start(self, model_config, auto_batch)
@@ -340,10 +338,8 @@ class Recipe:
         resuming.checkpoint_unless_saved(self)
         train_series = read_series(self.metrics_dir, "metrics", "loss")
         plot = self.run_dir / "loss.png"
-        if self.plot_warmer is not None:
-            self.plot_warmer.wait()  # started at setup: done by now on any host
-        if self.settings.is_main:
-            plot_losses(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
+        if self.plotter is not None:
+            self.plotter.plot(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
         completion = record_completion(self)
         result = train_result(self, completion)
         result.verdict = modes.verdict(self, train_series)
@@ -361,6 +357,8 @@ class Recipe:
         return result
 
     def cleanup(self) -> None:
+        if self.plotter is not None:
+            self.plotter.close()
         if self.ahead is not None:
             self.ahead.stop()
         self.live.close(linger_s=self.settings.metrics_linger_s)
