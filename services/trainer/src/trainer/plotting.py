@@ -85,7 +85,7 @@ def main() -> int:
 
     matplotlib.use("Agg")
     import matplotlib.font_manager as fm
-    import matplotlib.pyplot
+    import matplotlib.pyplot  # imported here, while the run trains, not after it
 
     fm.findfont("DejaVu Sans")  # builds the font cache on a fresh host
     raw = sys.stdin.read()
