@@ -5,9 +5,12 @@
   fault is injected at the OS boundary: `os.fsync` of the new checkpoint's files answers
   ENOSPC, as a full disk does under delayed allocation (a size-limited tmpfs needs a
   mount, which CI may not allow).
-- kill -9 at random moments while checkpoints are written, 20 times over one run with a
+- kill -9 at random points while checkpoints are written, 20 times over one run with a
   checkpoint every step: every resume starts from the newest complete checkpoint on disk,
-  and the final adapter equals an uninterrupted run's bit for bit.
+  and the final adapter equals an uninterrupted run's bit for bit. The points are the
+  checkpoint writer's calls at the OS boundary (each `torch.save` into the folder being
+  written, each `os.fsync` of it or of the checkpoints folder after the rename), drawn by
+  a seeded generator: the child SIGKILLs itself there, so no timing decides.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import random
 import re
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from trainer import checkpoint
@@ -78,17 +81,41 @@ def _latest_complete(root: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def _train(cfg: Path, resume: bool, log: Path) -> None:
-    """A training run in this forked child (stdout and stderr to `log`), then exit."""
+def _train(cfg: Path, resume: bool, log: Path, kill_at: int = 0) -> None:
+    """A training run in this forked child (stdout and stderr to `log`), then exit.
+    `kill_at` > 0: SIGKILL itself at that write point of the checkpoints; 0: count them
+    and print the count."""
     out = log.open("w", buffering=1)  # line-buffered: what was printed survives a kill
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
     sys.stdout = sys.stderr = out  # pytest's capture replaced them in the parent
+    points = 0
+
+    def point() -> None:
+        nonlocal points
+        points += 1
+        if points == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    real_fsync, real_save = os.fsync, torch.save
+
+    def fsync(fd: int) -> None:
+        if "/checkpoints" in os.readlink(f"/proc/self/fd/{fd}"):  # not the store's files
+            point()
+        real_fsync(fd)
+
+    def save(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        if ".tmp-step-" in str(f):
+            point()
+        real_save(obj, f, *args, **kwargs)  # type: ignore[arg-type]
+
+    os.fsync, torch.save = fsync, save  # this child's alone: it never returns
     try:
         run_training(load_config(cfg), TrainerSettings(), resume=resume)
     except BaseException as e:  # the parent reads the log
         print(f"FAILED: {type(e).__name__}: {e}", flush=True)
         os._exit(1)
+    print(f"write points: {points}", flush=True)
     sys.stdout.flush()
     os._exit(0)
 
@@ -98,14 +125,16 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
     trainer_env: TrainerSettings, demo_jsonl: Path, write_config: Callable[..., Path]
 ) -> None:
     """Each run is a forked child of this process (its imports are paid once: a fresh
-    interpreter per kill would cost ~10 s of imports each, 20 times), SIGKILLed by the
-    parent a random 0-30 ms after its first checkpoint write began."""
+    interpreter per kill would cost ~10 s of imports each, 20 times), which SIGKILLs itself
+    at a write point of its first checkpoint (of its second, in the first run) drawn at
+    random: mid-write, written but not renamed, renamed but not yet synced."""
     import multiprocessing
 
     fork = multiprocessing.get_context("fork")
     runs = trainer_env.resolved_runs_dir
+    steps = KILLS + 2  # a killed run advances 0 or 1 step (the first 1 or 2)
     fields = {  # one-sample steps of ~75 tokens, a checkpoint after each
-        "max_steps": KILLS + 2,  # a killed run advances 0 or 1 step (the first 1 or 2)
+        "max_steps": steps,
         "epochs": 2,
         "micro_batch": 1,
         "checkpoint_every": 1,
@@ -119,7 +148,12 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
     )
     whole.start()
     whole.join(600)
-    assert whole.exitcode == 0, (runs.parent / "whole.log").read_text()[-2000:]
+    text = (runs.parent / "whole.log").read_text()
+    assert whole.exitcode == 0, text[-2000:]
+    counted = re.search(r"write points: (\d+)", text)
+    assert counted, text[-2000:]
+    per_ckpt = int(counted.group(1)) // steps  # the same files every step
+    assert per_ckpt >= 5 and int(counted.group(1)) % steps == 0, counted.group(1)
 
     cfg = write_config("killed", demo_jsonl, **fields)
     ckpts = runs / "killed" / "checkpoints"
@@ -128,18 +162,11 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
     while True:
         expected = _latest_complete(ckpts)
         log = runs.parent / f"attempt-{kills}.log"
-        proc = fork.Process(target=_train, args=(cfg, expected is not None, log))
+        kill_at = 0
+        if kills < KILLS:  # the first run: after one complete checkpoint
+            kill_at = rng.randint(1, per_ckpt) + (per_ckpt if expected is None else 0)
+        proc = fork.Process(target=_train, args=(cfg, expected is not None, log, kill_at))
         proc.start()
-        if kills < KILLS:
-            while proc.is_alive():
-                writing = ckpts.is_dir() and any(ckpts.glob(".tmp-*"))
-                # a checkpoint write began (the first run: one after a complete checkpoint)
-                if writing and (expected is not None or any(ckpts.glob("step-*"))):
-                    time.sleep(rng.uniform(0, 0.03))  # mid-write, or just after it
-                    os.kill(proc.pid, signal.SIGKILL)
-                    kills += 1
-                    break
-                time.sleep(0.001)
         proc.join(600)
         text = log.read_text()
         if expected is not None:  # this run resumed: from the newest complete checkpoint
@@ -150,6 +177,7 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
         if proc.exitcode == 0:
             break
         assert proc.exitcode == -signal.SIGKILL, text[-2000:]
+        kills += 1
     print(f"kill -9 drill: {kills} kills, resumed from steps {resumes}")
     assert kills == KILLS and len(resumes) == KILLS, (kills, resumes)
     assert not list(ckpts.glob(".tmp-*")) and not list(ckpts.glob(".trash-*"))

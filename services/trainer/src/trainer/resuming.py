@@ -9,6 +9,8 @@ the run changed, is trainer.publishing.find_resume_point.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +42,16 @@ def save_checkpoint(r: Recipe) -> Path | None:
     if r.mode == "train":
         publishing.publish_checkpoint(r, folder)
     checkpoint.prune(r.ckpt_root, r.config.keep_checkpoints, publishing.kept_best(r))
+    if r.settings.kill_after_checkpoint == r.step:
+        kill_for_drill(r, folder)
     return folder
+
+
+def kill_for_drill(r: Recipe, folder: Path) -> None:
+    """LORASTACK_KILL_AFTER_CHECKPOINT: die by SIGKILL now, as a lost host would, with no
+    cleanup. Only rank 0 saves, so only rank 0 dies; torchrun then ends the others."""
+    r.say(f"kill_after_checkpoint={r.step}: SIGKILL after {folder}")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def checkpoint_unless_saved(r: Recipe) -> None:

@@ -42,6 +42,14 @@ class TrainerSettings(CommonSettings):
         description="compile the layer graph in a child process while the run prepares its "
         "data and loads its base (trainer.compile_ahead); unset: on CUDA",
     )
+    kill_after_checkpoint: int | None = Field(
+        None,
+        ge=1,
+        description="a resume drill: the process SIGKILLs itself once the checkpoint of "
+        "this step is durable (and published, for a train run), as a host lost at that "
+        "moment would; the run is then resumed with --resume. Tests use it so that no "
+        "timing decides where a run dies",
+    )
     cuda_alloc_conf: str | None = Field(
         None,
         validation_alias=AliasChoices("PYTORCH_CUDA_ALLOC_CONF"),
