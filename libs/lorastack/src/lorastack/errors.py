@@ -11,6 +11,7 @@ that says what to change. Services map these to exit codes (CLI) or HTTP statuse
     ├── NotFound           an artifact, version or file does not exist
     ├── Conflict           the artifact version was already published by someone else
     ├── IntegrityError     a downloaded file does not match its recorded sha256
+    │   └── InvalidManifest  a manifest or store record read back breaks the rules (names the field)
     ├── StoreUnavailable   the store could not be reached after bounded retries
     └── Refused            a check refused to go on (preflight, resume, merge, ...)
 
@@ -62,6 +63,12 @@ class Conflict(LorastackError):
 
 class IntegrityError(LorastackError):
     """A file's content does not match the sha256 recorded in its manifest."""
+
+
+class InvalidManifest(IntegrityError):
+    """A manifest (or label, declaration) read from the store breaks the rules: a path that
+    leaves the artifact, a malformed sha256, a digest that is not its file list's, a name
+    or version other than the key it was read from. The message names the field."""
 
 
 class StoreUnavailable(LorastackError):

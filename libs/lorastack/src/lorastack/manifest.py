@@ -10,6 +10,14 @@ Names: one or more segments joined by "/", each made of letters, digits, ".", "_
 Versions: one segment of the same characters. No "..", no absolute paths, no empty
 segments. File paths inside an artifact follow the same rules, segment by segment.
 
+A manifest is data from the store, so whoever can write to the store writes it: every
+reader takes it through `read_manifest` (fetch through `check_manifest`), which refuses
+with InvalidManifest, naming the field, a path that is not relative and normalised, a
+sha256 that is not 64 lowercase hex digits, a digest other than the one computed from
+the file list, a name or version other than the key it was read from. Cache paths
+(`CACHE/blobs/<sha256>`, `CACHE/artifacts/<digest>/<path>`) are built from those checked
+values only.
+
 Refs: `NAME` (the latest version), `NAME:VERSION`, or `NAME@LABEL` (the version a label
 points at now, e.g. `runs/demo/adapter@promoted`; labels live in the store, see
 `lorastack.store.labels`). A label is one segment starting with a letter that does not
@@ -25,17 +33,19 @@ import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from lorastack import __version__
-from lorastack.errors import InvalidName
+from lorastack.errors import InvalidManifest, InvalidName, field_errors
 
 SCHEMA_VERSION = 1
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
 _VERSION_SUFFIX = re.compile(r"^v[0-9]+$")  # `<name>-v<version>` is a served adapter's name
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # fullmatch only: `$` would let a trailing "\n" in
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
 KINDS = ("base-model", "dataset", "adapter", "checkpoint", "merged-model", "report")
@@ -49,7 +59,7 @@ def validate_name(name: str, what: str = "artifact name") -> str:
             "use segments of letters, digits, '.', '_' and '-' joined by '/', e.g. 'smollm2/base'",
         )
     for seg in name.split("/"):
-        if not _SEGMENT.match(seg) or seg in (".", "..") or ".." in seg:
+        if not _SEGMENT.fullmatch(seg) or seg in (".", "..") or ".." in seg:
             raise InvalidName(
                 f"invalid {what} {name!r}: segment {seg!r} is empty, '..' or has other characters",
                 "each segment starts with a letter or digit and holds only letters, digits, "
@@ -66,7 +76,7 @@ def validate_version(version: str) -> str:
 
 def validate_label(label: str) -> str:
     """Return `label` if it may name a label (`NAME@LABEL`), else raise InvalidName."""
-    if not _LABEL.match(label) or _VERSION_SUFFIX.match(label):
+    if not _LABEL.fullmatch(label) or _VERSION_SUFFIX.fullmatch(label):
         raise InvalidName(
             f"invalid label {label!r}",
             "a label is one word of letters, digits, '.', '_' and '-' starting with a letter "
@@ -161,6 +171,92 @@ class Manifest(BaseModel):
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         return cls.model_validate(json.loads(raw))
+
+
+_REPUBLISH = (
+    "the manifest was edited or damaged in the store: publish the artifact again from its "
+    "source, and check who can write to the store"
+)
+
+
+def _refuse(where: str, field: str, value: object, why: str) -> NoReturn:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise InvalidManifest(f"{where}: {field} {shown} {why}", _REPUBLISH)
+
+
+def path_problem(path: str) -> str:
+    """Why `path` may not name a file inside an artifact ('' when it may): it must be
+    relative and normalised, '/'-separated segments of the naming rules (so no '..', '.',
+    empty segment, leading '/', backslash or NUL)."""
+    if not path:
+        return "is empty"
+    if path.startswith("/"):
+        return "is absolute"
+    if "\\" in path or "\0" in path:
+        return "holds a backslash or a NUL"
+    for seg in path.split("/"):
+        if seg in ("", ".", "..") or ".." in seg or not _SEGMENT.fullmatch(seg):
+            return f"is not a relative, normalised path (segment {seg!r})"
+    return ""
+
+
+def check_manifest(
+    m: Manifest, where: str, name: str | None = None, version: str | None = None
+) -> Manifest:
+    """Return `m` when every field a reader builds paths or trust on is sound, else raise
+    InvalidManifest naming the field. `name`/`version`: the key it was read from."""
+    if name is not None and m.name != name:
+        _refuse(where, "name", m.name, f"is not the name it is stored under ({name!r})")
+    if version is not None and m.version != version:
+        _refuse(where, "version", m.version, f"is not the version it is stored under ({version!r})")
+    for field, check in (("name", validate_name), ("version", validate_version)):
+        try:
+            check(getattr(m, field))
+        except InvalidName:
+            _refuse(where, field, getattr(m, field), "breaks the naming rules")
+    if m.kind not in KINDS:
+        _refuse(where, "kind", m.kind, f"is none of {', '.join(KINDS)}")
+    seen: set[str] = set()
+    for i, f in enumerate(m.files):
+        if why := path_problem(f.path):
+            _refuse(where, f"files[{i}].path", f.path, why)
+        if f.path in seen:
+            _refuse(where, f"files[{i}].path", f.path, "is listed twice")
+        seen.add(f.path)
+        if not _SHA256.fullmatch(f.sha256):
+            _refuse(where, f"files[{i}].sha256", f.sha256, "is not 64 lowercase hex digits")
+    folders = {p.rsplit("/", 1)[0] for p in seen if "/" in p}
+    for i, f in enumerate(m.files):
+        if f.path in folders or any(d.startswith(f.path + "/") for d in folders):
+            _refuse(where, f"files[{i}].path", f.path, "is also the folder of another file")
+    if not _DIGEST.fullmatch(m.digest):
+        _refuse(where, "digest", m.digest, "is not 'sha256:' and 64 lowercase hex digits")
+    if m.digest != content_digest(m.files):
+        _refuse(where, "digest", m.digest, "is not the digest of the manifest's file list")
+    for i, p in enumerate(m.parents):
+        try:
+            validate_name(p.name)
+            validate_version(p.version)
+        except InvalidName:
+            _refuse(where, f"parents[{i}]", f"{p.name}:{p.version}", "breaks the naming rules")
+        if not _DIGEST.fullmatch(p.digest):
+            _refuse(where, f"parents[{i}].digest", p.digest, "is not 'sha256:' and 64 hex digits")
+    return m
+
+
+def read_manifest(raw: bytes, where: str, name: str, version: str) -> Manifest:
+    """Parse and check the manifest stored under `name:version` (`where` names it in errors)."""
+    try:
+        m = Manifest.model_validate(json.loads(raw))
+    except ValueError as e:  # not JSON, or pydantic's ValidationError (a ValueError)
+        fields = (
+            "; ".join(f"{loc}: {msg}" for loc, msg in field_errors(e, "manifest"))
+            if isinstance(e, ValidationError)
+            else f"not JSON ({e})"
+        )
+        raise InvalidManifest(f"{where}: {fields[:300]}", _REPUBLISH) from None
+    return check_manifest(m, where, name, version)
 
 
 def sha256_file(path: Path) -> str:

@@ -5,6 +5,11 @@ then manifest), verification of every downloaded file against its sha256, and wh
 fetched artifacts land: the local cache (`CACHE/blobs/<sha256>` and
 `CACHE/artifacts/<digest>/`), whose records of what was verified, checks on use and
 full re-hash are lorastack.store.cache. It knows nothing of what an artifact contains.
+
+Every manifest it reads is checked (lorastack.manifest.read_manifest: paths, sha256s,
+digest, name and version against the key) before any path is built from it, and `fetch`
+checks the manifest it is handed again, so a manifest written by whoever can write to
+the store never reaches outside the cache and the destination.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from lorastack.manifest import (
     Manifest,
     Parent,
     Producer,
+    check_manifest,
     content_digest,
     git_commit,
     now_iso,
+    read_manifest,
     scan_folder,
     sha256_file,
     split_ref,
@@ -131,7 +138,12 @@ class ArtifactStore:
                 )
             version = versions[-1]
         validate_version(version)
-        return Manifest.from_json(self.backend.get_manifest(name, version))
+        return self._read(name, version)
+
+    def _read(self, name: str, version: str) -> Manifest:
+        """The checked manifest stored under `name:version` (InvalidManifest names the field)."""
+        raw = self.backend.get_manifest(name, version)
+        return read_manifest(raw, f"manifest {name}:{version} in {self.url}", name, version)
 
     def find(self, name: str, digest: str) -> Manifest | None:
         """The newest version of `name` whose content digest is `digest`, if any."""
@@ -200,7 +212,7 @@ class ArtifactStore:
         pairs = sorted(
             self.backend.list_manifests(prefix), key=lambda p: (p[0], _version_key(p[1]))
         )
-        return [Manifest.from_json(self.backend.get_manifest(n, v)) for n, v in pairs]
+        return [self._read(n, v) for n, v in pairs]
 
     def delete(self, name: str, version: str) -> None:
         """Unpublish one version (its blobs stay until garbage-collected)."""
@@ -219,6 +231,7 @@ class ArtifactStore:
         off the one it was stored with: the check on use and every later fetch then
         download and verify it against the sha256, and refuse it with IntegrityError
         rather than hand it out."""
+        check_manifest(manifest, f"manifest {manifest.ref} for {self.url}")
         target = self.cache_dir / "artifacts" / manifest.digest.removeprefix("sha256:")
         if target.is_dir():
             damaged = cache_damage(target, manifest.files)

@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from lorastack.manifest import FileEntry, sha256_file
+from lorastack.manifest import FileEntry, path_problem, sha256_file
 
 STAMP_SUFFIX = ".stat.json"  # beside CACHE/artifacts/<digest>/: path -> [size, mtime_ns, sha256]
 
@@ -80,7 +80,12 @@ def verify_cache(cache_dir: Path) -> tuple[int, list[str]]:
             recorded = json.loads(stamp.read_text())
         except (OSError, ValueError):
             recorded = None
-        if not isinstance(recorded, dict) or not target.is_dir():
+        if (
+            not isinstance(recorded, dict)
+            or not target.is_dir()
+            # a record whose paths leave the folder is none of ours: never touch what it names
+            or any(path_problem(p) for p in recorded)
+        ):
             problems.append(f"{target.name[:12]}: unreadable cache record; removed")
             if target.is_dir():
                 discard(target)

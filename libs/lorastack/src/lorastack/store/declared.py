@@ -17,12 +17,13 @@ Reading is one list and one small read, cheap enough to repeat every few seconds
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from pydantic import BaseModel, Field, ValidationError
 
-from lorastack.errors import Conflict, IntegrityError
-from lorastack.manifest import now_iso, validate_name
+from lorastack.errors import Conflict, InvalidManifest, InvalidName
+from lorastack.manifest import now_iso, split_ref, validate_name
 from lorastack.store.backend import Backend
 from lorastack.store.labels import who
 
@@ -65,17 +66,39 @@ def _latest_seq(backend: Backend, deployment: str) -> int:
     return max(seqs, default=0)
 
 
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
 def _read(backend: Backend, deployment: str, seq: int) -> Declaration:
+    """The checked record `seq`: its deployment and seq are the key's, every ref, served
+    name and digest follows the rules (InvalidManifest names the field)."""
     if seq == 0:
         return Declaration(deployment=deployment)
     key = declaration_key(deployment, seq)
+    hint = "remove that record from the store (the one before it is then in force)"
     try:
-        return Declaration.model_validate(json.loads(backend.get_record(key)))
-    except (ValueError, ValidationError) as e:  # not JSON, or not a declaration
-        raise IntegrityError(
-            f"{key} in {backend.url} is not a declaration of adapters: {str(e)[:300]}",
-            "remove that record from the store (the one before it is then in force)",
+        validate_name(deployment, "deployment name")
+        d = Declaration.model_validate(json.loads(backend.get_record(key)))
+    except (ValueError, ValidationError, InvalidName) as e:  # not JSON, not a declaration
+        raise InvalidManifest(
+            f"{key} in {backend.url} is not a declaration of adapters: {str(e)[:300]}", hint
         ) from None
+    problems = [
+        f"{field} {got!r} is not the key's {want!r}"
+        for field, got, want in (("deployment", d.deployment, deployment), ("seq", d.seq, seq))
+        if got != want
+    ]
+    for i, a in enumerate(d.adapters):
+        try:
+            split_ref(a.ref)
+            validate_name(a.served_name, "served adapter name")
+        except InvalidName as e:
+            problems.append(f"adapters[{i}]: {e.message}")
+        if a.digest and not _DIGEST.fullmatch(a.digest):
+            problems.append(f"adapters[{i}].digest {a.digest[:80]!r} is not a sha256 digest")
+    if problems:
+        raise InvalidManifest(f"{key} in {backend.url}: {'; '.join(problems)[:400]}", hint)
+    return d
 
 
 def current(backend: Backend, deployment: str) -> Declaration:

@@ -10,19 +10,24 @@ pointed at, who moved it, when, why, on what evidence). A move is written with t
 backend's exclusive create, on `file://` and `s3://` alike, so two people moving one
 label at once never overwrite each other: the second takes the next seq. Reading a label
 is one list and one small read, cheap enough to repeat every few seconds.
+
+A record read back is checked like a manifest (`_load`): its name, label and seq are the
+key's, its version follows the naming rules and its digest is a sha256 digest; anything
+else is refused with InvalidManifest naming the field.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
+import re
 import socket
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
-from lorastack.errors import Conflict, NotFound
-from lorastack.manifest import Manifest, now_iso, validate_label, validate_name
+from lorastack.errors import Conflict, InvalidManifest, InvalidName, NotFound, field_errors
+from lorastack.manifest import Manifest, now_iso, validate_label, validate_name, validate_version
 from lorastack.store.backend import LABELS, Backend, label_key
 
 _MOVE_TRIES = 5
@@ -79,14 +84,46 @@ def _seqs(backend: Backend, name: str, label: str) -> list[int]:
     return sorted(out)
 
 
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_REWRITE = "remove that record from the store; move the label again with lorastack promote"
+
+
+def _load(backend: Backend, name: str, label: str, seq: int) -> LabelRecord:
+    """The checked record `seq` of `NAME@LABEL` (InvalidManifest names a bad field)."""
+    key = label_key(name, label, seq)
+    where = f"label record {key} in {backend.url}"
+    try:
+        validate_name(name)
+        validate_label(label)
+        r = LabelRecord.model_validate(json.loads(backend.get_record(key)))
+    except (ValueError, InvalidName) as e:  # not JSON, not a record, or a hostile key
+        msg = e.message if isinstance(e, InvalidName) else str(e)
+        if isinstance(e, ValidationError):
+            msg = "; ".join(f"{loc}: {m}" for loc, m in field_errors(e, "record"))
+        raise InvalidManifest(f"{where}: {msg[:300]}", _REWRITE) from None
+    for field, got, want in (
+        ("name", r.name, name),
+        ("label", r.label, label),
+        ("seq", r.seq, seq),
+    ):
+        if got != want:
+            raise InvalidManifest(f"{where}: {field} {got!r} is not the key's {want!r}", _REWRITE)
+    try:
+        validate_version(r.version)
+    except InvalidName:
+        raise InvalidManifest(
+            f"{where}: version {r.version!r:.80} breaks the naming rules", _REWRITE
+        ) from None
+    if not _DIGEST.fullmatch(r.digest):
+        raise InvalidManifest(f"{where}: digest {r.digest!r:.80} is not a sha256 digest", _REWRITE)
+    return r
+
+
 def history(backend: Backend, name: str, label: str) -> list[LabelRecord]:
     """Every move of `NAME@LABEL`, oldest first."""
     validate_name(name)
     validate_label(label)
-    return [
-        LabelRecord.model_validate(json.loads(backend.get_record(label_key(name, label, seq))))
-        for seq in _seqs(backend, name, label)
-    ]
+    return [_load(backend, name, label, seq) for seq in _seqs(backend, name, label)]
 
 
 def current(backend: Backend, name: str, label: str) -> LabelRecord:
@@ -101,8 +138,7 @@ def current(backend: Backend, name: str, label: str) -> LabelRecord:
             + ("" if label == "promoted" else f" --label {label}")
             + "; list labels: lorastack promote --list",
         )
-    raw = backend.get_record(label_key(name, label, seqs[-1]))
-    return LabelRecord.model_validate(json.loads(raw))
+    return _load(backend, name, label, seqs[-1])
 
 
 def move(
@@ -157,7 +193,4 @@ def all_current(backend: Backend, prefix: str = "") -> list[LabelRecord]:
         seq = int(leaf[:-5])
         if seq > latest.get((name, label), 0):
             latest[(name, label)] = seq
-    return [
-        LabelRecord.model_validate(json.loads(backend.get_record(label_key(n, lab, seq))))
-        for (n, lab), seq in sorted(latest.items())
-    ]
+    return [_load(backend, n, lab, seq) for (n, lab), seq in sorted(latest.items())]
