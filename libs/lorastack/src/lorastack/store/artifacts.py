@@ -26,6 +26,7 @@ from typing import Any
 from lorastack.errors import ConfigError, Conflict, IntegrityError, NotFound
 from lorastack.manifest import (
     KINDS,
+    FileEntry,
     Manifest,
     Parent,
     Producer,
@@ -233,8 +234,31 @@ class ArtifactStore:
         rather than hand it out."""
         check_manifest(manifest, f"manifest {manifest.ref} for {self.url}")
         target = self.cache_dir / "artifacts" / manifest.digest.removeprefix("sha256:")
+        return self._materialise(manifest, manifest.files, target)
+
+    def fetch_files(self, manifest: Manifest, paths: Iterable[str]) -> Path:
+        """A verified local folder holding only the files of `manifest` named in `paths`
+        (those it has; the others are skipped): a tokenizer without the weights beside it.
+        Each file is downloaded and checked against its sha256 exactly as `fetch` does,
+        and cached apart from the whole artifact, under the digest and the selection."""
+        check_manifest(manifest, f"manifest {manifest.ref} for {self.url}")
+        wanted = set(paths)
+        files = [f for f in manifest.files if f.path in wanted]
+        if not files:
+            raise NotFound(
+                f"{manifest.ref} has none of the files {', '.join(sorted(wanted))}",
+                f"check its files with 'lorastack store show {manifest.ref}'",
+            )
+        chosen = hashlib.sha256("\n".join(sorted(f.path for f in files)).encode()).hexdigest()
+        digest = manifest.digest.removeprefix("sha256:")
+        return self._materialise(
+            manifest, files, self.cache_dir / "artifacts" / f"{digest}-only-{chosen[:16]}"
+        )
+
+    def _materialise(self, manifest: Manifest, files: list[FileEntry], target: Path) -> Path:
+        """`files` of `manifest`, verified, in the cache folder `target` (see fetch)."""
         if target.is_dir():
-            damaged = cache_damage(target, manifest.files)
+            damaged = cache_damage(target, files)
             if not damaged:
                 return target
             log.warning(
@@ -243,13 +267,13 @@ class ArtifactStore:
                 ", ".join(damaged),
             )
             discard(target)
-            for f in manifest.files:
+            for f in files:
                 if f.path in damaged:
                     (self.cache_dir / "blobs" / f.sha256).unlink(missing_ok=True)
         (self.cache_dir / "artifacts").mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=self.cache_dir / "artifacts", prefix=".tmp-"))
         try:
-            for f in manifest.files:
+            for f in files:
                 dest = staging / f.path
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if self._link_stored(f.sha256, f.size, dest):
@@ -259,7 +283,7 @@ class ArtifactStore:
                     os.link(blob, dest)
                 except OSError:
                     shutil.copyfile(blob, dest)
-            write_stamp(staging, target, manifest.files)
+            write_stamp(staging, target, files)
             try:
                 os.rename(staging, target)
             except OSError:  # another process materialised it first
