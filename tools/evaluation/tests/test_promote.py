@@ -43,10 +43,15 @@ def _adapter(store: ArtifactStore, tmp_path: Path, seed: str) -> Manifest:
 
 
 def _evaluate(
-    fake: FakeServer, store: ArtifactStore, tmp_path: Path, adapter: Manifest, right: str
+    fake: FakeServer,
+    store: ArtifactStore,
+    tmp_path: Path,
+    adapter: Manifest,
+    right: str,
+    items: int = 12,
 ) -> None:
     """Publish demo/eval for `adapter`, `right` deciding which side answers correctly."""
-    test = write_upper_case_task(tmp_path / f"test-{adapter.version}-{right}.jsonl", 12)
+    test = write_upper_case_task(tmp_path / f"test-{adapter.version}-{right}.jsonl", items)
     RIGHT["side"] = right
     cfg = EvalConfig(
         base_url=fake.base_url, test=str(test), base_model="fake-base", lora_model="fake-lora",
@@ -81,6 +86,27 @@ def test_no_improvement_is_refused_with_the_numbers(
     assert "demo/eval:1" in err and numbers in err and "n = 12" in err
     assert "--force --reason" in err
     assert store.labels() == []
+
+
+@pytest.mark.parametrize("items", [1, 2, 5])
+def test_too_few_items_are_refused_naming_the_count_and_the_minimum(
+    fake: FakeServer,
+    home: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    items: int,
+) -> None:
+    # the adapter right on every item, the base on none: a percentile bootstrap alone
+    # called this "improvement" on a single item; a sign test needs 6 (2 * 0.5**6 < 0.05)
+    store = _store(home)
+    adapter = _adapter(store, tmp_path, "a")
+    _evaluate(fake, store, tmp_path, adapter, "lora", items=items)
+    assert cli_main(["promote", "demo/adapter"]) == 3
+    err = capsys.readouterr().err
+    assert "says 'too few items' on the primary metric 'exact'" in err
+    assert f"n = {items} (minimum 6)" in err
+    assert f"{items} paired items are too few" in err and "fewer than 6" in err
+    assert "Traceback" not in err and store.labels() == []
 
 
 def test_an_improvement_is_promoted_and_resolves(

@@ -89,8 +89,10 @@ class VllmServer:
         gpu_memory_utilization: float = 0.9,  # CUDA only: fraction of GPU memory
         host: str = "127.0.0.1",
         platform: Platform | None = None,  # None: detect from the installed distribution
+        api_key: str | None = None,  # vLLM's --api-key, passed as VLLM_API_KEY
     ) -> None:
         self.model_dir = Path(model_dir).resolve()  # vLLM runs in its workdir
+        self.api_key = api_key
         self.served_name = served_name
         self.port = port
         self.host = host
@@ -166,6 +168,10 @@ class VllmServer:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # GiB
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        # vLLM reads VLLM_API_KEY as --api-key; in the environment it stays out of the
+        # command line that /status, the log and `ps` show
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         return env
 
     # -- lifecycle -------------------------------------------------------------------

@@ -30,6 +30,9 @@ from lorastack.serving import check_max_lora_rank
 from lorastack.settings import CommonSettings, read_yaml_mapping
 
 
+MIN_KEY_CHARS = 32  # secrets.token_urlsafe(32) gives 43
+
+
 class InferenceSettings(CommonSettings):
     model: str = Field("", description="store ref NAME[:VERSION] of a base or merged model")
     served_model_name: str = Field("", description="model name clients use; default: model name")
@@ -85,6 +88,13 @@ class InferenceSettings(CommonSettings):
     supervisor_port: int = Field(
         8001, ge=1, le=65535, description="/health /ready /status /metrics"
     )
+    vllm_api_key: SecretStr | None = Field(
+        None,
+        description="vLLM's --api-key (given through VLLM_API_KEY, never on its command line):"
+        " every /v1/* call, load_lora_adapter included, needs `Authorization: Bearer KEY`;"
+        " the gateway sends the same key (its LORASTACK_VLLM_API_KEY). Unset: vLLM's API"
+        " is open to whoever reaches its port",
+    )
     workdir: Path | None = Field(None, description="vLLM logs, caches, sockets; default HOME/serve")
     startup_timeout_s: float = Field(900.0, gt=0, description="seconds for load + warm-up")
     restart_backoff_s: float = Field(2.0, gt=0, description="first restart delay, seconds")
@@ -115,6 +125,19 @@ class InferenceSettings(CommonSettings):
     @classmethod
     def _served(cls, v: str) -> str:
         return validate_name(v, "served model name") if v else v
+
+    @field_validator("vllm_api_key")
+    @classmethod
+    def _vllm_key(cls, v: SecretStr | None) -> SecretStr | None:
+        # a short or placeholder key is a key an attacker on the network can guess
+        if v is not None and (
+            len(v.get_secret_value()) < MIN_KEY_CHARS or v.get_secret_value().isspace()
+        ):
+            raise ValueError(
+                f"vllm_api_key must be at least {MIN_KEY_CHARS} characters; make one with"
+                " python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return v
 
     @field_validator("max_lora_rank")
     @classmethod

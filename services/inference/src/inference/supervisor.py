@@ -137,7 +137,14 @@ class Supervisor:
             extra_args=self.engine_args,
             workdir=s.resolved_workdir,
             platform=self.plan.platform,
+            api_key=self._vllm_key,
         )
+
+    @property
+    def _vllm_key(self) -> str | None:
+        """vLLM's --api-key: runtime adapters load only through this supervisor."""
+        key = self.settings.vllm_api_key
+        return key.get_secret_value() if key is not None else None
 
     @property
     def resolved_dtype(self) -> str:
@@ -164,7 +171,9 @@ class Supervisor:
                 server.wait_ready(self.settings.startup_timeout_s, cancel=self._stop)
                 with self._lock:
                     self.state = "warming"
-                vllm_api.warm_up(server.base_url, self.settings.resolved_served_name)
+                vllm_api.warm_up(
+                    server.base_url, self.settings.resolved_served_name, api_key=self._vllm_key
+                )
                 self._read_vllm_figures(server)
                 with self._lock:
                     if self._stop.is_set():
@@ -277,7 +286,9 @@ class Supervisor:
         """Load a fetched adapter into vLLM and the registry (a restart keeps it)."""
         self.check_not_loaded(adapter)
         server = self.require_ready()
-        vllm_api.load_lora(server.base_url, adapter.served_name, adapter.path)
+        vllm_api.load_lora(
+            server.base_url, adapter.served_name, adapter.path, api_key=self._vllm_key
+        )
         with self._lock:
             self._adapters[adapter.served_name] = adapter
         log.info("loaded adapter %s as %s", adapter.manifest.ref, adapter.served_name)
@@ -293,7 +304,9 @@ class Supervisor:
         if old is None:
             raise NotFound(f"no adapter {new.served_name!r} is loaded", "it was unloaded")
         server = self.require_ready()
-        vllm_api.load_lora(server.base_url, new.served_name, new.path, inplace=True)
+        vllm_api.load_lora(
+            server.base_url, new.served_name, new.path, inplace=True, api_key=self._vllm_key
+        )
         with self._lock:
             self._adapters[new.served_name] = new
         log.info(
@@ -315,7 +328,7 @@ class Supervisor:
                 f"loaded: {', '.join(self.adapters) or 'none'}",
             )
         server = self.require_ready()
-        vllm_api.unload_lora(server.base_url, served_name)
+        vllm_api.unload_lora(server.base_url, served_name, api_key=self._vllm_key)
         with self._lock:
             self._adapters.pop(served_name, None)
         log.info("unloaded adapter %s", served_name)

@@ -18,12 +18,20 @@ def _message(r: httpx.Response) -> str:
     return error_message(r.text)
 
 
-def warm_up(base_url: str, model: str, timeout_s: float = 120.0) -> None:
+def _auth(api_key: str | None) -> dict[str, str]:
+    """vLLM's --api-key guards every /v1/* route (load_lora_adapter too), not /metrics."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def warm_up(
+    base_url: str, model: str, timeout_s: float = 120.0, *, api_key: str | None = None
+) -> None:
     """One tiny completion end to end (tokenizer, scheduler, model, sampler)."""
     try:
         r = httpx.post(
             f"{base_url}/v1/completions",
             json={"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+            headers=_auth(api_key),
             timeout=timeout_s,
         )
     except httpx.HTTPError as e:
@@ -41,7 +49,13 @@ def get_metrics(base_url: str, timeout_s: float = 5.0) -> str:
 
 
 def load_lora(
-    base_url: str, served_name: str, path: Path, *, inplace: bool = False, timeout_s: float = 120.0
+    base_url: str,
+    served_name: str,
+    path: Path,
+    *,
+    inplace: bool = False,
+    timeout_s: float = 120.0,
+    api_key: str | None = None,
 ) -> None:
     """Load an adapter; `inplace` replaces the one of the same name (vLLM's load_inplace)."""
     body: dict[str, object] = {"lora_name": served_name, "lora_path": str(path)}
@@ -51,6 +65,7 @@ def load_lora(
         r = httpx.post(
             f"{base_url}/v1/load_lora_adapter",
             json=body,
+            headers=_auth(api_key),
             timeout=timeout_s,
         )
     except httpx.HTTPError as e:
@@ -63,11 +78,14 @@ def load_lora(
         )
 
 
-def unload_lora(base_url: str, served_name: str, timeout_s: float = 60.0) -> None:
+def unload_lora(
+    base_url: str, served_name: str, timeout_s: float = 60.0, *, api_key: str | None = None
+) -> None:
     try:
         r = httpx.post(
             f"{base_url}/v1/unload_lora_adapter",
             json={"lora_name": served_name},
+            headers=_auth(api_key),
             timeout=timeout_s,
         )
     except httpx.HTTPError as e:

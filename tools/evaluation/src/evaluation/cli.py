@@ -48,6 +48,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(
             f"{name:14} {m.baseline_mean:8.3f} {m.candidate_mean:8.3f} "
             f"{m.mean_difference:+8.3f}  {ci:19} {m.verdict}"
+            + (f" (n = {m.n} < {m.min_items})" if m.verdict == "too few items" else "")
             + ("  (primary)" if name == config.primary_metric else "")
         )
     print(f"report: {out / 'report.md'}")

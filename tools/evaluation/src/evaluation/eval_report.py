@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from evaluation.eval_config import EvalConfig
 from evaluation.eval_data import DataSource, TestSet, TrainingEvidence
-from evaluation.verdict import PairedResult
+from evaluation.verdict import PairedResult, minimum_items
 
 SMALL_N = 30  # below this many items a CI from the bootstrap is itself unreliable
 
@@ -161,21 +161,25 @@ def render_markdown(r: EvalReport) -> str:
         "## Frozen test split (this evaluation)",
         "",
         f"Data: `{r.test.ref}` ({r.test.digest}), n = {r.n} paired items. "
-        f"Paired bootstrap of mean(LoRA − baseline): {int(next(iter(r.metrics.values())).confidence * 100)}% CI, "
+        f"BCa bootstrap of mean(LoRA − baseline): {int(next(iter(r.metrics.values())).confidence * 100)}% CI, "
         f"{next(iter(r.metrics.values())).resamples} resamples, seed {c['seed']}.",
         "",
-        "| metric | baseline | LoRA | difference | CI | wins/losses/ties | verdict |",
-        "|---|---:|---:|---:|---|---|---|",
+        "| metric | baseline | LoRA | difference | CI | wins/losses/ties | sign test p | verdict |",
+        "|---|---:|---:|---:|---|---|---:|---|",
     ]
     for name, m in r.metrics.items():
         lines.append(
             f"| {name} | {m.baseline_mean:.3f} | {m.candidate_mean:.3f} | {m.mean_difference:+.3f} "
-            f"| [{m.ci_low:+.3f}, {m.ci_high:+.3f}] | {m.wins}/{m.losses}/{m.ties} | **{m.verdict}** |"
+            f"| [{m.ci_low:+.3f}, {m.ci_high:+.3f}] | {m.wins}/{m.losses}/{m.ties} "
+            f"| {'-' if m.p_value is None else f'{m.p_value:.3g}'} | **{m.verdict}** |"
         )
     lines += [
         "",
-        "Verdict rule: improvement if the whole CI is above 0, regression if below 0, "
-        "uncertain if it contains 0. "
+        "Verdict rule: improvement if the whole BCa interval is above 0 and the exact sign "
+        "test on wins vs losses (ties dropped) gives p below 1 - confidence; regression if "
+        "both point below 0; uncertain otherwise; too few items below "
+        f"{minimum_items(next(iter(r.metrics.values())).confidence)} paired items (no exact "
+        "test of fewer can reach that p). "
         f"Primary metric: {primary_metric(r)} (`lorastack promote` serves the adapter as "
         "`NAME@promoted` only on its improvement).",
         "",

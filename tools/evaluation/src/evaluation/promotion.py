@@ -8,8 +8,11 @@ nor serving (the inference supervisor follows the label):
                it), or the report given with --report
     metric     the report's primary metric (`primary_metric` in the eval config; the
                first scorer when unset)
-    rule       its verdict must be "improvement" (the whole bootstrap CI above 0);
-               "uncertain" and "regression" are refused with the numbers
+    rule       its verdict must be "improvement" (the whole BCa interval above 0 and the
+               exact sign test below 1 - confidence) on at least `minimum_items` paired
+               items; "too few items", "uncertain" and "regression" are refused with the
+               numbers, and so is a report whose verdict lacks the exact test (written by
+               an older lorastack) or whose n is under the minimum, whatever it says
 
 `force=True` moves the label without that verdict; the reason, who and when go into the
 label's record beside whatever evidence there was.
@@ -23,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from evaluation.eval_report import EvalReport, primary_metric
-from evaluation.verdict import PairedResult
+from evaluation.verdict import PairedResult, minimum_items
 from lorastack.errors import ConfigError, NotFound, Refused
 from lorastack.manifest import Manifest, split_ref
 from lorastack.store import ArtifactStore, LabelRecord
@@ -39,15 +42,24 @@ class Evidence:
 
     @property
     def verdict(self) -> str:
-        return self.result.verdict
+        """The stored verdict, unless the report cannot carry an improvement: fewer items
+        than the exact test needs, or no exact test at all (an older report)."""
+        m = self.result
+        if m.n < minimum_items(m.confidence):
+            return "too few items"
+        if m.p_value is None and m.verdict == "improvement":
+            return "no exact test"
+        return m.verdict
 
     def numbers(self) -> str:
         m = self.result
         return (
             f"{self.metric}: baseline {m.baseline_mean:.3f}, adapter {m.candidate_mean:.3f} "
             f"(difference {m.mean_difference:+.3f}), {m.confidence:.0%} CI "
-            f"[{m.ci_low:+.3f}, {m.ci_high:+.3f}], n = {m.n}, "
-            f"wins/losses/ties {m.wins}/{m.losses}/{m.ties}: {m.verdict}"
+            f"[{m.ci_low:+.3f}, {m.ci_high:+.3f}], n = {m.n} (minimum "
+            f"{minimum_items(m.confidence)}), wins/losses/ties {m.wins}/{m.losses}/{m.ties}"
+            + (f", sign test p = {m.p_value:.3g}" if m.p_value is not None else "")
+            + f": {self.verdict}"
         )
 
     def as_record(self) -> dict[str, Any]:
@@ -57,9 +69,10 @@ class Evidence:
             "report_digest": self.report.digest,
             "metric": self.metric,
             **self.result.model_dump(
-                include={"verdict", "n", "baseline_mean", "candidate_mean", "mean_difference",
-                         "ci_low", "ci_high", "confidence"}
+                include={"n", "baseline_mean", "candidate_mean", "mean_difference",
+                         "ci_low", "ci_high", "confidence", "p_value", "min_items"}
             ),
+            "verdict": self.verdict,
         }  # fmt: skip
 
 
@@ -131,15 +144,22 @@ def evidence_for(store: ArtifactStore, adapter: Manifest, report_ref: str | None
 
 
 def refusal(adapter: Manifest, ev: Evidence) -> Refused:
+    m = ev.result
+    floor = minimum_items(m.confidence)
     what = {
         "regression": "the adapter is worse than the baseline on this data",
-        "uncertain": "this data cannot tell the adapter from the baseline (the CI holds 0)",
+        "uncertain": "this data cannot tell the adapter from the baseline",
+        "too few items": f"{m.n} paired items are too few: at {m.confidence:.0%} confidence "
+        f"no exact test can show an improvement on fewer than {floor} (evaluate at least "
+        f"{floor} items, without --limit below it)",
+        "no exact test": "this report predates the exact sign test (evaluate it again)",
     }.get(ev.verdict, f"the verdict is {ev.verdict!r}")
     return Refused(
         f"refused to promote {adapter.ref}: its evaluation {ev.report.ref} says "
         f"{ev.verdict!r} on the primary metric {ev.metric!r}, not 'improvement'\n"
         f"  {ev.numbers()}",
-        f"{what}. Promotion needs the whole CI above 0: train further or evaluate on more "
+        f"{what}. Promotion needs the whole CI above 0 and the sign test below "
+        f"{1 - m.confidence:.2g} on at least {floor} items: train further or evaluate on more "
         "test items and publish that evaluation; or promote anyway with --force --reason 'WHY'",
     )
 
