@@ -32,7 +32,7 @@ from gateway.request_id import request_id
 from gateway.scrape import ModelInfo
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, upstream_auth
 
 PROXIED = {
     "/v1/chat/completions": "chat",
@@ -120,7 +120,9 @@ def model_card(m: ModelInfo, created: int) -> dict[str, Any]:
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics()
-    scrape_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
+    scrape_client = httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.connect_timeout_s), headers=upstream_auth(settings)
+    )
     backends = Backends(settings, metrics, TokenizerCache(settings), scrape_client)
     upstream = Upstream(settings, metrics, backends.inflight)
     auth = Authenticator.from_settings(settings, metrics)

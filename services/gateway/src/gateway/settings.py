@@ -99,6 +99,11 @@ class GatewaySettings(CommonSettings):
     retry_attempts: int = Field(3, ge=1, le=10, description="tries in all, first one included")
     retry_backoff_s: float = Field(0.05, ge=0, description="first backoff; doubles, jittered")
     retry_backoff_max_s: float = Field(1.0, ge=0)
+    vllm_api_key: SecretStr | None = Field(
+        None,
+        description="vLLM's --api-key (inference's LORASTACK_VLLM_API_KEY): sent as"
+        " `Authorization: Bearer KEY` on every request to a backend; unset: none is sent",
+    )
     # auth
     auth_enabled: bool = Field(False, description="require `Authorization: Bearer KEY`")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)

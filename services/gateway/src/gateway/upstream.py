@@ -171,6 +171,12 @@ class _SilenceWatch:
             self._handle = self._loop.call_at(due, self._check)
 
 
+def upstream_auth(settings: GatewaySettings) -> dict[str, str]:
+    """The header vLLM's --api-key asks for (its /v1/* routes; /metrics is open)."""
+    key = settings.vllm_api_key
+    return {"authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+
+
 class Upstream:
     def __init__(
         self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: InflightCounter
@@ -179,6 +185,7 @@ class Upstream:
         self.metrics = metrics
         self.inflight = inflight
         self._client = H1Client(connect_timeout_s=settings.connect_timeout_s)
+        self._auth = upstream_auth(settings)  # vLLM's --api-key, on every request
         self._wait = wait_exponential_jitter(
             multiplier=settings.retry_backoff_s,
             max=settings.retry_backoff_max_s,
@@ -201,7 +208,9 @@ class Upstream:
                 conn = await pool.acquire()
                 watch = _SilenceWatch(conn, s.first_byte_timeout_s)
                 conn.send(
-                    request_bytes("POST", pool.host_header, pool.prefix + path, body, headers)
+                    request_bytes(
+                        "POST", pool.host_header, pool.prefix + path, body, headers | self._auth
+                    )
                 )
                 watch.reading()
                 head = await conn.head()
