@@ -36,6 +36,18 @@ def metrics_text(s: FakeState) -> bytes:
         names,
         registry=r,
     ).labels(**labels).inc(s.preemptions)
+    if s.num_gpu_blocks is not None:  # the labels vLLM 0.26 and 0.32 both give it
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "num_gpu_blocks", "num_gpu_blocks_override", "engine"],
+            registry=r,
+        ).labels(
+            block_size=str(s.block_size),
+            num_gpu_blocks=str(s.num_gpu_blocks),
+            num_gpu_blocks_override=str(s.num_gpu_blocks),
+            engine="0",
+        ).set(1)
     Gauge(
         "vllm:lora_requests_info",
         "Running stats on lora requests.",

@@ -64,6 +64,11 @@ class FakeState:
     waiting_adapters: list[str] = field(default_factory=list)
     max_lora: int = 1
     old_kv_name: bool = False  # emit vllm:gpu_cache_usage_perc instead (older vLLM)
+    # set: /metrics has vllm:cache_config_info (num_gpu_blocks x block_size tokens of KV),
+    # and a request that finds too few free blocks for its prompt + answer counts a
+    # preemption, as vLLM would preempt a running one to make room
+    num_gpu_blocks: int | None = None
+    block_size: int = 16  # tokens per KV block
     metrics_down: bool = False  # /metrics answers 500
     # records
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -74,6 +79,7 @@ class FakeState:
     generating: int = 0  # requests holding a running slot now
     queued: int = 0  # requests waiting for one
     waited: int = 0  # requests that found every running slot taken (and queued)
+    kv_blocks_used: int = 0  # blocks held by requests generating now (with num_gpu_blocks)
 
     def calls(self, path: str = "") -> list[dict[str, Any]]:
         return [body for p, body in self.received if p.endswith(path)]

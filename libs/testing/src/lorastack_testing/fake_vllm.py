@@ -178,7 +178,7 @@ class FakeVLLM:
         }
         if body.get("stream"):
             return await self._stream(receive, send, chat, body, pieces, finish, usage)
-        async with self._slot():
+        async with self._slot(usage["total_tokens"]):
             start = time.perf_counter()
             if pieces:
                 due = start + s.ttft_s + (len(pieces) - 1) * s.pace_s
@@ -198,8 +198,9 @@ class FakeVLLM:
         return await send_answer(send, 200, json.dumps(out).encode())
 
     @contextlib.asynccontextmanager
-    async def _slot(self) -> Any:
-        """A running slot (queued while `max_running` requests generate)."""
+    async def _slot(self, tokens: int = 0) -> Any:
+        """A running slot (queued while `max_running` requests generate), holding the KV
+        blocks of `tokens` (prompt + answer) while it runs."""
         s = self.state
         if self._slots is None and s.max_running:
             self._slots = asyncio.Semaphore(s.max_running)
@@ -212,9 +213,16 @@ class FakeVLLM:
         finally:
             s.queued -= 1
         s.generating += 1
+        blocks = 0
+        if s.num_gpu_blocks is not None:
+            blocks = -(-tokens // s.block_size)
+            if s.kv_blocks_used + blocks > s.num_gpu_blocks - 1:  # one is vLLM's null block
+                s.preemptions += 1
+        s.kv_blocks_used += blocks
         try:
             yield
         finally:
+            s.kv_blocks_used -= blocks
             s.generating -= 1
             if self._slots is not None:
                 self._slots.release()
@@ -242,7 +250,7 @@ class FakeVLLM:
         try:
             headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async with self._slot():
+            async with self._slot(usage["total_tokens"]):
                 start = time.perf_counter()
                 events = [_chunk(chat, model, n, None, None)] if chat else []
                 for i, piece in enumerate(pieces):

@@ -235,6 +235,9 @@ class Backends:
                     sent_since_scrape=min(
                         inflight, self.inflight.sent.get(st.url, 0) - st.sent_at_scrape
                     ),
+                    kv_capacity_tokens=m.kv_capacity_tokens,
+                    block_size=m.block_size,
+                    inflight_tokens=self.inflight.tokens.get(st.url, 0),
                 )
             )
         return out

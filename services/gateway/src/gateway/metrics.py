@@ -92,6 +92,19 @@ class GatewayMetrics:
             b,
             registry=r,
         )
+        self.backend_kv_claimed = Gauge(
+            "lorastack_gateway_backend_kv_claimed_tokens",
+            "prompt + max output tokens of the requests this gateway has open on the backend"
+            " (its KV-cache admission counts these against vllm:cache_config_info)",
+            b,
+            registry=r,
+        )
+        self.backend_kv_capacity = Gauge(
+            "lorastack_gateway_backend_kv_capacity_tokens",
+            "the backend's KV cache in tokens (vllm:cache_config_info), NaN when not reported",
+            b,
+            registry=r,
+        )
         labels = ["model", "route"]
         self.duration = Histogram(
             "lorastack_gateway_request_duration_seconds",
@@ -206,6 +219,8 @@ class GatewayMetrics:
         self.backend_running.labels(url).set(m.running)
         self.backend_waiting.labels(url).set(m.waiting)
         self.backend_preemptions.labels(url).set(m.preemptions)
+        cap = m.kv_capacity_tokens
+        self.backend_kv_capacity.labels(url).set(float("nan") if cap is None else cap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -323,6 +323,8 @@ class Proxy:
 
     async def _open(self, prep: Prepared) -> UpstreamCall:
         route_req = self.affinity.route_request(prep.model, prep.adapter, prep.session, prep.prefix)
+        # its KV claim: prompts (the bound, while counted later) + max output of every choice
+        route_req = replace(route_req, tokens=prep.reserved_tokens)
         path = PATHS[prep.route]
         try:
             call = await self.send(route_req, path, prep.body, prep.request_id)
@@ -348,7 +350,7 @@ class Proxy:
             )
 
         headers = {"content-type": "application/json", "x-request-id": rid}
-        return await self.upstream.open(pick, path, body, headers)
+        return await self.upstream.open(pick, path, body, headers, route_req.tokens)
 
     async def _open_count(self, prep: Prepared) -> UpstreamCall:
         """`_open`, counting the prompt exactly while it waits for the backend (a callback

@@ -4,7 +4,8 @@ Each scorer maps `{backend url: score in 0..1}` (1 = best) and is a small plugin
 concern: KV-cache usage, capacity (free running slots, then the queue), LoRA affinity,
 prefix-cache affinity (the replica that last served the prompt's leading blocks) and
 session affinity (the replica the session used last). `pick_backend` drops unhealthy and
-saturated backends (admission control), then backends with no free slot while another
+saturated backends (admission control: the KV cache this gateway has itself claimed there,
+`fits_kv`, then the scraped usage as the correction), then backends with no free slot while another
 has one (so no request waits in a queue next to an idle slot), combines the scores with
 weights and breaks ties by the gateway's own in-flight count, then by URL, so the result
 is deterministic. No I/O here; the tables behind the affinities live in `affinity.py`.
@@ -34,6 +35,11 @@ class BackendView:
     max_num_seqs: int | None = None  # vLLM's running slots; None = not known
     embeds: bool = False  # serves /v1/embeddings (its model is an embedding model)
     sent_since_scrape: int = 0  # requests the gateway sent it after its last scrape
+    # KV cache vLLM allocated (`vllm:cache_config_info`: num_gpu_blocks x block_size);
+    # None = not reported (then only the scraped usage admits)
+    kv_capacity_tokens: int | None = None
+    block_size: int = 16  # tokens per KV block
+    inflight_tokens: int = 0  # prompt + max output of the requests counted in `inflight`
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class RouteRequest:
     prefix_blocks: int = 0  # leading prompt blocks hashed (affinity.py)
     # backend url -> how many of those leading blocks it served last
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
+    tokens: int = 0  # prompt + max output: the most KV cache this request can take
 
 
 @dataclass(frozen=True)
@@ -173,6 +180,28 @@ def is_saturated(v: BackendView, t: Thresholds) -> bool:
     return v.kv_usage is not None and v.kv_usage >= t.max_kv_usage and v.waiting >= t.max_waiting
 
 
+def kv_claimed(v: BackendView) -> int:
+    """Tokens of KV cache this gateway's open requests on `v` can take at most, each
+    rounded up to whole blocks as vLLM allocates. Other clients (or gateway replicas) are
+    not in it: the scraped usage (`is_saturated`) corrects for them; mixed in here, a 2-s-old
+    scrape of requests already finished would refuse requests that fit."""
+    return v.inflight_tokens + v.inflight * (v.block_size - 1)
+
+
+def fits_kv(req: RouteRequest, v: BackendView) -> bool:
+    """The request's whole claim (prompt + max output, whole blocks) fits beside what is
+    claimed already, so vLLM never has to preempt a running request to make room.
+
+    Counted by the gateway as it sends, not read from a scrape: 64 requests arriving in one
+    millisecond all passed a 2-s-old scrape (issue 39: 82 preemptions, 0 x 429). One
+    block of vLLM's pool is its null block. A backend with nothing open takes any request
+    (one that can never fit is vLLM's to refuse, by max_model_len)."""
+    if v.kv_capacity_tokens is None or req.tokens <= 0 or v.inflight == 0:
+        return True
+    usable = v.kv_capacity_tokens - v.block_size  # the null block
+    return kv_claimed(v) + req.tokens + v.block_size - 1 <= usable
+
+
 def pick_backend(
     req: RouteRequest,
     views: list[BackendView],
@@ -191,7 +220,18 @@ def pick_backend(
             f"no healthy backend serves {req.model!r} right now",
             "check the inference service; the gateway retries its backends every few seconds",
         )
-    open_ = [v for v in serving if not is_saturated(v, thresholds)]
+    roomy = [v for v in serving if fits_kv(req, v)]
+    if not roomy:
+        full = ", ".join(
+            f"{v.url}: {kv_claimed(v)} of {v.kv_capacity_tokens} tokens claimed" for v in serving
+        )
+        raise Overloaded(
+            f"no KV-cache room for this request's {req.tokens} tokens (prompt + max output)"
+            f" on any backend serving {req.model!r} ({full})",
+            "retry after the Retry-After delay, lower max_tokens, or add replicas",
+            retry_after_s=retry_after_s,
+        )
+    open_ = [v for v in roomy if not is_saturated(v, thresholds)]
     if not open_:
         raise Overloaded(
             f"every backend serving {req.model!r} is saturated (KV-cache usage >="
@@ -215,8 +255,12 @@ class InflightCounter:
 
     counts: dict[str, int] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # prompt + max output, open requests
 
-    def add(self, url: str, delta: int) -> None:
+    def add(self, url: str, delta: int, tokens: int = 0) -> None:
+        """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`)."""
         self.counts[url] = self.counts.get(url, 0) + delta
+        if tokens:
+            self.tokens[url] = self.tokens.get(url, 0) + tokens
         if delta > 0:
             self.sent[url] = self.sent.get(url, 0) + delta

@@ -4,7 +4,9 @@
 `probe_embeddings` asks once whether the backend serves `/v1/embeddings` (vLLM mounts
 that route only for a model that embeds; /v1/models does not say).
 Samples with several label sets (one per engine or model) are summed, except KV-cache
-usage, which takes the fullest engine.
+usage, which takes the fullest engine, and the KV capacity (`vllm:cache_config_info`'s
+labels: num_gpu_blocks x block_size, the same in vLLM 0.26 and 0.32; `kv_cache_size_tokens`
+where a server adds it), which takes the smallest engine's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
 LORA_INFO = "vllm:lora_requests_info"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,20 @@ class BackendMetrics:
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
     max_lora: int = 0
+    kv_capacity_tokens: int | None = None  # KV cache vLLM allocated; None = not reported
+    block_size: int = 16  # tokens per KV block
+
+
+def kv_capacity(labels: dict[str, str]) -> tuple[int, int] | None:
+    """(capacity tokens, block size) from `vllm:cache_config_info` labels, or None while
+    vLLM has not sized its cache yet (num_gpu_blocks "None")."""
+    block = labels.get("block_size", "")
+    if not block.isdigit() or int(block) <= 0:
+        return None
+    if labels.get("kv_cache_size_tokens", "").isdigit():
+        return int(labels["kv_cache_size_tokens"]), int(block)
+    blocks = labels.get("num_gpu_blocks", "")
+    return (int(blocks) * int(block), int(block)) if blocks.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,7 @@ def parse_metrics(text: str) -> BackendMetrics:
     sums: dict[str, float] = {}
     kv: dict[str, float] = {}
     lora: tuple[float, dict[str, str]] | None = None
+    capacity: tuple[int, int] | None = None
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in (KV_USAGE, KV_USAGE_OLD):
@@ -58,6 +76,10 @@ def parse_metrics(text: str) -> BackendMetrics:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
             elif s.name == LORA_INFO and (lora is None or s.value >= lora[0]):
                 lora = (s.value, s.labels)  # value = time of the update; keep the newest
+            elif s.name == CACHE_CONFIG:
+                found = kv_capacity(s.labels)
+                if found is not None and (capacity is None or found[0] < capacity[0]):
+                    capacity = found
     labels = lora[1] if lora else {}
     max_lora = labels.get("max_lora", "0")
     return BackendMetrics(
@@ -68,6 +90,8 @@ def parse_metrics(text: str) -> BackendMetrics:
         running_adapters=_adapters(labels.get("running_lora_adapters", "")),
         waiting_adapters=_adapters(labels.get("waiting_lora_adapters", "")),
         max_lora=int(max_lora) if max_lora.isdigit() else 0,
+        kv_capacity_tokens=capacity[0] if capacity else None,
+        block_size=capacity[1] if capacity else 16,
     )
 
 

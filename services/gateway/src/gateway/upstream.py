@@ -56,6 +56,7 @@ class UpstreamCall:
     watch: _SilenceWatch
     settings: GatewaySettings
     inflight: InflightCounter
+    tokens: int = 0  # KV claim (prompt + max output) counted in `inflight` until closed
     closed: bool = field(default=False)
     complete: bool = field(default=False)  # the body was read to its end
 
@@ -108,7 +109,7 @@ class UpstreamCall:
         if not self.closed:
             self.closed = True
             self.watch.stop()
-            self.inflight.add(self.backend, -1)
+            self.inflight.add(self.backend, -1, -self.tokens)
             if self.complete:
                 self.pool.release(self.conn)  # back to the keep-alive pool
             else:
@@ -196,11 +197,11 @@ class Upstream:
         self._client.close()
 
     async def _attempt(
-        self, backend: str, path: str, body: bytes, headers: dict[str, str]
+        self, backend: str, path: str, body: bytes, headers: dict[str, str], tokens: int = 0
     ) -> UpstreamCall:
         s = self.settings
         pool = self._client.pool(backend)
-        self.inflight.add(backend, 1)
+        self.inflight.add(backend, 1, tokens)  # before any await: the next pick sees it
         conn: Connection | None = None
         watch: _SilenceWatch | None = None
         try:
@@ -227,7 +228,7 @@ class Upstream:
                 self.metrics.upstream_errors.labels(backend, "connect").inc()
                 raise _Retryable(backend, f"{type(e).__name__}: {e}") from None
             call = UpstreamCall(
-                backend, head.status, head.headers, conn, pool, watch, s, self.inflight
+                backend, head.status, head.headers, conn, pool, watch, s, self.inflight, tokens
             )
             if head.status >= 400:
                 raw = b""
@@ -248,7 +249,7 @@ class Upstream:
                     raise _Retryable(backend, f"HTTP {head.status}")
                 raise UpstreamRejected(head.status, raw[:MAX_ERROR_BODY])
         except BaseException:
-            self.inflight.add(backend, -1)
+            self.inflight.add(backend, -1, -tokens)
             if watch is not None:
                 watch.stop()
             if conn is not None and not conn.closed and conn.parser is not None:
@@ -262,15 +263,17 @@ class Upstream:
         path: str,
         body: bytes,
         headers: dict[str, str],
+        tokens: int = 0,
     ) -> UpstreamCall:
-        """POST to the backend `pick(tried)` chooses; retry only before the first byte."""
+        """POST to the backend `pick(tried)` chooses; retry only before the first byte.
+        `tokens` (prompt + max output) is counted as the backend's KV claim while open."""
         tried: list[str] = []
         backoff: RetryCallState | None = None  # made at the first retry only
         while True:
             backend = pick(tried)
             tried.append(backend)
             try:
-                return await self._attempt(backend, path, body, headers)
+                return await self._attempt(backend, path, body, headers, tokens)
             except _Retryable as e:
                 last = e
             if len(tried) >= self.settings.retry_attempts:

@@ -1,0 +1,162 @@
+"""KV-cache admission that acts before vLLM preempts (issue 39): the gateway counts the
+prompt + max output of what it has itself sent against the capacity vLLM reports in
+`vllm:cache_config_info`, and answers 429 + Retry-After for what does not fit.
+
+The pure check first (table-driven), the metric labels of vLLM 0.26 and 0.32, then the
+gateway against the fake vLLM with a tiny KV cache: concurrent requests over capacity,
+and the claim given back on completion, client disconnect and upstream errors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from test_gateway_proxy import chat, metric, wait_for
+
+from gateway.errors import Overloaded
+from gateway.routing import BackendView, RouteRequest, fits_kv, pick_backend
+from gateway.scrape import parse_metrics
+
+B = 16  # tokens per block
+
+
+def view(**kw: Any) -> BackendView:
+    base: dict[str, Any] = {"url": "a", "models": frozenset({"m"}), "block_size": B}
+    return BackendView(**(base | kw))
+
+
+# capacity 160 tokens = 10 blocks, one of them vLLM's null block: 144 usable. A request's
+# claim is its tokens rounded up to whole blocks, bounded by tokens + (B - 1).
+@pytest.mark.parametrize(
+    ("tokens", "v", "fits"),
+    [
+        (100, view(kv_capacity_tokens=None, inflight=50, inflight_tokens=10**6), True),  # unknown
+        (10**6, view(kv_capacity_tokens=160, inflight=0), True),  # alone: vLLM's to refuse
+        (64, view(kv_capacity_tokens=160, inflight=1, inflight_tokens=50), True),  # 65+79 = 144
+        (65, view(kv_capacity_tokens=160, inflight=1, inflight_tokens=50), False),  # 145 > 144
+        (1, view(kv_capacity_tokens=160, inflight=9, inflight_tokens=9), False),  # 9 x 16 blocks
+        (0, view(kv_capacity_tokens=160, inflight=9, inflight_tokens=999), True),  # no claim
+    ],
+)
+def test_fits_kv(tokens: int, v: BackendView, fits: bool) -> None:
+    assert fits_kv(RouteRequest("m", tokens=tokens), v) is fits
+
+
+def test_no_room_anywhere_is_429_with_retry_after_and_room_elsewhere_routes() -> None:
+    full = view(url="a", kv_capacity_tokens=160, inflight=1, inflight_tokens=120)
+    roomy = view(url="b", kv_capacity_tokens=1600, inflight=1, inflight_tokens=120, kv_usage=0.9)
+    req = RouteRequest("m", tokens=100)
+    assert pick_backend(req, [full, roomy]) == "b"  # the fuller scrape loses to real room
+    with pytest.raises(Overloaded) as e:
+        pick_backend(req, [full], retry_after_s=2.0)
+    assert e.value.status == 429 and e.value.headers() == {"Retry-After": "2"}
+    assert "135 of 160 tokens claimed" in e.value.message  # 120 + (B - 1) for whole blocks
+
+
+# vLLM 0.26.0 and 0.32.0 both give cache_config_info with these labels (0.32 adds more);
+# before the engine sized its cache num_gpu_blocks reads "None"
+V026 = (
+    'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+    'gpu_memory_utilization="0.9",num_gpu_blocks="512",num_gpu_blocks_override="512"} 1.0\n'
+)
+V032 = (
+    'vllm:cache_config_info{block_size="16",engine="0",kv_cache_memory_bytes="None",'
+    'num_gpu_blocks="132493",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"} 1.0\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "capacity"),
+    [
+        (V026, 512 * 16),
+        (V032, 132493 * 16),
+        ('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n', None),
+        ("", None),
+        # two engines (data parallel): the smaller cache decides
+        (V026 + V026.replace('engine="0"', 'engine="1"').replace('="512"', '="300"'), 300 * 16),
+    ],
+)
+def test_capacity_from_cache_config_info(text: str, capacity: int | None) -> None:
+    head = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    head += "# TYPE vllm:cache_config_info gauge\n"
+    assert parse_metrics(head + text if text else "").kv_capacity_tokens == capacity
+
+
+MAX_TOKENS = 200
+
+
+def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake) -> None:
+    url, state = fake
+    state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
+    state.pace_s = 0.1  # a stream lasts 20 s: the test ends the held ones itself
+    with make_gateway([url], scrape_interval_s=0.1) as gw:
+        # one stream's claim as the gateway counts it (prompt + max_tokens; a streamed
+        # prompt may be counted as an upper bound while it is on its way)
+        body = chat(stream=True, max_tokens=MAX_TOKENS)
+        with httpx.stream("POST", f"{gw}/v1/chat/completions", json=body) as r:
+            chunks = r.iter_bytes()  # kept: a dropped iterator closes the response
+            next(chunks)
+            one_claim = _claimed(gw, url)
+        wait_for(lambda: _claimed(gw, url) == 0)
+        assert one_claim >= MAX_TOKENS
+        claim = one_claim + B - 1  # its blocks, at most
+        # room for exactly two: 2 claims + the null block <= capacity < 3 claims + null
+        blocks = int(2 * claim) // B + 1 + 1
+        assert 2 * claim <= (blocks - 1) * B < 3 * claim
+        state.num_gpu_blocks, state.block_size = blocks, B
+        wait_for(lambda: _capacity_seen(gw, url))
+
+        async def burst() -> list[int]:
+            release = asyncio.Event()
+            async with httpx.AsyncClient(timeout=30) as client:
+
+                async def one() -> int:
+                    body = chat(stream=True, max_tokens=MAX_TOKENS)
+                    async with client.stream("POST", f"{gw}/v1/chat/completions", json=body) as r:
+                        if r.status_code == 200:
+                            await anext(r.aiter_bytes())  # streaming: its claim is held
+                            await release.wait()  # then the client hangs up
+                        else:
+                            await r.aread()
+                            assert r.headers["retry-after"] == "1"
+                            assert r.json()["error"]["code"] == "overloaded"
+                        return r.status_code
+
+                tasks = [asyncio.create_task(one()) for _ in range(6)]
+                while sum(t.done() for t in tasks) < 4:  # the four refused end at once
+                    await asyncio.sleep(0.01)
+                held = metric(gw, "lorastack_gateway_backend_kv_claimed_tokens", backend=url)
+                assert held == 2 * one_claim
+                release.set()
+                return sorted(await asyncio.gather(*tasks))
+
+        assert asyncio.run(burst()) == [200, 200, 429, 429, 429, 429]
+        assert len(state.calls()) == 3  # the first and the two admitted: nothing else reached it
+        wait_for(lambda: state.cancelled == 3)
+        wait_for(lambda: _claimed(gw, url) == 0)  # client disconnect gave both back
+        assert state.preemptions == 0  # the fake counts one when its blocks run out
+
+        # completion, an upstream error before the first byte, one mid-stream: each gives back
+        state.pace_s = 0.0
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(max_tokens=MAX_TOKENS))
+        assert r.status_code == 200 and _claimed(gw, url) == 0
+        state.fail_status, state.fail_count = 500, 1
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(max_tokens=MAX_TOKENS))
+        assert r.status_code == 500 and _claimed(gw, url) == 0
+        state.die_after_tokens = 3
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True, max_tokens=MAX_TOKENS))
+        assert r.status_code == 200 and "upstream_broken" in r.text
+        assert _claimed(gw, url) == 0
+        assert metric(gw, "lorastack_gateway_backend_inflight", backend=url) == 0
+
+
+def _claimed(gw: str, url: str) -> float:
+    return metric(gw, "lorastack_gateway_backend_kv_claimed_tokens", backend=url)
+
+
+def _capacity_seen(gw: str, url: str) -> bool:
+    """The gateway's scrape has read the fake's new capacity."""
+    seen = metric(gw, "lorastack_gateway_backend_kv_capacity_tokens", backend=url)
+    return seen == seen and seen > 0  # NaN until reported
