@@ -70,7 +70,6 @@ class Backends:
             for url in settings.backends
         }
         self.inflight = InflightCounter()
-        self.tokenizer_errors: dict[str, str] = {}  # source -> why it failed to load
         self.last_refresh = 0.0  # monotonic seconds
         self._refresh_lock = asyncio.Lock()
 
@@ -102,13 +101,12 @@ class Backends:
             await self.declared.refresh()
             for info in self.catalog().values():
                 source = self.tokenizer_source(info)
-                if self.tokenizers.get(source) is None and source not in self.tokenizer_errors:
+                if self.tokenizers.due(source):  # new, or a failed one past its backoff
                     try:
                         await anyio.to_thread.run_sync(self.tokenizers.load, source)
                         log.info("tokenizer for %s loaded from %s", info.id, source)
                     except GatewayError as e:
-                        self.tokenizer_errors[source] = str(e)
-                        log.error("tokenizer for %s: %s", info.id, e)
+                        log.error("tokenizer for %s: %s (retried later)", info.id, e)
 
     async def run(self) -> None:
         """The background loop; cancelled when the app stops."""
@@ -180,17 +178,14 @@ class Backends:
         tok = self.tokenizers.get(source)
         if tok is not None:
             return tok
-        if source in self.tokenizer_errors:
+        failed = self.tokenizers.failure(source)
+        if failed is not None and not self.tokenizers.due(source):
             raise TokenizerUnavailable(
                 f"no tokenizer for {info.id}, so its prompt length cannot be checked:"
-                f" {self.tokenizer_errors[source]}",
-                "fix LORASTACK_TOKENIZERS and restart the gateway",
+                f" {failed.error} (tried {failed.attempts} time(s); retried with backoff)",
+                "fix LORASTACK_TOKENIZERS or the store; the gateway retries on its own",
             )
-        try:
-            return await anyio.to_thread.run_sync(self.tokenizers.load, source)
-        except GatewayError as e:
-            self.tokenizer_errors[source] = str(e)
-            raise
+        return await anyio.to_thread.run_sync(self.tokenizers.load, source)
 
     def require_embeddings(self, model: str) -> None:
         """BadRequest unless a backend that is up serves `model` and embeds."""
@@ -210,8 +205,18 @@ class Backends:
             m.id
             for m in self.catalog().values()
             if self.tokenizers.get(self.tokenizer_source(m)) is None
-            and self.tokenizer_source(m) not in self.tokenizer_errors
+            and self.tokenizers.failure(self.tokenizer_source(m)) is None
         ]
+
+    def failed_tokenizers(self) -> dict[str, str]:
+        """Model -> why its tokenizer failed to load (retried with backoff): while any model
+        served has none, the gateway is not ready (its requests would answer 503)."""
+        out = {}
+        for m in self.catalog().values():
+            failed = self.tokenizers.failure(self.tokenizer_source(m))
+            if failed is not None:
+                out[m.id] = failed.error
+        return out
 
     def views(self) -> list[BackendView]:
         out = []

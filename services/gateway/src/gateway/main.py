@@ -200,13 +200,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def ready() -> JSONResponse:
         states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
         loading = backends.pending_tokenizers()
-        ok = any(st.up and st.models for st in backends.states.values()) and not loading
+        failed = backends.failed_tokenizers()  # a model that would answer 503: not ready
+        up = any(st.up and st.models for st in backends.states.values())
+        ok = up and not loading and not failed
         return JSONResponse(
             {
                 "ready": ok,
                 "backends": states,
                 "models": sorted(backends.catalog()),
                 "loading_tokenizers": loading,
+                "failed_tokenizers": failed,
             },
             status_code=200 if ok else 503,
         )

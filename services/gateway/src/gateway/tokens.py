@@ -16,7 +16,8 @@ non-empty section, and the post-processor adds a fixed number of special tokens.
 tokens <= 2 x UTF-8 bytes of the normalised text + those special tokens. The proxy uses
 it to forward a request that provably fits before its exact count is known.
 
-Owns: loading tokenizers (a local HF folder or a store artifact) and counting.
+Owns: loading tokenizers (a local HF folder, or only the tokenizer files of a store
+artifact), retrying a failed load after a capped exponential backoff, and counting.
 Does not own: which model uses which tokenizer source (`backends.py` decides).
 """
 
@@ -25,10 +26,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import random
 import re
 import threading
+import time
 from collections import ChainMap
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,37 +203,99 @@ def _texts(content: str | list[dict[str, Any]] | None, index: int) -> list[str]:
     return texts
 
 
-class TokenizerCache:
-    """Loads each tokenizer source once (a local folder, else a store ref) and keeps it."""
+# What AutoTokenizer reads, and nothing else of a model artifact (never its weights): the
+# fast and slow tokenizer files, chat templates, special tokens, generation config, and
+# config.json (a few KB: some tokenizers are chosen by the model type written there).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+    "tokenizer.model",  # sentencepiece
+    "vocab.json",
+    "merges.txt",
+)
+RETRY_FIRST_S = 2.0  # seconds before the first retry of a failed load
+RETRY_MAX_S = 300.0  # seconds: the longest wait between two tries
 
-    def __init__(self, settings: CommonSettings) -> None:
+
+@dataclass(frozen=True)
+class LoadFailure:
+    error: str  # why the last try failed
+    attempts: int  # tries so far
+    retry_at: float  # monotonic seconds: the next try is not made before this
+
+
+def retry_delay(attempts: int, jitter: float) -> float:
+    """Seconds to wait after `attempts` failed tries: exponential, capped, with `jitter`
+    in [0, 1) spreading gateways that failed together (full jitter over the upper half)."""
+    base = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
+    return base / 2 + base / 2 * jitter
+
+
+class TokenizerCache:
+    """Loads each tokenizer source once (a local folder, else a store ref: only its
+    tokenizer files) and keeps it. A failed load is retried after a backoff, not kept."""
+
+    def __init__(
+        self, settings: CommonSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._settings = settings
         self._loaded: dict[str, CountingTokenizer] = {}
+        self._failed: dict[str, LoadFailure] = {}
+        self._clock = clock
         self._lock = threading.Lock()
 
     def get(self, source: str) -> CountingTokenizer | None:
         return self._loaded.get(source)
+
+    def failure(self, source: str) -> LoadFailure | None:
+        """The last failure of `source` while it has no tokenizer, else None."""
+        return None if source in self._loaded else self._failed.get(source)
+
+    def due(self, source: str) -> bool:
+        """Whether a load of `source` should be tried now: not loaded, and never failed or
+        past its backoff."""
+        if source in self._loaded:
+            return False
+        failed = self._failed.get(source)
+        return failed is None or self._clock() >= failed.retry_at
 
     def load(self, source: str) -> CountingTokenizer:
         """Blocking (seconds on first use): call it from a worker thread."""
         with self._lock:
             if source in self._loaded:
                 return self._loaded[source]
-            from transformers import AutoTokenizer
-
-            folder = self._folder(source)
             try:
-                tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-            except Exception as e:
-                raise TokenizerUnavailable(
-                    f"could not load a tokenizer from {folder}: {e}",
-                    "point LORASTACK_TOKENIZERS at an HF folder or a store ref with tokenizer files",
-                ) from None
+                tok = self._load_hf(source)
+            except TokenizerUnavailable as e:
+                before = self._failed.get(source)
+                attempts = (before.attempts if before else 0) + 1
+                wait = retry_delay(attempts, random.random())
+                self._failed[source] = LoadFailure(str(e), attempts, self._clock() + wait)
+                raise
+            self._failed.pop(source, None)
             self._loaded[source] = CountingTokenizer(tok, source)
             # transformers brings hundreds of thousands of long-lived objects: frozen, the
             # full collections stop walking them (they took 20-180 ms each while loading)
             gc.freeze()
             return self._loaded[source]
+
+    def _load_hf(self, source: str) -> Any:
+        from transformers import AutoTokenizer
+
+        folder = self._folder(source)
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:
+            raise TokenizerUnavailable(
+                f"could not load a tokenizer from {folder}: {e}",
+                "point LORASTACK_TOKENIZERS at an HF folder or a store ref with tokenizer files",
+            ) from None
 
     def _folder(self, source: str) -> Path:
         path = Path(source).expanduser()
@@ -239,10 +306,11 @@ class TokenizerCache:
 
         try:
             store = open_store(self._settings)
-            return store.fetch(store.resolve(source))
+            # only the tokenizer's files: an 8B base's weights would fill the pod's disk
+            return store.fetch_files(store.resolve(source), TOKENIZER_FILES)
         except LorastackError as e:
             raise TokenizerUnavailable(
                 f"tokenizer source {source!r} is neither a local folder nor a store artifact"
-                f" ({e.message})",
+                f" with tokenizer files ({e.message})",
                 'set LORASTACK_TOKENIZERS=\'{"MODEL": "/path/to/hf-folder or store-name"}\'',
             ) from None
