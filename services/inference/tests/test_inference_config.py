@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -19,6 +21,7 @@ from inference.errors import EngineFailed
 from inference.settings import build_settings, load_serve_config
 from inference.supervisor import backoff_delay
 from inference.vllm_api import load_lora, unload_lora
+from lorastack import pidfile
 from lorastack.cli import main as lorastack_main
 from lorastack.errors import ConfigError, InvalidName, Refused
 from lorastack.manifest import Manifest, Parent, Producer
@@ -155,25 +158,46 @@ def test_a_crashed_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
 def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
     tmp_path: Path,
 ) -> None:
-    """The pid file names the group and its supervisor; the group is stopped only if that
-    supervisor is gone and the group still runs in the workdir."""
+    """The pid file names the group's leader and its supervisor, each with its create
+    time; the group is stopped only if that supervisor is gone and the leader is still the
+    process that was started (create time, command line) and runs in the workdir."""
     work = tmp_path / "w"
     work.mkdir()
     left = subprocess.Popen(["sleep", "60"], cwd=work, start_new_session=True)
     other = subprocess.Popen(["sleep", "60"], cwd=tmp_path, start_new_session=True)
     reaper = threading.Thread(target=left.wait)  # as init would reap an orphan
     reaper.start()
+
+    def record(pid: int, owner: int, **change: object) -> None:
+        ident = pidfile.identify(owner)
+        pidfile.write_pidfile(
+            s.pid_path, pid, owner={"pid": owner, "create_time": ident[0] if ident else 0.0}
+        )
+        if change:  # what a stale file holds: another process's create time or command line
+            data = json.loads(s.pid_path.read_text()) | change
+            s.pid_path.write_text(json.dumps(data))
+
     try:
         s = VllmServer(tmp_path, served_name="m", port=1, workdir=work, platform="cpu")
         dead = subprocess.Popen(["true"])
         dead.wait()
-        s.pid_path.write_text(f"{left.pid} {other.pid}\n")
+        record(left.pid, other.pid)
         assert not s.stop_leftover()  # its supervisor still runs: not a leftover
         assert left.poll() is None and s.pid_path.exists()
-        s.pid_path.write_text(f"{other.pid} {dead.pid}\n")
+        record(other.pid, dead.pid)
         assert not s.stop_leftover()  # runs elsewhere: a reused pid, left alone
         assert other.poll() is None and not s.pid_path.exists()
-        s.pid_path.write_text(f"{left.pid} {dead.pid}\n")
+        created = psutil.Process(left.pid).create_time()
+        record(left.pid, dead.pid, create_time=created - 3600.0)
+        assert not s.stop_leftover()  # same pid, another process: left alone
+        assert left.poll() is None and not s.pid_path.exists()
+        record(left.pid, dead.pid, cmdline=["python", "-m", "vllm"])
+        assert not s.stop_leftover()  # same pid, another command line: left alone
+        assert left.poll() is None and not s.pid_path.exists()
+        s.pid_path.write_text(f"{left.pid} {dead.pid}\n")  # an older lorastack's bare pids
+        assert not s.stop_leftover()
+        assert left.poll() is None and not s.pid_path.exists()
+        record(left.pid, dead.pid)
         assert s.stop_leftover()
         reaper.join(timeout=10)
         assert left.returncode == -signal.SIGTERM

@@ -4,16 +4,17 @@ The same entry points as compose: `lorastack serve CONFIG` (the inference superv
 which runs vLLM) and `lorastack gateway`, each configured through its environment, built
 from the service's own settings class (`child_env`), so a renamed or invalid setting fails
 here, before anything starts. Each process runs in its own session (so `down`
-stops vLLM's engine processes too), logs to HOME/logs/<name>.log and leaves its pid in
-HOME/run/<name>.pid. `up` returns once each service answers /ready.
+stops vLLM's engine processes too), logs to HOME/logs/<name>.log and leaves its pid, create
+time and command line in HOME/run/<name>.pid (`lorastack.pidfile`): `down`, `up` and `status`
+act on that pid only while it is still the process we started; a stale or reused pid is
+reported, its file removed, and nothing is signalled. `up` returns once each service
+answers /ready.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 from gateway.settings import GatewaySettings
 from inference.settings import InferenceSettings
+from lorastack import pidfile as pidfile_mod
 from lorastack.errors import NotFound, Refused
 from lorastack.settings import CommonSettings, child_env
 
@@ -84,22 +86,13 @@ def _paths(settings: CommonSettings, name: str) -> tuple[Path, Path]:
     return settings.home / "run" / f"{name}.pid", settings.home / "logs" / f"{name}.log"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _read_pid(pidfile: Path) -> int | None:
-    try:
-        pid = int(pidfile.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-    return pid if _alive(pid) else None
+def _ours(pidfile: Path) -> pidfile_mod.Found:
+    """The process the pid file names, if it is still the one we started; a stale file is
+    removed and said so on stderr."""
+    found = pidfile_mod.find_ours(pidfile)
+    if found.problem:
+        print(f"  {pidfile}: {found.problem}", file=sys.stderr, flush=True)
+    return found
 
 
 def is_ready(url: str, timeout: float = 2.0) -> bool:
@@ -119,7 +112,8 @@ def tail(path: Path, n: int = 20) -> str:
 
 def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
     pidfile, logfile = _paths(settings, svc.name)
-    if (pid := _read_pid(pidfile)) is not None:
+    if (running := _ours(pidfile).process) is not None:
+        pid = running.pid
         if is_ready(svc.ready_url):
             print(f"  {svc.name} already running (pid {pid})", flush=True)
             return
@@ -139,7 +133,7 @@ def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    pidfile.write_text(str(proc.pid))
+    pidfile_mod.write_pidfile(pidfile, proc.pid)  # None when it already exited: see below
     print(f"  {svc.name}: pid {proc.pid}, log {logfile}", flush=True)
     started = time.monotonic()
     last_note = started
@@ -166,18 +160,13 @@ def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
 
 
 def stop(settings: CommonSettings, name: str, grace_s: float = 20.0) -> bool:
+    """Stop the service's process group if its pid file names a process we started."""
     pidfile, _ = _paths(settings, name)
-    pid = _read_pid(pidfile)
+    found = _ours(pidfile)
     pidfile.unlink(missing_ok=True)
-    if pid is None:
+    if found.process is None:
         return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+    pidfile_mod.stop_group(found, grace_s)
     return True
 
 
@@ -202,7 +191,8 @@ def status(settings: CommonSettings, gateway_port: int) -> list[dict[str, Any]]:
     rows = []
     for svc in services(settings, Path("-"), gateway_port):
         pidfile, logfile = _paths(settings, svc.name)
-        pid = _read_pid(pidfile)
+        process = _ours(pidfile).process
+        pid = process.pid if process is not None else None
         rows.append(
             {
                 "service": svc.name,

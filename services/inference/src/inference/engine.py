@@ -31,8 +31,10 @@ from types import TracebackType
 from typing import Literal
 
 import httpx
+import psutil
 
 from inference.errors import EngineFailed
+from lorastack import pidfile
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +222,15 @@ class VllmServer:
                 cwd=self.workdir,
                 start_new_session=True,  # own process group: stop() ends engine processes too
             )
-        self.pid_path.write_text(f"{self._proc.pid} {os.getpid()}\n")  # vLLM's group, ours
+        # vLLM's group leader by pid, create time and command line, and the supervisor that
+        # owns it the same way: a later supervisor signals neither a reused pid nor a group
+        # that a live supervisor still owns (lorastack.pidfile)
+        owner = pidfile.identify(os.getpid())
+        pidfile.write_pidfile(
+            self.pid_path,
+            self._proc.pid,
+            owner={"pid": os.getpid(), "create_time": owner[0] if owner else 0.0},
+        )
         self.starts += 1
 
     @property
@@ -229,34 +239,49 @@ class VllmServer:
 
     def stop_leftover(self, grace_s: float = 10.0) -> bool:
         """End the vLLM group a killed supervisor left running from this workdir. The pid
-        file names the group and the supervisor that started it; the group is stopped only
-        if that supervisor is gone (another live one sharing the workdir keeps its vLLM) and
-        the group's leader still runs in this workdir (a reused pid is left alone). True
-        when one was stopped."""
+        file names the group's leader and the supervisor that started it, each by pid and
+        create time (`lorastack.pidfile`); the group is stopped only if that supervisor is
+        gone (another live one sharing the workdir keeps its vLLM) and the leader is still
+        the process that was started (same create time and command line) and runs in this
+        workdir: a reused pid is left alone. True when one was stopped."""
         try:
-            pgid, owner = (int(f) for f in self.pid_path.read_text().split())
-        except (OSError, ValueError):
+            record = pidfile.read_pidfile(self.pid_path)
+        except ValueError as e:  # e.g. an older lorastack's bare "pgid owner": no identity
+            log.warning("%s; removed, nothing stopped", e)
+            self.pid_path.unlink(missing_ok=True)
             return False
-        if owner != os.getpid() and _group_alive(owner, group=False):
-            log.warning(
-                "%s is in use by another supervisor (pid %d): give each replica a workdir",
-                self.workdir,
-                owner,
-            )
+        if record is None:
             return False
+        owner = record.extra.get("owner") or {}
+        owner_pid, owner_created = owner.get("pid"), owner.get("create_time")
+        if isinstance(owner_pid, int) and owner_pid != os.getpid():
+            now = pidfile.identify(owner_pid)
+            if (
+                now is not None
+                and isinstance(owner_created, (int, float))
+                and abs(now[0] - owner_created) <= pidfile.CREATE_TIME_SLACK_S
+            ):
+                log.warning(
+                    "%s is in use by another supervisor (pid %d): give each replica a workdir",
+                    self.workdir,
+                    owner_pid,
+                )
+                return False
+        found = pidfile.find_ours(self.pid_path)  # removes the file when it is not ours
         self.pid_path.unlink(missing_ok=True)
+        if found.process is None:
+            if found.problem:
+                log.warning("%s: %s", self.pid_path, found.problem)
+            return False
         try:
-            ours = Path(f"/proc/{pgid}/cwd").resolve() == self.workdir.resolve()
-        except OSError:  # gone, or not ours to look at
+            here = Path(found.process.cwd()).resolve() == self.workdir.resolve()
+        except psutil.Error:  # gone, or not ours to look at
             return False
-        if not ours:
+        if not here:
             return False
+        pgid = found.process.pid
         log.warning("stopping vLLM (process group %d) left running by a previous supervisor", pgid)
-        self._signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self._signal_group(pgid, signal.SIGKILL)
+        pidfile.stop_group(found, grace_s)
         return True
 
     @property
