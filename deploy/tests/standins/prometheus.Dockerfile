@@ -5,7 +5,7 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
  && rm -rf /var/lib/apt/lists/* \
  && mkdir -p /prometheus && chown nobody:nogroup /prometheus
-USER nobody
+USER 65534:65534
 EXPOSE 9090
 ENTRYPOINT ["/usr/bin/prometheus"]
 CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]
