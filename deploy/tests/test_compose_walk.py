@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -36,12 +37,43 @@ from lorastack_testing.net import free_port
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "lorastack-citest"
 FILES = ["compose.yaml", "deploy/compose.cpu.yaml", "deploy/tests/compose.standins.yaml"]
-API_KEY = "citest-key"
+# keys as the README has users make them (the services refuse short or placeholder keys)
+API_KEY = secrets.token_urlsafe(32)
+VLLM_KEY = secrets.token_urlsafe(32)
 HUB_TOKEN = "hf_citest"
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TRAIN_STEPS = 2  # enough for a checkpoint, a validation pass and a published adapter
 PROBES = 2  # merge verification conversations (default 8): CI time, the check is the same
 SERVICES = ("minio", "inference", "gateway", "prometheus")  # with healthchecks
+INTERNAL_NETWORK = f"{PROJECT}_inference"  # compose.yaml's `inference` network
+# Run inside a container: every way to vLLM an attacker would try, with no key (or a wrong
+# one); prints {probe: HTTP status or "unreachable: why"}.
+PROBE = """
+import json, urllib.request, urllib.error
+probes = {
+    "completions": ("http://inference:8000/v1/completions",
+                    {"model": "smollm2", "prompt": "hi", "max_tokens": 1}, {}),
+    "completions, wrong key": ("http://inference:8000/v1/completions",
+                    {"model": "smollm2", "prompt": "hi", "max_tokens": 1},
+                    {"Authorization": "Bearer not-the-key"}),
+    "load_lora_adapter": ("http://inference:8000/v1/load_lora_adapter",
+                    {"lora_name": "planted", "lora_path": "/data/lorastack"}, {}),
+    "admin": ("http://inference:8001/admin/adapters", {"ref": "chat/adapter:1"}, {}),
+    "metrics": ("http://inference:8000/metrics", None, {}),
+}
+out = {}
+for name, (url, body, headers) in probes.items():
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            out[name] = r.status
+    except urllib.error.HTTPError as e:
+        out[name] = e.code
+    except OSError as e:
+        out[name] = "unreachable: " + type(e).__name__ + ": " + str(e)[:80]
+print("PROBE " + json.dumps(out))
+"""
 
 pytestmark = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no Docker")
 
@@ -94,6 +126,12 @@ class Compose:
         raise AssertionError(f"not healthy in {timeout_s:.0f} s: {status}\n{logs.stdout}")
 
 
+def probe_result(output: str) -> dict[str, object]:
+    line = next(ln for ln in output.splitlines() if ln.startswith("PROBE "))
+    result: dict[str, object] = json.loads(line.removeprefix("PROBE "))
+    return result
+
+
 def _health(container: str) -> str:
     if not container:
         return "absent"
@@ -119,7 +157,10 @@ def compose(hub: FakeHub) -> Iterator[Compose]:
         "MINIO_ROOT_USER": "citest",
         "MINIO_ROOT_PASSWORD": "citest-secret",
         "LORASTACK_API_KEYS": API_KEY,
-        "LORASTACK_ADMIN_KEY": "citest-admin",
+        "LORASTACK_ADMIN_KEY": secrets.token_urlsafe(32),
+        "LORASTACK_VLLM_API_KEY": VLLM_KEY,
+        "STORE_GATEWAY_PASSWORD": secrets.token_urlsafe(16),
+        "STORE_INFERENCE_PASSWORD": secrets.token_urlsafe(16),
         "GRAFANA_ADMIN_PASSWORD": "citest-grafana",
         "HF_TOKEN": HUB_TOKEN,
         "HF_ENDPOINT": f"http://host.docker.internal:{hub.port}",
@@ -206,6 +247,27 @@ def test_the_readme_walk_on_the_cpu_override(
         say(f"smollm2 (stream): {text!r}")
         assert text.strip()
         time.sleep(6)  # a Prometheus scrape (every 5 s) between rounds
+    # vLLM only through the gateway. A job container (the default network, as any other
+    # container there) cannot even resolve it; one on the internal network (as a compromised
+    # Prometheus or store would be) gets 401 without vLLM's key on completions and on
+    # load_lora_adapter, and /admin wants the admin key; only /metrics (the scrape) answers.
+    r = compose("--profile", "train", "run", "--rm", "-T", "trainer", "python3", "-c", PROBE)
+    outside = probe_result(r.stdout)
+    say(f"from a job container: {outside}")
+    assert all(str(v).startswith("unreachable") for v in outside.values()), outside
+    inside = subprocess.run(
+        ["docker", "run", "--rm", "--network", INTERNAL_NETWORK, "--entrypoint", "python3",
+         "lorastack/trainer:0.1.0", "-c", PROBE],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    beside = probe_result(inside.stdout)
+    say(f"from a container on the inference network: {beside}")
+    assert beside == {
+        "completions": 401, "completions, wrong key": 401, "load_lora_adapter": 401,
+        "admin": 401, "metrics": 200,
+    }, beside  # fmt: skip
+    assert "planted" not in {m.id for m in client.models.list().data}
+
     too_long = [{"role": "user", "content": "word " * 3000}]
     with pytest.raises(BadRequestError) as refused:
         client.chat.completions.create(model="chat/adapter-v1", messages=too_long, max_tokens=8)
