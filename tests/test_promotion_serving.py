@@ -70,7 +70,10 @@ def test_promoted_adapter_reaches_the_gateways_models_without_a_restart(
     with supervisor:
         wait_for(lambda: supervisor.get("/ready").status_code == 200, "ready")
         engine = FakeEngine.started[-1]
-        gw_settings = GatewaySettings(home=home, backends=[engine.base_url], scrape_interval_s=0.1)
+        admin = "promotion-test-admin-" + "0123456789abcdef" * 2  # /ready's details
+        gw_settings = GatewaySettings(
+            home=home, backends=[engine.base_url], scrape_interval_s=0.1, admin_key=admin
+        )
         with serve_in_thread(create_gateway(gw_settings), free_port()) as gateway:
 
             def root() -> str | None:
@@ -81,7 +84,11 @@ def test_promoted_adapter_reaches_the_gateways_models_without_a_restart(
             # the gateway's refresh waits for its first tokenizer loads (importing
             # transformers: seconds, cold); "tiny" has none, which it notes and goes on
             wait_for(
-                lambda: not httpx.get(f"{gateway}/ready").json()["loading_tokenizers"],
+                lambda: (
+                    not httpx.get(
+                        f"{gateway}/ready", headers={"Authorization": f"Bearer {admin}"}
+                    ).json()["loading_tokenizers"]
+                ),
                 "done loading tokenizers",
                 timeout_s=120,
             )

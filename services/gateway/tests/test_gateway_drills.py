@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_gateway_proxy import chat, sse_events, wait_for
+from test_gateway_proxy import ADMIN, ADMIN_KEY, chat, sse_events, wait_for
 
 from lorastack_testing.net import free_port
 
@@ -60,7 +60,9 @@ def fake_process() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
 def test_backend_killed_mid_stream(make_gateway, fake_process) -> None:
     port, procs = fake_process
     backend = f"http://127.0.0.1:{port}"
-    with make_gateway([backend], idle_timeout_s=IDLE_TIMEOUT_S, scrape_interval_s=0.1) as gw:
+    with make_gateway(
+        [backend], idle_timeout_s=IDLE_TIMEOUT_S, scrape_interval_s=0.1, admin_key=ADMIN_KEY
+    ) as gw:
         got = b""
         with httpx.stream(
             "POST", f"{gw}/v1/chat/completions", json=chat(stream=True), timeout=30
@@ -82,7 +84,9 @@ def test_backend_killed_mid_stream(make_gateway, fake_process) -> None:
         assert "[DONE]" not in events
 
         # marked down: /ready says so, and a request gets a 503 naming the backend
-        wait_for(lambda: httpx.get(f"{gw}/ready").json()["backends"][backend] != "up")
+        wait_for(
+            lambda: httpx.get(f"{gw}/ready", headers=ADMIN).json()["backends"][backend] != "up"
+        )
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "upstream_unavailable"

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+ADMIN_KEY = "gateway-test-admin-" + "0123456789abcdef" * 2  # >= 32 characters, no placeholder
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}]}
 
 
@@ -432,8 +434,8 @@ def test_metric_values_after_known_sequence(make_gateway, fake) -> None:
 
 def test_backend_down_then_up(make_gateway, fake) -> None:
     url, _ = fake
-    with make_gateway([url, "http://127.0.0.1:9"]) as gw:
-        ready = httpx.get(f"{gw}/ready").json()
+    with make_gateway([url, "http://127.0.0.1:9"], admin_key=ADMIN_KEY) as gw:
+        ready = httpx.get(f"{gw}/ready", headers=ADMIN).json()
         assert (
             ready["backends"][url] == "up"
             and "ConnectError" in ready["backends"]["http://127.0.0.1:9"]

@@ -3,8 +3,10 @@
 Keys come from settings (`api_keys`), a plain secrets file (`api_keys_file`, one key per
 line) and/or the keys file (`keys_file`, `keys.py`: names, allowed models, limits and a
 token budget per key, hashed at rest). A key is known to the rest of the gateway only as
-a `Key`: its name (a keys-file name, or `key-` + the first 12 hex digits of the secret's
-sha256 for the plain lists), never the secret, which is never logged.
+a `Key`: its name, an alias the operator chose (a keys-file name, or ALIAS in an
+`ALIAS=KEY` entry of the plain lists) or else `key-N` by its place in the plain lists;
+never the secret nor anything computed from it (a hash prefix in /metrics would let
+anyone who reads it test guesses of a weak key), and the secret is never logged.
 
 Lookup is one dict access by the secret's sha256 digest (O(1) in the number of keys; the
 digest hides the secret, so the lookup's timing tells nothing useful). The keys file is
@@ -21,6 +23,7 @@ restarts).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -32,15 +35,32 @@ from gateway.errors import ModelNotAllowed, RateLimited, Unauthorized
 from gateway.keys import KeyEntry, load_keys
 from gateway.limits import Budget, Limiter, MemoryLimiter, TokenBucket, limiter_for
 from gateway.metrics import GatewayMetrics
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, split_alias
+from lorastack.errors import ConfigError
+from lorastack.secrets import secret_problem
 
 log = logging.getLogger(__name__)
 
 RELOAD_CHECK_S = 1.0  # seconds between two mtime checks of the keys file
 
 
-def key_name(secret: str) -> str:
-    return "key-" + hashlib.sha256(secret.encode()).hexdigest()[:12]
+def is_admin(admin_key: str | None, authorization: str | None) -> bool:
+    """True when `authorization` is `Bearer ADMIN_KEY`; never without an admin key set
+    (settings refuse an empty one). Digests compared in constant time."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if admin_key is None or scheme.lower() != "bearer" or not token.strip():
+        return False
+    given = hashlib.sha256(token.strip().encode()).digest()
+    return hmac.compare_digest(given, hashlib.sha256(admin_key.encode()).digest())
+
+
+def key_names(entries: list[str]) -> list[tuple[str, str]]:
+    """(name, secret) of each plain-list entry: its alias, else `key-N` (1-based place)."""
+    out = []
+    for n, entry in enumerate(entries, 1):
+        alias, secret = split_alias(entry)
+        out.append((alias or f"key-{n}", secret))
+    return out
 
 
 def read_keys_file(path: Path) -> list[str]:
@@ -93,7 +113,8 @@ class Authenticator:
         self.limiter: Limiter = limiter or self.memory
         self.keys_file = keys_file
         self._static = {
-            hashlib.sha256(s.encode()).digest(): self._key(key_name(s)) for s in secrets if s
+            hashlib.sha256(secret.encode()).digest(): self._key(name)
+            for name, secret in key_names([s for s in secrets if s])
         }
         self._by_digest: dict[bytes, Key] = dict(self._static)
         self._file_stamp: tuple[int, int] | None = None
@@ -106,9 +127,13 @@ class Authenticator:
     def from_settings(cls, s: GatewaySettings, metrics: GatewayMetrics) -> Authenticator:
         raw = [k.get_secret_value() for k in s.api_keys]
         if s.api_keys_file is not None:
-            raw += read_keys_file(s.api_keys_file)
+            listed = read_keys_file(s.api_keys_file)
+            for n, entry in enumerate(listed, 1):
+                if why := secret_problem(split_alias(entry)[1], f"line {n} of api_keys_file"):
+                    raise ConfigError(f"{s.api_keys_file}: {why}", "write one real key a line")
+            raw += listed
         auth = cls(
-            s.auth_enabled,
+            s.auth_required,
             raw,
             keys_file=s.keys_file,
             requests_per_min=s.key_requests_per_min,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,8 +127,10 @@ class Backends:
                     out.setdefault(mid, info)
         return out
 
-    async def model(self, name: str) -> ModelInfo:
-        """The model's info; refreshes once (at most every second) before saying 404."""
+    async def model(self, name: str, allowed: Collection[str] | None = None) -> ModelInfo:
+        """The model's info; refreshes once (at most every second) before saying 404. The
+        404 lists only `allowed` (the caller's key's models; None: every one), so a key
+        learns nothing of the models it may not use (callers check permission first)."""
         info = self.catalog().get(name)
         if info is None and time.monotonic() - self.last_refresh > 1.0:
             await self.refresh()
@@ -141,7 +144,7 @@ class Backends:
         if info is None:
             await self.declared.refresh(max_age_s=1.0)
             self.declared.check_loading(name)  # declared, not listed yet: 503 Retry-After
-            valid = ", ".join(sorted(self.catalog()))
+            valid = ", ".join(m for m in sorted(self.catalog()) if allowed is None or m in allowed)
             raise UnknownModel(
                 f"The model `{name}` does not exist. Valid models: {valid}.",
                 "use one of the ids that GET /v1/models lists",

@@ -6,8 +6,11 @@ latency, bench/gateway/history.md). When an upper bound on the prompt's tokens
 (`CountingTokenizer.upper_bound`, no encoding) already proves that prompt + max_tokens
 fits, and no tokens-per-minute limit or budget needs the exact number first, the bounds
 stand in and the exact count (with its length check, a formality after the bound) is
-handed back to run later: the proxy runs it while the backend works. Long inputs are
-counted exactly, on a worker thread, off the event loop. What to do with the counts
+handed back to run later: the proxy runs it while the backend works. Large requests are
+rendered and counted exactly on a worker thread, off the event loop; "large" is the
+request body's size in bytes, which bounds everything the template renders (messages,
+`tools`, documents, names), not the messages' text alone: a 4 MiB `tools` list with a
+one-word message is rendered off the loop too. What to do with the counts
 (length check or clamp, limits, headers) stays in the proxy.
 """
 
@@ -19,7 +22,9 @@ from collections.abc import Callable
 from gateway.tokens import LONG_COUNTS, CountingTokenizer
 from gateway.validation import ChatRequest, CompletionRequest, plan_tokens
 
-LONG_INPUT_CHARS = 4000  # longer prompts are tokenized in a worker thread, off the loop
+# bytes of request body: larger requests are rendered and tokenized in a worker thread,
+# off the loop; a few thousand bytes render and count in well under a millisecond
+LONG_BODY_BYTES = 8192
 
 
 async def count_prompts(
@@ -30,16 +35,13 @@ async def count_prompts(
     param: str,
     *,
     exact_first: bool,
+    body_bytes: int,
 ) -> tuple[list[str | int], list[int], Callable[[], list[int]] | None]:
     """What vLLM encodes (`CountingTokenizer.inputs`) and the exact counts; or, when upper
     bounds prove that prompt + output fits and `exact_first` is false (no limit needs
     the exact number), the bounds and a function that counts exactly later (and checks
-    the length again)."""
-    if isinstance(req, ChatRequest):
-        size = sum(len(str(m.content or "")) for m in req.messages)
-    else:
-        size = len(str(req.prompt))
-    if size > LONG_INPUT_CHARS:
+    the length again). `body_bytes`: the size of the request body as received."""
+    if body_bytes > LONG_BODY_BYTES:
 
         def render_count() -> tuple[list[str | int], list[int]]:
             inputs, special = tok.inputs(req)

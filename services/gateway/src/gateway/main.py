@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, is_admin
 from gateway.backends import Backends
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import GatewayMetrics
@@ -172,8 +172,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """One model (the `openai` client's `models.retrieve`); 404 when no backend has it."""
         try:
             key = auth.authenticate(request.headers.get("authorization"))
-            info = await backends.model(model_id)
-            auth.check_model(key, model_id)
+            auth.check_model(key, model_id)  # before existence: a 403 or 404 tells nothing
+            info = await backends.model(model_id, key.models)
         except GatewayError as e:
             if e.reason:
                 metrics.rejections.labels(e.reason).inc()
@@ -196,23 +196,26 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+
     @app.get("/ready")
-    async def ready() -> JSONResponse:
-        states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
+    async def ready(request: Request) -> JSONResponse:
+        """Ready or not, to anyone (probes); what stands behind it (backend URLs and their
+        errors, models, tokenizers loading) only with `Authorization: Bearer ADMIN_KEY`."""
         loading = backends.pending_tokenizers()
         failed = backends.failed_tokenizers()  # a model that would answer 503: not ready
         up = any(st.up and st.models for st in backends.states.values())
         ok = up and not loading and not failed
-        return JSONResponse(
-            {
-                "ready": ok,
+        body: dict[str, Any] = {"ready": ok}
+        if is_admin(admin_key, request.headers.get("authorization")):
+            states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
+            body |= {
                 "backends": states,
                 "models": sorted(backends.catalog()),
                 "loading_tokenizers": loading,
                 "failed_tokenizers": failed,
-            },
-            status_code=200 if ok else 503,
-        )
+            }
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

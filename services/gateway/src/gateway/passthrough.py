@@ -37,8 +37,8 @@ async def passthrough(
                 "name a served model (GET /v1/models lists them)",
                 param="model",
             )
-        info = await proxy.backends.model(model)
-        proxy.auth.check_model(key, model)
+        proxy.auth.check_model(key, model)  # before existence: a 403 or 404 tells nothing
+        info = await proxy.backends.model(model, key.models)
         if embed:
             proxy.backends.require_embeddings(model)
         await proxy.auth.admit(key, 0)  # counts as a request, uses no tokens

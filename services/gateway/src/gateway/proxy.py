@@ -256,8 +256,8 @@ class Proxy:
             req = parse_responses(body, self.settings.max_messages)
         else:
             req = parse_completion(body)
-        info = await self.backends.model(req.model)
-        self.auth.check_model(key, req.model)
+        self.auth.check_model(key, req.model)  # before existence: a 403 or 404 tells nothing
+        info = await self.backends.model(req.model, key.models)
         max_len = self.backends.max_model_len(info)
         tok = await self.backends.tokenizer_for(info)
         param, requested = requested_output(req)
@@ -265,7 +265,7 @@ class Proxy:
             param = "max_output_tokens"
         exact_first = key.tokens is not None or key.budget is not None  # limits need it
         inputs, counts, count_later = await count_prompts(
-            tok, req, requested, max_len, param, exact_first=exact_first
+            tok, req, requested, max_len, param, exact_first=exact_first, body_bytes=len(original)
         )
         clamp = self.settings.clamp_max_tokens or (fields.get(CLAMP_HEADER) or "").lower() in (
             "1",

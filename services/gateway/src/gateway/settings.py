@@ -3,11 +3,19 @@
 Environment variables use the shared prefix `LORASTACK_` (e.g. `LORASTACK_BACKENDS`,
 `LORASTACK_API_KEYS`). List fields accept JSON or a comma-separated string; the tokenizer
 map accepts JSON or `model=source,model=source`.
+
+Secrets are checked here, so a bad deploy fails at start (lorastack.secrets): auth is on
+whenever keys are configured (`auth_enabled` unset follows the keys; `false` with keys is
+refused: nothing is silently ignored), an admin key is at least 32 characters and no
+placeholder (unset: the admin views are off), and a bind to anything but loopback without
+auth is refused unless `gateway_allow_unauthenticated` says so.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +25,7 @@ from pydantic_settings import NoDecode
 
 from lorastack.errors import LorastackError
 from lorastack.manifest import served_name
+from lorastack.secrets import ADMIN_KEY_MIN_CHARS, secret_problem
 from lorastack.settings import CommonSettings
 
 
@@ -105,8 +114,26 @@ class GatewaySettings(CommonSettings):
         " `Authorization: Bearer KEY` on every request to a backend; unset: none is sent",
     )
     # auth
-    auth_enabled: bool = Field(False, description="require `Authorization: Bearer KEY`")
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    auth_enabled: bool | None = Field(
+        None,
+        description="require `Authorization: Bearer KEY`; unset: on exactly when keys are"
+        " configured (api_keys, api_keys_file or keys_file); false with keys is a start error",
+    )
+    gateway_allow_unauthenticated: bool = Field(
+        False,
+        description="allow a bind to a non-loopback host with auth off (an open gateway);"
+        " without it that is a start error",
+    )
+    admin_key: SecretStr | None = Field(
+        None,
+        description="Bearer key of the operator views (/ready's details); at least 32"
+        " characters, no placeholder; unset = those views are off",
+    )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="KEY or ALIAS=KEY entries; ALIAS (letters, digits, '.', '_', '-') names the"
+        " key in /metrics and errors, else it is key-N by its place in the list",
+    )
     api_keys_file: Path | None = Field(None, description="one key per line; # comments")
     keys_file: Path | None = Field(
         None,
@@ -191,11 +218,67 @@ class GatewaySettings(CommonSettings):
             raise ValueError(
                 f"keys_file {self.keys_file} does not exist (`lorastack gateway keys add` makes it)"
             )
-        if self.auth_enabled and not (self.api_keys or self.api_keys_file or self.keys_file):
+        has_keys = bool(self.api_keys or self.api_keys_file or self.keys_file)
+        if self.auth_enabled and not has_keys:
             raise ValueError("auth_enabled needs api_keys, api_keys_file or keys_file")
+        if self.auth_enabled is False and has_keys:
+            raise ValueError(
+                "auth_enabled is false but API keys are configured (they would be ignored):"
+                " unset LORASTACK_AUTH_ENABLED or set it to true, or remove the keys"
+            )
+        aliases = [split_alias(k.get_secret_value())[0] for k in self.api_keys]
+        for n, key in enumerate(self.api_keys, 1):
+            if why := secret_problem(split_alias(key.get_secret_value())[1], f"api_keys[{n}]"):
+                raise ValueError(why)
+        named = [a for a in aliases if a]
+        if len(set(named)) != len(named):
+            raise ValueError(f"api_keys repeat an alias: {sorted(named)}; give each its own")
+        if self.admin_key is not None and (
+            why := secret_problem(
+                self.admin_key.get_secret_value(), "admin_key", ADMIN_KEY_MIN_CHARS
+            )
+        ):
+            raise ValueError(why)
+        open_bind = not self.auth_required and not is_loopback(self.host)
+        if open_bind and not self.gateway_allow_unauthenticated:
+            raise ValueError(
+                f"host {self.host} is reachable from other machines and auth is off:"
+                " configure API keys (LORASTACK_API_KEYS or LORASTACK_KEYS_FILE), bind"
+                " 127.0.0.1, or set LORASTACK_GATEWAY_ALLOW_UNAUTHENTICATED=true to run"
+                " an open gateway on purpose"
+            )
         if self.serve_config is not None:
             self.tokenizers = served_tokenizers(self.serve_config) | self.tokenizers
         return self
+
+    @property
+    def auth_required(self) -> bool:
+        """Auth on: set explicitly, or (unset) exactly when keys are configured."""
+        if self.auth_enabled is not None:
+            return self.auth_enabled
+        return bool(self.api_keys or self.api_keys_file or self.keys_file)
+
+
+_ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
+
+
+def split_alias(entry: str) -> tuple[str, str]:
+    """An api_keys entry `ALIAS=KEY` as (alias, key); `KEY` alone as ('', key). The alias
+    is what /metrics and errors show (never the key); a key holding '=' needs an alias."""
+    alias, sep, key = entry.partition("=")
+    if sep and key and _ALIAS.fullmatch(alias):
+        return alias, key
+    return "", entry
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` (an address or name uvicorn binds) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def _split_map(v: Any, form: str, *, last: bool = False) -> Any:
