@@ -55,8 +55,8 @@ def same_losses(one: Path, two: Path) -> dict[int, float]:
     a = read_series(one / "metrics", "metrics", "loss")
     b = read_series(two / "metrics", "metrics", "loss")
     assert list(a) == list(b) == [1, 2, 3]
-    for step in a:  # the same sums, added in another order
-        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    for step in a:  # the same sums, added in another order: measured at most 8.8e-7
+        assert b[step] == pytest.approx(a[step], rel=1e-5)  # (bench/trainer/ddp_spread.py)
     return b
 
 
@@ -129,7 +129,13 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(
     assert set(weights[0]) == set(weights[1])  # PEFT's names, whole tensors
     for k, w in weights[0].items():
         assert weights[1][k].shape == w.shape
-        assert torch.allclose(weights[1][k], w, atol=1e-5), k
+        # AdamW moves each element by ~lr whatever its gradient's size, so an element whose
+        # gradient is near zero lands up to 2 x lr x steps (6e-3) apart when the reduction
+        # order differs: no elementwise bound holds on every machine. Each tensor as a
+        # whole does: |a-b|/|a| measured at most 8.7e-5 (1 vs 2 processes, 1 and 2 threads,
+        # bench/trainer/results/2026-12-03-ddp-spread.json); a run that lost one rank's
+        # half of every step's samples lands up to 0.57 apart (same file).
+        assert float((weights[1][k] - w).norm() / w.norm()) < 1e-3, k
 
     cut = write_config("fsdp-cut", data, **fsdp)
     killed_after_step_1(cut, runs / "fsdp-cut")
