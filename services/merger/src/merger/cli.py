@@ -1,6 +1,7 @@
 """`lorastack merge ...`: merge + verify + publish, and the adapter-only vLLM check.
 
-    lorastack merge ADAPTER[:VERSION] [--dtype float32|bfloat16|float16] [--name NAME] [--probes N]
+    lorastack merge ADAPTER[:VERSION] [--dtype float32|bfloat16|float16] [--device auto|cuda|cpu]
+                    [--name NAME] [--probes N]
     lorastack merge check-adapter ADAPTER[:VERSION] [--max-lora-rank 16] [--export DIR]
 
 Heavy imports (torch, transformers, peft) happen inside the handlers. Exit codes: 0 done,
@@ -77,9 +78,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     result = merge_adapter(
         settings,
         args.ref,
-        dtype=args.dtype or "float32",
+        dtype=args.dtype,
         name=args.name,
         probes=8 if args.probes is None else args.probes,
+        device=args.device,
     )
     print_report(result.report)
     if result.manifest is None:
@@ -104,8 +106,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise ConfigError(
             "check-adapter needs an adapter", "lorastack merge check-adapter RUN/adapter"
         )
-    if args.dtype or args.name or args.probes is not None:
-        raise ConfigError("--dtype, --name and --probes belong to a merge", "drop them here")
+    if args.dtype or args.name or args.probes is not None or args.device:
+        raise ConfigError(
+            "--dtype, --device, --name and --probes belong to a merge", "drop them here"
+        )
     from merger.export import check_adapter, export_adapter
 
     settings = load_settings()
@@ -132,13 +136,23 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "merge",
         help="merge an adapter into its base, verify, publish; or check-adapter for vLLM",
-        description="lorastack merge ADAPTER[:VERSION] [--dtype D] [--name N] [--probes N]\n"
+        description="lorastack merge ADAPTER[:VERSION] [--dtype D] [--device D] [--name N] "
+        "[--probes N]\n"
         "lorastack merge check-adapter ADAPTER[:VERSION] [--max-lora-rank R] [--export DIR]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("ref", metavar="ADAPTER[:VERSION] | check-adapter")
     p.add_argument("adapter", nargs="?", help="with check-adapter: the adapter to check")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default float32")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="output dtype; default the base's own (bfloat16 for most hub models)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        help="where deltas and verification run; default LORASTACK_MERGE_DEVICE or auto (GPU if any)",
+    )
     p.add_argument("--name", help="name of the merged model; default RUN/merged")
     p.add_argument("--probes", type=int, help="validation conversations to verify on; default 8")
     p.add_argument(

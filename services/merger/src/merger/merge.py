@@ -1,26 +1,30 @@
 """Merge an adapter into its base, verify the result, and publish it: the merger's I/O.
 
-    merge_adapter(settings, "run1/adapter:3", dtype="bfloat16") -> MergeResult
+    merge_adapter(settings, "run1/adapter:3", dtype="bfloat16", device="auto") -> MergeResult
 
 Steps: resolve the adapter and the base and dataset its manifest names; refuse a base
-whose digest changed or that is quantized; load base (float32) + adapter and record the
-reference (logits over every probe position, greedy tokens); merge_and_unload in float32,
-cast to the output dtype, save safetensors (sharded above `merge_max_shard_size`) with
-the tokenizer, chat template, a generation config that stops at the end-of-turn token
-and a model card; reload the saved folder and compare it with the reference (see
-verify.py); publish it as a `merged-model` with merge-report.json only if it passed.
+whose digest changed or that is quantized, and an adapter the merger cannot merge
+exactly (lora.py); the preflight (preflight.py: disk, host and GPU memory, before any
+work); load base + adapter once, in float32 on the merge's device, and record the
+reference (logits over every probe position, greedy tokens); merge shard by shard
+(shards.py) into the output dtype (default: the base's) with the tokenizer, chat
+template, a generation config that stops at the end-of-turn token and a model card;
+cast the loaded model to the output dtype (the dtype's own error), read the written
+shards back into its base layers and compare, adapter disabled (verify.py); publish it
+as a `merged-model` with merge-report.json only if it passed.
 
-It owns the merge itself (torch, transformers, peft) and publishing; what it reads is
-inputs.py, what it checks on is probing.py, the rules live in checks.py, verify.py and
-card.py.
+It owns the order of the steps and publishing; what it reads is inputs.py, what it
+checks on is probing.py, the rules live in checks.py, lora.py, verify.py and card.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +34,21 @@ from lorastack.manifest import Manifest, validate_name
 from lorastack.store import open_store
 from merger.card import render_card
 from merger.inputs import Inputs, lineage_of, read_json, resolve_inputs
+from merger.lora import plan_lora
+from merger.preflight import Have, Need, Sizes, check_fit, measure, need_for, same_disk
 from merger.probing import Probing, adapter_effect, compare, prepare_probes, run_probes
 from merger.settings import MergerSettings
+from merger.shards import (
+    ShardReader,
+    base_dtype,
+    base_layout,
+    base_shards,
+    load_adapter,
+    merge_shards,
+    output_bytes,
+    pick_device,
+    read_shard,
+)
 from merger.verify import DTYPES, THRESHOLDS, Comparison, judge
 
 log = logging.getLogger(__name__)
@@ -56,12 +73,14 @@ def _torch_dtype(dtype: str) -> Any:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def _load_with_adapter(base_dir: Path, adapter_dir: Path) -> Any:
+def _load_with_adapter(base_dir: Path, adapter_dir: Path, device: Any) -> Any:
+    """Base + adapter in float32 on `device`, loaded once for every comparison."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    placed = {"device_map": str(device)} if device.type == "cuda" else {}
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **placed)
     try:
         model = PeftModel.from_pretrained(base, adapter_dir)
     except (RuntimeError, ValueError, KeyError) as e:
@@ -73,21 +92,41 @@ def _load_with_adapter(base_dir: Path, adapter_dir: Path) -> Any:
     return model.eval()
 
 
-def write_merged(
-    settings: MergerSettings,
-    model: Any,
-    inputs: Inputs,
-    probing: Probing,
-    dtype: str,
-    folder: Path,
-) -> None:
-    """merge_and_unload in float32, cast, and save a complete HF folder into `folder`."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    merged = model.merge_and_unload()  # float32: W + scale * B @ A, exact to fp32 rounding
-    merged = merged.to(_torch_dtype(dtype))
-    merged.config.dtype = dtype
-    merged.save_pretrained(folder, max_shard_size=settings.merge_max_shard_size)
+def _cast_parameters(model: Any, dtype: str) -> None:
+    """Parameters to `dtype`, buffers (rotary frequencies) untouched: as from_pretrained
+    in that dtype loads them."""
+    t = _torch_dtype(dtype)
+    for p in model.parameters():
+        p.data = p.data.to(t)
+
+
+def _load_merged(model: Any, folder: Path) -> None:
+    """Copy the merged shards as written into the base layers of the loaded PeftModel:
+    with its adapter disabled it is then the merged model as it ships."""
+    import torch
+    from safetensors import safe_open
+
+    base = model.get_base_model()
+    with torch.no_grad():
+        for shard in base_shards(folder):
+            with safe_open(str(folder / shard), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    module_path, _, leaf = name.rpartition(".")
+                    module = base.get_submodule(module_path)
+                    module = (
+                        getattr(module, "base_layer", None)
+                        or getattr(module, "original_module", None)
+                        or module
+                    )
+                    getattr(module, leaf).copy_(f.get_tensor(name))
+
+
+def write_folder(inputs: Inputs, probing: Probing, dtype: str, folder: Path) -> None:
+    """Everything a merged folder holds besides its shards: config in the output dtype,
+    tokenizer and chat template, a generation config that stops at the end of a turn."""
+    config = read_json(inputs.base_dir / "config.json")
+    config = {k: v for k, v in config.items() if k != "torch_dtype"} | {"dtype": dtype}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     probing.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
     gen_path = inputs.base_dir / "generation_config.json"
     gen_cfg = read_json(gen_path) if gen_path.is_file() else {}
@@ -99,61 +138,87 @@ def write_merged(
 def merge_adapter(
     settings: MergerSettings,
     adapter_ref: str,
-    dtype: str = "float32",
+    dtype: str | None = None,
     name: str | None = None,
     probes: int = 8,
+    device: str | None = None,
+    resources: Callable[[Need, str], Have] = measure,
+    reader: ShardReader = read_shard,
 ) -> MergeResult:
-    """Merge, verify and (only if verified) publish. See the module docstring."""
+    """Merge, verify and (only if verified) publish. See the module docstring.
+    `dtype` None: the base's own; `device` None: settings.merge_device (auto: the GPU
+    when there is one). `resources` and `reader` are the seams tests fake."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
     if probes < 1:
         raise ConfigError(f"--probes {probes} must be at least 1", "use e.g. --probes 8")
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    dev = pick_device(device or settings.merge_device)
     clock = _Clock()
     inputs = resolve_inputs(settings, adapter_ref)
+    layout = base_layout(inputs.base_dir)
+    dtype = dtype or base_dtype(layout)
     out_name = validate_name(name or default_name(inputs.adapter.name))
-    config = {
-        "dtype": dtype,
-        "probes": probes,
-        "new_tokens": settings.merge_probe_new_tokens,
-        "max_shard_size": settings.merge_max_shard_size,
-    }
+    config = {"dtype": dtype, "probes": probes, "new_tokens": settings.merge_probe_new_tokens}
     store = open_store(settings)
     earlier = already_merged(store.ls(out_name), out_name, inputs.adapter, config)
     if earlier is not None:
         kept = store.fetch(earlier)
         record = json.loads((kept / "merge-report.json").read_text())
         return MergeResult(manifest=earlier, report=record, folder=kept, reused=True)
-    probing = prepare_probes(settings, inputs, probes)
-    clock.lap("fetch")
 
-    model = _load_with_adapter(inputs.base_dir, inputs.adapter_dir)
+    lora_config, adapter_tensors = load_adapter(inputs.adapter_dir)
+    base_cfg = read_json(inputs.base_dir / "config.json")
+    names = {n for h in layout.values() for n in h if n != "__metadata__"}
+    plan = plan_lora(
+        lora_config,
+        {k: tuple(v.shape) for k, v in adapter_tensors.items()},
+        names,
+        tie_word_embeddings=bool(base_cfg.get("tie_word_embeddings")),
+    )
+    folder = settings.resolved_merge_dir / out_name / f"{inputs.adapter.version}-{dtype}"
+    url = settings.resolved_store_url
+    sizes = sizes_of(layout, dtype, inputs.adapter_dir)
+    need = same_disk(
+        need_for(
+            sizes,
+            folder,
+            Path(url.removeprefix("file://")).expanduser() if url.startswith("file://") else None,
+            dev.type == "cuda",
+        )
+    )
+    check_fit(need, resources(need, str(dev)), dtype, dev.type == "cuda")
+    probing = prepare_probes(settings, inputs, probes)
+    clock.lap("fetch_and_preflight")
+
+    model = _load_with_adapter(inputs.base_dir, inputs.adapter_dir, dev)
     ref = run_probes(model, probing.encoded, probing.generation)
     effect = adapter_effect(model, probing.encoded, ref)
     clock.lap("reference")
 
-    folder = settings.resolved_merge_dir / out_name / f"{inputs.adapter.version}-{dtype}"
-    write_merged(settings, model, inputs, probing, dtype, folder)
-    del model
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    stats = merge_shards(inputs.base_dir, adapter_tensors, folder, plan, dtype, dev, reader)
+    del adapter_tensors
+    write_folder(inputs, probing, dtype, folder)
     clock.lap("merge_and_save")
 
-    # Verify the files as they will ship: reload the saved folder in the output dtype.
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=_torch_dtype(dtype)).eval()
-    got = run_probes(reloaded, probing.encoded, probing.generation)
-    del reloaded
-    merged_cmp = compare(ref, got)
     dtype_only: Comparison | None = None
     merge_only: Comparison | None = None
+    same_dtype = None
     if dtype != "float32":
-        unmerged = _load_with_adapter(inputs.base_dir, inputs.adapter_dir)
-        same_dtype = run_probes(
-            unmerged.to(_torch_dtype(dtype)), probing.encoded, probing.generation
-        )
-        del unmerged
+        _cast_parameters(model, dtype)  # base + adapter unmerged, in the output dtype
+        same_dtype = run_probes(model, probing.encoded, probing.generation)
+    # Verify the files as they will ship: the written shards, read back into the model.
+    _load_merged(model, folder)
+    with model.disable_adapter():
+        got = run_probes(model, probing.encoded, probing.generation)
+    del model
+    merged_cmp = compare(ref, got)
+    if same_dtype is not None:
         dtype_only = compare(ref, same_dtype)
         merge_only = compare(same_dtype, got)
     verdict = judge(dtype, merged_cmp, dtype_only)
@@ -167,6 +232,7 @@ def merge_adapter(
         "dataset": lineage["dataset"],
         "output": {"name": out_name, "dtype": dtype, "stop_token_ids": probing.stops},
         "dtype": dtype,
+        "device": str(dev),
         "passed": verdict.passed,
         "failures": verdict.failures,
         "advice": verdict.advice,
@@ -188,6 +254,12 @@ def merge_adapter(
             "new_tokens": settings.merge_probe_new_tokens,
             "greedy_reference": [probing.tokenizer.decode(t) for t in ref.tokens],
             "greedy_merged": [probing.tokenizer.decode(t) for t in got.tokens],
+        },
+        "shards": {
+            "files": stats.shards,
+            "tensors": stats.tensors,
+            "merged_tensors": stats.merged,
+            "bytes_written": stats.bytes_written,
         },
         "lineage": lineage,
         "timings_s": clock.laps,
@@ -216,6 +288,27 @@ def merge_adapter(
     )
     log.info("published %s (%s)", published.ref, published.digest[:19])
     return MergeResult(manifest=published, report=report, folder=folder)
+
+
+def sizes_of(layout: dict[str, dict[str, Any]], dtype: str, adapter_dir: Path) -> Sizes:
+    """What the preflight weighs, from the base's headers and the adapter's file."""
+    shard_bytes = [
+        sum(
+            i["data_offsets"][1] - i["data_offsets"][0] for n, i in h.items() if n != "__metadata__"
+        )
+        for h in layout.values()
+    ]
+    params = 0
+    for h in layout.values():
+        for n, i in h.items():
+            if n != "__metadata__":
+                params += math.prod(i["shape"])
+    return Sizes(
+        output=output_bytes(layout, dtype),
+        largest_shard=max(shard_bytes),
+        adapter=(adapter_dir / "adapter_model.safetensors").stat().st_size,
+        params=params,
+    )
 
 
 def chat_format(adapter: Manifest) -> dict[str, Any]:

@@ -51,11 +51,12 @@ def run_probes(model: Any, encoded: list[tuple[list[int], list[int]]], gen: Any)
     import torch
 
     logits, tokens = [], []
+    dev = model.device
     with torch.inference_mode():
         for prompt, full in encoded:
-            ids = torch.tensor([full])
-            logits.append(model(input_ids=ids).logits[0].float())
-            p = torch.tensor([prompt])
+            ids = torch.tensor([full], device=dev)
+            logits.append(model(input_ids=ids).logits[0].float().cpu())
+            p = torch.tensor([prompt], device=dev)
             out = model.generate(
                 input_ids=p, attention_mask=torch.ones_like(p), generation_config=gen
             )
@@ -73,7 +74,8 @@ def adapter_effect(
     c = Comparison()
     with torch.inference_mode(), model.disable_adapter():
         for (_, full), ref_logits in zip(encoded, ref.logits, strict=True):
-            c.add_logits(ref_logits, model(input_ids=torch.tensor([full])).logits[0])
+            ids = torch.tensor([full], device=model.device)
+            c.add_logits(ref_logits, model(input_ids=ids).logits[0].float().cpu())
     return c
 
 

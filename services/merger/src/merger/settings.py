@@ -1,11 +1,12 @@
 """The merger's one settings class, built once at start (CLI handler or job entry point).
 
-Environment variables carry the `LORASTACK_` prefix, e.g. `LORASTACK_MERGE_MAX_SHARD_SIZE=5GB`.
+Environment variables carry the `LORASTACK_` prefix, e.g. `LORASTACK_MERGE_DEVICE=cpu`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -17,8 +18,8 @@ class MergerSettings(CommonSettings):
     merge_dir: Path | None = Field(
         None, description="where merged folders are written before publishing; default HOME/merges"
     )
-    merge_max_shard_size: str = Field(
-        "2GB", description="largest safetensors shard, e.g. '2GB' or '500MB'; larger models shard"
+    merge_device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="where deltas are applied and verification runs; auto: the GPU if any"
     )
     merge_probe_new_tokens: int = Field(
         24, ge=1, le=512, description="tokens generated greedily per probe during verification"
@@ -31,14 +32,6 @@ class MergerSettings(CommonSettings):
     @classmethod
     def _expand_dir(cls, v: Path | None) -> Path | None:
         return v.expanduser().resolve() if v is not None else None
-
-    @field_validator("merge_max_shard_size")
-    @classmethod
-    def _shard_size(cls, v: str) -> str:
-        digits = v.upper().removesuffix("B").rstrip("KMGT")
-        if not digits.isdigit() or not v.upper().endswith(("KB", "MB", "GB", "TB")):
-            raise ValueError(f"{v!r} is not a size like '2GB' or '500MB'")
-        return v
 
     @field_validator("max_lora_rank")
     @classmethod

@@ -22,6 +22,18 @@ agreement over every position of the probe conversations; greedy over probes):
     bfloat16  <= 8.0 and <= 2 x dtype_only    >= 85%                          not gated (reported)
     float16   <= 2.0 and <= 2 x dtype_only    >= 95%                          not gated (reported)
 
+Why 2 x dtype_only in half precision (derived, not only measured): the merged weights
+W + s·BA are computed in float32 and rounded to the output dtype once, a relative error of
+at most 2^-8 per weight in bfloat16 (8 significant bits: half a unit in the last place),
+2^-11 in float16. The unmerged model in that dtype rounds W the same way (same bound, same
+distribution, as |s·BA| << |W|) and computes the LoRA branch in the dtype as well. So both
+perturb every layer by errors of one distribution and size, and their logit errors are of
+one size: the merged model's max |Δlogit| is expected at ~1 x dtype_only (measured
+0.64-0.83), and 2 x is the margin for the max over positions of two independent draws. A
+merge error (a wrong scaling, a missing module) moves logits by the adapter's effect, far
+above that. In float32 only the summation order differs: ~1e-6 relative per weight,
+logits ~1e-4 (measured 1.3e-4): 0.01 is 75 x that.
+
 bfloat16 keeps 8 bits of mantissa, float16 11, hence the tighter float16 limits; float16
 also overflows above 65504, so any non-finite logit fails it. A greedy generation in half
 precision may take another path after a near-tie, which is the dtype's doing; the report
