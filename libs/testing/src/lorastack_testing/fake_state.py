@@ -54,6 +54,7 @@ class FakeState:
     prompt_tokens: int | None = 10  # what usage reports; None: the prompt's words
     send_usage: bool = True  # honour stream_options.include_usage
     embeds: bool = False  # serve /v1/embeddings (an embedding model)
+    api_key: str | None = None  # vLLM's --api-key: /v1/* answers 401 without Bearer KEY
     # /metrics values (added to what the fake itself is doing)
     kv_usage: float = 0.0  # 0..1
     kv_per_request: float = 0.0  # when > 0: KV usage = this x requests generating

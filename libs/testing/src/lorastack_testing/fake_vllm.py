@@ -83,6 +83,11 @@ def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None)
     )
 
 
+def _authorized(scope: Any, key: str) -> bool:
+    want = f"Bearer {key}".encode()
+    return any(k.lower() == b"authorization" and v == want for k, v in scope["headers"])
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -105,6 +110,9 @@ class FakeVLLM:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path, method, s = scope["path"], scope["method"], self.state
+        if s.api_key is not None and path.startswith("/v1") and not _authorized(scope, s.api_key):
+            # as vLLM's AuthenticationMiddleware: every /v1/* route, load_lora_adapter too
+            return await send_answer(send, 401, b'{"error":"Unauthorized"}')
         if method == "GET" and path == "/v1/models":
             data = [
                 {"object": "model", "owned_by": "vllm", "root": None, "parent": None, **m}
