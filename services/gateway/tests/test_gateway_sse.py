@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from gateway.sse import RESPONSES_END, EventScanner
 from gateway.upstream import _Silence, _SilenceWatch
 
@@ -177,3 +179,39 @@ def test_a_body_that_ends_with_its_last_events_takes_one_write_to_finish() -> No
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     assert bodies == [(DELTA, True), (DONE, True), (b"", False)]
     assert [e.status for e in ends] == ["200"]  # type: ignore[attr-defined]
+
+
+def written(stream: bytes, newline: bytes, space: bytes) -> bytes:
+    """`stream` (LF, `data: `) with other legal line ends and `data:` without the space."""
+    return stream.replace(b"data: ", b"data:" + space).replace(b"\n", newline)
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"], ids=["LF", "CRLF", "CR"])
+@pytest.mark.parametrize("space", [b" ", b""], ids=["data: ", "data:"])
+def test_every_legal_line_end_and_data_form_ends_and_counts_the_same(
+    newline: bytes, space: bytes
+) -> None:
+    """A backend may write CRLF or CR line ends and `data:[DONE]` (all legal SSE): the
+    stream still ends at [DONE], its usage is read, the added usage event is dropped, and
+    the client gets the same events (as LF lines) wherever the bytes were cut."""
+    lf = DELTA + DELTA + USAGE_ONLY + DONE
+    stream = written(lf, newline, space)
+    for cut in range(1, len(stream)):  # a CRLF cut between two reads too
+        s = EventScanner(keep_usage=False)
+        out = s.feed(stream[:cut]) + s.feed(b"") + s.feed(stream[cut:])
+        assert out == written(DELTA + DELTA + DONE, b"\n", space), cut
+        assert s.done and s.usage == USAGE, cut
+
+
+def test_multi_line_data_is_joined_by_newline_for_the_usage() -> None:
+    compact = json.dumps(USAGE, separators=(",", ":")).encode()
+    usage = b'data: {"choices": [],\ndata: "usage":' + compact + b"}\n\n"
+    s = EventScanner(keep_usage=True)
+    assert s.feed(usage + DONE) == usage + DONE
+    assert s.usage == USAGE and s.done
+
+
+def test_a_responses_stream_ends_at_event_without_the_space() -> None:
+    s = EventScanner(keep_usage=True, end=RESPONSES_END)
+    s.feed(b'event:response.completed\r\ndata:{"response":{"usage":null}}\r\n\r\n')
+    assert s.done
