@@ -301,3 +301,17 @@ def test_every_lorastack_variable_in_deploy_files_is_a_real_setting() -> None:
     assert used, "no settings found: the pattern is wrong"
     unknown = sorted(used - known)
     assert not unknown, f"not a setting of any service (typo, or renamed?): {unknown}"
+
+
+@pytest.mark.parametrize(
+    ("ci", "outcome"), [("true", pytest.fail.Exception), ("", pytest.skip.Exception)]
+)
+def test_a_missing_kubectl_fails_under_ci_and_skips_elsewhere_naming_how_to_get_it(
+    ci: str, outcome: type[BaseException], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from k8s_render import tool
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without kubectl
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="kubectl is missing: install kubectl"):
+        tool("kubectl")
