@@ -10,6 +10,9 @@ Debian's prometheus package for prom/prometheus, a Debian bookworm Python for
 python:3.11-slim; Grafana is not started (no image), its dashboard's queries are run
 against the real Prometheus instead. The model hub is lorastack_testing.fake_hub on the host,
 serving SmolLM2-135M-Instruct (converted from the GGUF on PyPI) under its hub repo id.
+Once everything is up it also plays the attacker: from a job container and from a container
+on vLLM's internal network it tries vLLM's completions, load_lora_adapter and the
+supervisor's /admin without keys (docs/security.md).
 
 Not a part of `make test` (testpaths): it needs Docker and ~10 minutes of 2 cores.
 """
