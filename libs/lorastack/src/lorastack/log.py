@@ -12,5 +12,5 @@ def setup_logging(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "httpx", "filelock"):
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "httpx", "httpx2", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,16 +1,28 @@
-"""A model hub on loopback that speaks the download protocol `lorastack model import` uses.
+"""A model hub on loopback that speaks what `huggingface_hub` asks of the real one.
 
-Serves folders the tests make as repos `OWNER/NAME`, each at one commit sha:
+Serves folders the tests make as repos `OWNER/NAME`, each at one commit sha, through two
+servers, as the real hub does (the hub, and a CDN on another origin for LFS files):
 
-    GET /api/models/{repo}/revision/{rev}?blobs=true   listing: sha, siblings (size, lfs)
-    GET|HEAD /{repo}/resolve/{rev}/{path}              files; LFS files (*.safetensors,
-                                                       *.bin) redirect to /cdn/... like the
-                                                       real hub; Range requests answer 206
+    GET  /api/models/{repo}/revision/{rev}[?blobs=true]   model info: id, sha, siblings
+                                                          (size, blobId, lfs sha256/size)
+    GET  /api/models/{repo}/tree/{rev}[/{dir}]            tree entries (type, oid, size,
+         ?recursive=&cursor=                              path, lfs), `page_size` a page,
+                                                          the next page in a Link header
+    POST /api/models/{repo}/paths-info/{rev}              entries of the form's `paths`
+    HEAD|GET /{repo}/resolve/{rev}/{path}                 X-Repo-Commit and ETag (git blob
+                                                          sha1); LFS files (*.safetensors,
+                                                          *.bin, ...) answer 302 to the CDN
+                                                          with X-Linked-Etag (sha256) and
+                                                          X-Linked-Size
+    HEAD|GET {cdn}/cdn/{repo}/-/{path}                    the bytes; Range answers 206, a
+                                                          range past the end 416
 
-with the real hub's error shapes (401 for a gated repo without the token, 404 with
-`X-Error-Code: RepoNotFound | RevisionNotFound`). `cut_once[path] = N` sends only the first
+with the real hub's error shapes (401 `X-Error-Code: GatedRepo` without the token, 404 with
+`RepoNotFound | RevisionNotFound | EntryNotFound`). `cut_once[path] = N` sends only the first
 N bytes of that file once and drops the connection, to test resuming. Every request is
-recorded (`requests`: method, path, Range header).
+recorded (`requests`: method, path, Range header); `cdn_authorization` keeps any
+Authorization header the CDN was sent (a token must never leave the hub). `page_size` makes
+the tree listing span pages; `barrier` holds model-info requests until N have arrived.
 """
 
 from __future__ import annotations
@@ -21,9 +33,10 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pth", ".gguf")
+POINTER_SIZE = 134  # bytes of a git-lfs pointer file, as the hub reports it
 
 
 @dataclass
@@ -34,13 +47,24 @@ class Repo:
     branches: tuple[str, ...] = ("main",)
 
 
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 @dataclass
 class FakeHub:
     host: str = "127.0.0.1"
     repos: dict[str, Repo] = field(default_factory=dict)
     cut_once: dict[str, int] = field(default_factory=dict)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
+    cdn_authorization: list[str] = field(default_factory=list)
+    page_size: int = 1000  # tree entries per page (the real hub: 1,000)
+    # set: each model-info request waits there until the barrier's parties have all sent
+    # one (two imports that the test wants in flight at once)
+    barrier: threading.Barrier | None = None
     _server: ThreadingHTTPServer | None = None
+    _cdn: ThreadingHTTPServer | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -48,9 +72,18 @@ class FakeHub:
         return f"http://{self.host}:{self._server.server_address[1]}"
 
     @property
+    def cdn_url(self) -> str:
+        assert self._cdn is not None
+        return f"http://{self.host}:{self._cdn.server_address[1]}"
+
+    @property
     def port(self) -> int:
-        assert self._server is not None
-        return int(self._server.server_address[1])
+        return self._port(self._server)
+
+    @staticmethod
+    def _port(server: ThreadingHTTPServer | None) -> int:
+        assert server is not None
+        return int(server.server_address[1])
 
     def add(self, repo_id: str, folder: Path, token: str | None = None) -> Repo:
         commit = hashlib.sha1(f"{repo_id}:{folder}".encode()).hexdigest()
@@ -58,27 +91,36 @@ class FakeHub:
         return repo
 
     def start(self, port: int = 0) -> FakeHub:
-        hub = self
+        self._server = self._serve(port, self._handle)
+        self._cdn = self._serve(0, self._handle_cdn)
+        return self
 
+    def _serve(self, port: int, handle: object) -> ThreadingHTTPServer:
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the library's client expects
+
             def log_message(self, *args: object) -> None:
                 pass
 
             def do_HEAD(self) -> None:
-                hub._handle(self, body=False)
+                handle(self, False)  # type: ignore[operator]
 
             def do_GET(self) -> None:
-                hub._handle(self, body=True)
+                handle(self, True)  # type: ignore[operator]
 
-        self._server = ThreadingHTTPServer((self.host, port), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return self
+            def do_POST(self) -> None:
+                handle(self, True)  # type: ignore[operator]
+
+        server = ThreadingHTTPServer((self.host, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        for server in (self._server, self._cdn):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
 
     def __enter__(self) -> FakeHub:
         return self.start()
@@ -86,38 +128,75 @@ class FakeHub:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- protocol ---------------------------------------------------------------------
+    # -- the hub ----------------------------------------------------------------------
+
+    def _record(self, h: BaseHTTPRequestHandler, path: str) -> None:
+        with self._lock:
+            self.requests.append((h.command, path, h.headers.get("range")))
 
     def _handle(self, h: BaseHTTPRequestHandler, body: bool) -> None:
-        path = unquote(urlsplit(h.path).path)
-        self.requests.append((h.command, path, h.headers.get("range")))
+        split = urlsplit(h.path)
+        path, query = unquote(split.path), parse_qs(split.query)
+        self._record(h, path)
         if path.startswith("/api/models/"):
-            repo_id, _, rev = path.removeprefix("/api/models/").partition("/revision/")
-            repo = self._authorised(h, repo_id)
-            if repo is None:
-                return
-            if rev not in (repo.commit, *repo.branches):
-                return _error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
-            return _json(h, self._listing(repo_id, repo))
-        if path.startswith("/cdn/"):
-            repo_id, _, rel = path.removeprefix("/cdn/").partition("/-/")
-            return self._send_file(h, self.repos[repo_id].folder / rel, rel, body)
+            return self._api(h, path.removeprefix("/api/models/"), query)
         owner, name, kind, rev, rel = (path.lstrip("/").split("/", 4) + [""] * 5)[:5]
-        repo = self._authorised(h, f"{owner}/{name}")
+        repo_id = f"{owner}/{name}"
+        repo = self._authorised(h, repo_id)
         if repo is None:
             return
         if kind != "resolve" or rev not in (repo.commit, *repo.branches):
             return _error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
         file = repo.folder / rel
-        if not file.is_file():
-            return _error(h, 404, "EntryNotFound", f"{rel} does not exist")
+        if not rel or not file.is_file():
+            return _error(h, 404, "EntryNotFound", f"{rel} does not exist", repo.commit)
+        data = file.read_bytes()
         if rel.endswith(LFS_SUFFIXES):  # the real hub sends LFS files to a CDN
             h.send_response(302)
-            h.send_header("location", f"/cdn/{owner}/{name}/-/{rel}")
+            cdn = _origin(h, self._port(self._cdn))  # the name the client used, CDN's port
+            h.send_header("location", f"{cdn}/cdn/{repo_id}/-/{quote(rel)}")
+            h.send_header("x-repo-commit", repo.commit)
+            h.send_header("x-linked-etag", f'"{hashlib.sha256(data).hexdigest()}"')
+            h.send_header("x-linked-size", str(len(data)))
+            h.send_header("etag", f'"{_git_blob_sha1(data)}"')
             h.send_header("content-length", "0")
             h.end_headers()
             return
-        self._send_file(h, file, rel, body)
+        self._send_bytes(h, data, rel, body, {"x-repo-commit": repo.commit,
+                                              "etag": f'"{_git_blob_sha1(data)}"'})  # fmt: skip
+
+    def _api(self, h: BaseHTTPRequestHandler, rest: str, query: dict[str, list[str]]) -> None:
+        for route in ("/revision/", "/tree/", "/paths-info/"):
+            repo_id, found, tail = rest.partition(route)
+            if found:
+                break
+        else:
+            return _error(h, 404, "RepoNotFound", "Repository not found")
+        repo = self._authorised(h, repo_id)
+        if repo is None:
+            return
+        rev, _, sub = tail.partition("/")
+        if rev not in (repo.commit, *repo.branches):
+            return _error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        if route == "/revision/":
+            if self.barrier is not None:
+                self.barrier.wait()
+            return _json(h, self._info(repo_id, repo))
+        if route == "/paths-info/":
+            length = int(h.headers.get("content-length", 0))
+            form = parse_qs(h.rfile.read(length).decode())
+            wanted = set(form.get("paths", []))
+            return _json(h, [e for e in self._entries(repo, "", True) if e["path"] in wanted])
+        entries = self._entries(repo, sub, query.get("recursive", ["false"])[0] == "True")
+        start = int(query.get("cursor", ["0"])[0])
+        page = entries[start : start + self.page_size]
+        link = None
+        if start + self.page_size < len(entries):
+            nxt = f"{_origin(h, self.port)}/api/models/{repo_id}/tree/{rev}" + (
+                f"/{sub}" if sub else ""
+            )
+            link = f'<{nxt}?recursive={query.get("recursive", ["false"])[0]}&cursor={start + self.page_size}>; rel="next"'
+        return _json(h, page, {"link": link} if link else {})
 
     def _authorised(self, h: BaseHTTPRequestHandler, repo_id: str) -> Repo | None:
         repo = self.repos.get(repo_id)
@@ -129,21 +208,69 @@ class FakeHub:
             return None
         return repo
 
-    def _listing(self, repo_id: str, repo: Repo) -> dict[str, object]:
-        siblings = []
-        for p in sorted(repo.folder.rglob("*")):
-            if not p.is_file():
-                continue
-            rel = p.relative_to(repo.folder).as_posix()
-            data = p.read_bytes()
-            entry: dict[str, object] = {"rfilename": rel, "size": len(data)}
-            if rel.endswith(LFS_SUFFIXES):
-                entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-            siblings.append(entry)
-        return {"id": repo_id, "sha": repo.commit, "siblings": siblings}
+    def _files(self, repo: Repo) -> list[tuple[str, bytes]]:
+        return [
+            (p.relative_to(repo.folder).as_posix(), p.read_bytes())
+            for p in sorted(repo.folder.rglob("*"))
+            if p.is_file()
+        ]
 
-    def _send_file(self, h: BaseHTTPRequestHandler, file: Path, rel: str, body: bool) -> None:
+    def _info(self, repo_id: str, repo: Repo) -> dict[str, object]:
+        siblings = []
+        for rel, data in self._files(repo):
+            entry: dict[str, object] = {
+                "rfilename": rel, "size": len(data), "blobId": _git_blob_sha1(data),
+            }  # fmt: skip
+            if rel.endswith(LFS_SUFFIXES):
+                entry["lfs"] = {
+                    "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                    "pointerSize": POINTER_SIZE,
+                }  # fmt: skip
+            siblings.append(entry)
+        return {"id": repo_id, "sha": repo.commit, "gated": bool(repo.token), "siblings": siblings}
+
+    def _entries(self, repo: Repo, under: str, recursive: bool) -> list[dict[str, object]]:
+        prefix = under.strip("/") + "/" if under.strip("/") else ""
+        entries: dict[str, dict[str, object]] = {}
+        for rel, data in self._files(repo):
+            if not rel.startswith(prefix):
+                continue
+            parts = rel[len(prefix) :].split("/")
+            for depth in range(1, len(parts)):  # the folders on the way
+                folder = prefix + "/".join(parts[:depth])
+                if recursive or depth == 1:
+                    entries.setdefault(folder, {"type": "directory", "oid": "0" * 40,
+                                                "size": 0, "path": folder})  # fmt: skip
+            if not recursive and len(parts) > 1:
+                continue
+            entry: dict[str, object] = {
+                "type": "file", "oid": _git_blob_sha1(data), "size": len(data), "path": rel,
+            }  # fmt: skip
+            if rel.endswith(LFS_SUFFIXES):
+                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                "pointerSize": POINTER_SIZE}  # fmt: skip
+            entries[rel] = entry
+        return sorted(entries.values(), key=lambda e: str(e["path"]))
+
+    # -- the CDN ----------------------------------------------------------------------
+
+    def _handle_cdn(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        path = unquote(urlsplit(h.path).path)
+        self._record(h, path)
+        if h.headers.get("authorization"):
+            with self._lock:
+                self.cdn_authorization.append(h.headers["authorization"])
+        repo_id, _, rel = path.removeprefix("/cdn/").partition("/-/")
+        repo = self.repos.get(repo_id)
+        file = repo.folder / rel if repo is not None else None
+        if file is None or not file.is_file():
+            return _error(h, 404, "EntryNotFound", "no such object")
         data = file.read_bytes()
+        self._send_bytes(h, data, rel, body, {"etag": f'"{hashlib.sha256(data).hexdigest()}"'})
+
+    def _send_bytes(
+        self, h: BaseHTTPRequestHandler, data: bytes, rel: str, body: bool, headers: dict[str, str]
+    ) -> None:
         start = 0
         rng = h.headers.get("range")
         if rng and rng.startswith("bytes="):
@@ -155,11 +282,13 @@ class FakeHub:
         else:
             h.send_response(200)
         h.send_header("content-length", str(len(data) - start))
-        h.send_header("etag", f'"{hashlib.sha256(data).hexdigest()}"')
+        for k, v in headers.items():
+            h.send_header(k, v)
         h.end_headers()
         if not body:
             return
-        cut = self.cut_once.pop(rel, None)
+        with self._lock:
+            cut = self.cut_once.pop(rel, None)
         if cut is not None:  # a broken connection mid-file
             h.wfile.write(data[start:cut])
             h.wfile.flush()
@@ -169,23 +298,37 @@ class FakeHub:
         h.wfile.write(data[start:])
 
 
-def _json(h: BaseHTTPRequestHandler, obj: object) -> None:
+def _origin(h: BaseHTTPRequestHandler, port: int) -> str:
+    """http://HOST:port, HOST as the client named this server (e.g. host.docker.internal)."""
+    host = urlsplit(f"//{h.headers.get('host', '127.0.0.1')}").hostname or "127.0.0.1"
+    return f"http://{host}:{port}"
+
+
+def _json(h: BaseHTTPRequestHandler, obj: object, headers: dict[str, str] | None = None) -> None:
     raw = json.dumps(obj).encode()
     h.send_response(200)
     h.send_header("content-type", "application/json")
     h.send_header("content-length", str(len(raw)))
+    for k, v in (headers or {}).items():
+        h.send_header(k, v)
     h.end_headers()
     h.wfile.write(raw)
 
 
-def _error(h: BaseHTTPRequestHandler, status: int, code: str, message: str) -> None:
+def _error(
+    h: BaseHTTPRequestHandler, status: int, code: str, message: str, commit: str | None = None
+) -> None:
     raw = json.dumps({"error": message}).encode()
     h.send_response(status)
     h.send_header("x-error-code", code)
+    h.send_header("x-error-message", message)
+    if commit:
+        h.send_header("x-repo-commit", commit)
     h.send_header("content-type", "application/json")
     h.send_header("content-length", str(len(raw)))
     h.end_headers()
-    h.wfile.write(raw)
+    if h.command != "HEAD":
+        h.wfile.write(raw)
 
 
 def make_tiny_model(folder: Path) -> Path:
