@@ -55,8 +55,9 @@ class HubSettings(BaseSettings):
 
     @property
     def token_value(self) -> str | None:
-        """None: the library's stored login (`hf auth login`), if any."""
-        return self.token.get_secret_value() if self.token is not None else None
+        """None (unset or empty, as compose passes `${HF_TOKEN:-}`): the library's stored
+        login (`hf auth login`), if any."""
+        return (self.token.get_secret_value() or None) if self.token is not None else None
 
 
 @dataclass(frozen=True)
