@@ -59,7 +59,9 @@ def child_env(settings_cls: type[BaseSettings], **values: Any) -> dict[str, str]
     Names are the class's field names (a field renamed in a service fails here, in the
     parent, not as a silently ignored variable in the child); each value is checked against
     the field's type and limits. Lists and mappings are written as JSON, which every
-    settings class of lorastack reads."""
+    settings class of lorastack reads. None is left out, so the child keeps its default
+    (JSON's "null" would be read as the text "null", e.g. cache_dir=./null); a field whose
+    default is not None cannot be unset that way and is refused."""
     prefix = str(settings_cls.model_config.get("env_prefix", ""))
     env: dict[str, str] = {}
     for name, value in values.items():
@@ -79,6 +81,15 @@ def child_env(settings_cls: type[BaseSettings], **values: Any) -> dict[str, str]
                 f"{settings_cls.__name__}.{name} = {value!r} is invalid: {e.errors()[0]['msg']}",
                 "pass a value the service accepts",
             ) from e
+        if value is None:
+            if field.get_default(call_default_factory=True) is not None:
+                raise ConfigError(
+                    f"{settings_cls.__name__}.{name} = None cannot reach the child: its "
+                    f"default is {field.get_default(call_default_factory=True)!r}, and an "
+                    "unset variable means that default",
+                    "pass the value the child should use",
+                )
+            continue  # unset: the child's default, None
         if isinstance(value, str | Path):
             text = str(value)
         elif isinstance(value, SecretStr):
