@@ -8,8 +8,10 @@ the second writer of a version gets HTTP 412 and we raise `Conflict`.
 Blobs over `s3_multipart_mb` go up as multipart uploads that survive a failure: the key
 is the content's sha256, so an unfinished upload of that key (ListMultipartUploads) holds
 parts of the very same bytes, and a retried publish uploads only the parts that are not
-there yet (ListParts: number and size). An unfinished upload is no object: nothing is
-visible until CompleteMultipartUpload, and the manifest comes after every blob.
+there yet (ListParts, followed page by page: S3 answers at most 1,000 parts a page). An
+unfinished upload is no object: nothing is visible until CompleteMultipartUpload, and the
+manifest comes after every blob. S3 takes at most 10,000 parts: a file that would need more
+at `s3_multipart_mb` goes up in larger parts (`part_size_for`, whole MiB).
 """
 
 from __future__ import annotations
@@ -37,12 +39,16 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from lorastack.errors import Conflict, NotFound, StoreUnavailable
+from lorastack.errors import ConfigError, Conflict, NotFound, StoreUnavailable
 from lorastack.settings import CommonSettings
 from lorastack.store.backend import RecordManifests, blob_key, manifest_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MIB = 1024 * 1024
+S3_MAX_PARTS = 10_000  # parts of one multipart upload (S3 and MinIO)
+S3_MAX_OBJECT_BYTES = 5 * 1024**4  # 5 TiB
+S3_PAGE = 1000  # the most entries S3 returns in one list page
 _TRANSIENT_CODES = {
     "SlowDown",
     "RequestTimeout",
@@ -69,8 +75,28 @@ def is_transient(err: BaseException) -> bool:
     return False
 
 
+def part_size_for(size: int, wanted: int) -> int:
+    """The part size for a file of `size` bytes: `wanted`, or the smallest whole MiB that
+    keeps it within S3_MAX_PARTS parts (1 TiB at 16 MiB would need 65,536: 105 MiB).
+    Never above S3's 5 GiB part limit, since an object is at most 5 TiB."""
+    if size > S3_MAX_OBJECT_BYTES:
+        raise ConfigError(
+            f"a file of {size / 1024**4:.1f} TiB is over S3's 5 TiB object limit",
+            "split the file (e.g. sharded safetensors) before publishing it",
+        )
+    least = -(-size // S3_MAX_PARTS)  # bytes a part, at the part limit
+    return max(wanted, -(-least // MIB) * MIB)
+
+
 class S3Backend(RecordManifests):
-    def __init__(self, bucket: str, prefix: str, settings: CommonSettings) -> None:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        settings: CommonSettings,
+        *,
+        list_page_size: int = S3_PAGE,  # entries a list call asks for (tests ask for fewer)
+    ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
@@ -90,8 +116,9 @@ class S3Backend(RecordManifests):
             ),
             config=Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=10),
         )
-        part = settings.s3_multipart_mb * 1024 * 1024
+        part = settings.s3_multipart_mb * MIB
         self._part_bytes = part
+        self._page = list_page_size
         self._transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part)
 
     def _key(self, key: str) -> str:
@@ -145,7 +172,8 @@ class S3Backend(RecordManifests):
 
     def _put_multipart(self, key: str, src: Path) -> None:
         """Upload `src` in parts, continuing an unfinished upload of `key` if there is one."""
-        size, part = src.stat().st_size, self._part_bytes
+        size = src.stat().st_size
+        part = part_size_for(size, self._part_bytes)
         count = -(-size // part)
         expected = {n: min(part, size - (n - 1) * part) for n in range(1, count + 1)}
         upload_id, done = self._unfinished_upload(key, expected)
@@ -182,22 +210,32 @@ class S3Backend(RecordManifests):
     ) -> tuple[str | None, dict[int, str]]:
         """(upload id, {part number: ETag}) of an unfinished upload of `key` whose parts
         have the sizes this one would give them; (None, {}) when there is none."""
-        uploads = self._call(
-            lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=key),
-            "list of unfinished uploads",
-        ).get("Uploads", [])
+        uploads = self._pages(
+            "list_multipart_uploads", "Uploads", "list of unfinished uploads", Prefix=key
+        )
         for up in uploads:
             if up["Key"] != key:
                 continue
-            listed = self._call(
-                lambda up=up: self._client.list_parts(  # type: ignore[misc]
-                    Bucket=self.bucket, Key=key, UploadId=up["UploadId"], MaxParts=10000
-                ),
-                "list of uploaded parts",
-            ).get("Parts", [])
+            listed = self._pages(
+                "list_parts", "Parts", "list of uploaded parts", Key=key, UploadId=up["UploadId"]
+            )
             if all(expected.get(p["PartNumber"]) == p["Size"] for p in listed):
                 return up["UploadId"], {p["PartNumber"]: p["ETag"] for p in listed}
         return None, {}
+
+    def _pages(self, operation: str, field: str, what: str, **params: Any) -> list[Any]:
+        """Every entry of a paginated list call, page after page (boto3's paginator
+        follows the markers: NextPartNumberMarker, NextKeyMarker/NextUploadIdMarker)."""
+        paginator = self._client.get_paginator(operation)
+        pages = self._call(
+            lambda: list(
+                paginator.paginate(
+                    Bucket=self.bucket, **params, PaginationConfig={"PageSize": self._page}
+                )
+            ),
+            what,
+        )
+        return [entry for page in pages for entry in page.get(field, [])]
 
     def download_blob(self, sha256: str, dest: Path) -> None:
         key = self._key(blob_key(sha256))
