@@ -195,6 +195,15 @@ def test_cli_eval(
     assert code == 0
     assert "exact" in printed and "improvement" in printed and "caps" in printed
     assert (out / "report.md").is_file()
+    # --limit under the exact test's minimum: it runs, says so first, and cannot improve
+    code = cli_main([
+        "eval", "--config", str(cfg), "--base-url", fake.base_url, "--test", str(_test_file(tmp_path, 30)),
+        "--base-model", "fake-base", "--lora-model", "fake-lora", "--max-tokens", "4",
+        "--out", str(tmp_path / "limited"), "--limit", "1", "--no-publish",
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0 and "--limit 1 is under the 6 paired items" in captured.err
+    assert "improvement" not in captured.out and "too few items (n = 1 < 6)" in captured.out
     code = cli_main(["eval", "--base-url", fake.base_url, "--test", str(tmp_path / "missing.jsonl"),
                      "--base-model", "a", "--lora-model", "b", "--out", str(out)])  # fmt: skip
     assert code == 2

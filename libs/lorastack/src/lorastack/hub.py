@@ -14,7 +14,8 @@ second import of one commit downloads nothing.
 
 Settings are the names every Hugging Face tool reads: HF_ENDPOINT (a mirror or a test
 server), HF_TOKEN (gated or private repos; else the library's stored login). HF_HUB_OFFLINE
-is the library's own switch: set, an import is refused with that name.
+is the library's own switch: set, an import is refused with that name. Timeouts and retries
+are the library's too (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT: seconds).
 
 Errors (`hub_errors`, the one map): gated or private without access -> ConfigError, repo,
 revision or file not found -> NotFound, offline mode -> ConfigError, anything else from

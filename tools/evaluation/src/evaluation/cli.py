@@ -5,6 +5,7 @@ handlers so `lorastack --help` stays fast."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from lorastack.settings import CommonSettings
 def cmd_eval(args: argparse.Namespace) -> int:
     from evaluation.eval_config import load_eval_config
     from evaluation.eval_run import default_report_name, run_eval
+    from evaluation.verdict import minimum_items
     from lorastack.store import open_store
 
     overrides: dict[str, Any] = {
@@ -37,6 +39,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.few_shot:
         overrides["few_shot"] = [_parse_shot(s) for s in args.few_shot]
     config = load_eval_config(Path(args.config) if args.config else None, overrides)
+    floor = minimum_items(config.confidence)
+    if config.limit is not None and config.limit < floor:
+        # still run (a quick check of the endpoint and scorers), but say it up front
+        print(
+            f"note: --limit {config.limit} is under the {floor} paired items an exact test "
+            f"needs at {config.confidence:.0%} confidence: every verdict will be 'too few "
+            "items', and lorastack promote refuses it",
+            file=sys.stderr,
+        )
     store = open_store(CommonSettings())
     publish = None if args.no_publish else (args.publish or default_report_name(config.test))
     out = Path(args.out)

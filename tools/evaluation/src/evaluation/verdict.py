@@ -72,10 +72,6 @@ class PairedResult(BaseModel):
     min_items: int | None = None  # minimum_items(confidence) when this was decided
     ci_method: CiMethod = "percentile"
 
-    @property
-    def too_few(self) -> bool:
-        return self.n < minimum_items(self.confidence)
-
 
 def decide(
     ci_low: float, ci_high: float, *, p_value: float, alpha: float, wins: int, losses: int
