@@ -21,6 +21,7 @@ import pytest
 
 from lorastack.cli import main as cli_main
 from lorastack.pidfile import find_ours, write_pidfile
+from lorastack_app.local_stack import SUPERVISOR_PORT, is_ready
 
 
 @pytest.fixture
@@ -81,6 +82,8 @@ def test_up_and_status_do_not_claim_it(
     pidfile.write_text(_plants(planted)["bare pid"])
     # `up` with a serve config that the service refuses: it must start its own process
     # (which exits with the config's error), not report the planted pid as a running one
+    if is_ready(f"http://127.0.0.1:{SUPERVISOR_PORT}/ready"):
+        pytest.skip(f"a stack already answers on port {SUPERVISOR_PORT} of this machine")
     config = tmp_path / "serve.yaml"
     config.write_text("not: [a serve config\n")
     assert cli_main(["up", "--serve-config", str(config), "--timeout", "600"]) != 0
