@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from huggingface_hub import constants as hf_constants
 
 from lorastack.base_model import publish_if_new
 from lorastack.manifest import sha256_file
@@ -23,7 +24,7 @@ from lorastack.store import open_store
 from lorastack_testing.fake_hub import FakeHub, make_tiny_model
 
 TOKEN = "hf_test_token"
-CHUNK = 10 * 1024 * 1024  # bytes: huggingface_hub writes a download in chunks of this size
+CHUNK = hf_constants.DOWNLOAD_CHUNK_SIZE  # bytes (10 MiB): a download is written in these
 
 
 @pytest.fixture(scope="module")
