@@ -198,6 +198,20 @@ def test_racing_publishes_of_the_same_content_make_one_version(tmp_path: Path) -
     assert refs == ["tiny:1"] * 4 and store.versions("tiny") == ["1"]
 
 
+def test_the_same_bytes_again_are_the_latest_version_not_a_new_one(tmp_path: Path) -> None:
+    store = open_store(CommonSettings(home=tmp_path / "home"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, text in ((a, "{}"), (b, '{"x": 1}')):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    assert publish_if_new(store, a, "m", {}).ref == "m:1"
+    assert publish_if_new(store, a, "m", {}).ref == "m:1"  # nothing new
+    assert publish_if_new(store, b, "m", {}).ref == "m:2"
+    # back to a's bytes: they become the latest (a rollback), as a new version
+    assert publish_if_new(store, a, "m", {}).ref == "m:3"
+    assert store.resolve("m").ref == "m:3"
+
+
 @pytest.mark.parametrize(
     ("token", "args", "expect"),
     [

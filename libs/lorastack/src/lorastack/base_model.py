@@ -14,9 +14,9 @@ tokenizer files, never code; a repo whose config asks for its own modelling code
 Every file comes from the one commit the revision resolved to, which is recorded in the
 manifest (`source: hub:REPO@COMMIT`).
 
-Publishing is "same content, same version": `publish_if_new` returns the version that
-already holds these bytes, and two imports racing to publish the same content end with
-one version (the store's exclusive create decides the number, the loser finds the
+Publishing is "same content, same version": `publish_if_new` returns the latest version
+when it already holds these bytes, and two imports racing to publish the same content end
+with one version (the store's exclusive create decides the number, the loser finds the
 winner's digest there).
 """
 
@@ -152,23 +152,24 @@ def check_hf_folder(path: Path) -> dict[str, object]:
 def publish_if_new(
     store: ArtifactStore, path: Path, name: str, metadata: dict[str, object]
 ) -> Manifest:
-    """Publish `path` as a base model unless a version of `name` holds the same bytes.
+    """Publish `path` as a base model unless the latest version of `name` holds the same
+    bytes (an older version with them does not count: importing it again makes it latest).
 
-    Optimistic, on any store: the versions are listed once, each is checked for the digest,
-    and the next number is taken with the store's exclusive create. A racer publishing at
-    the same moment computed the same number from the same listing, so one of the two gets
-    Conflict, lists again and finds the other's version of these bytes.
+    Optimistic, on any store: the latest version is read, and the next number is taken
+    with the store's exclusive create. A racer publishing the same bytes at the same moment
+    computed the same number from the same listing, so one of the two gets Conflict, looks
+    again and finds the other's version of these bytes as the latest.
     """
     from lorastack.manifest import content_digest, scan_folder
 
     digest = content_digest(scan_folder(path))
     for _ in range(_PUBLISH_TRIES):
         versions = store.versions(name)
-        for held_version in reversed(versions):
-            held = store.manifest(name, held_version)
-            if held.digest == digest:
-                log.info("%s already holds these files (%s)", held.ref, digest[:19])
-                return held
+        if versions:
+            latest = store.manifest(name, versions[-1])
+            if latest.digest == digest:
+                log.info("%s already holds these files (%s)", latest.ref, digest[:19])
+                return latest
         numbers = [int(v) for v in versions if v.isdigit()]
         try:
             return store.publish(
