@@ -3,6 +3,8 @@ published to a file:// store, then the command itself (exit codes, messages, rec
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,6 +109,31 @@ def test_too_few_items_are_refused_naming_the_count_and_the_minimum(
     assert f"n = {items} (minimum 6)" in err
     assert f"{items} paired items are too few" in err and "fewer than 6" in err
     assert "Traceback" not in err and store.labels() == []
+
+
+def test_an_older_report_without_the_exact_test_is_refused(
+    fake: FakeServer, home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a report.json written before the sign test was part of the rule: its "improvement"
+    # rested on a percentile bootstrap alone, so promote asks for a new evaluation
+    store = _store(home)
+    adapter = _adapter(store, tmp_path, "a")
+    _evaluate(fake, store, tmp_path, adapter, "lora")
+    folder = tmp_path / "old-report"
+    shutil.copytree(store.fetch(store.resolve("demo/eval:1")), folder)
+    report = json.loads((folder / "report.json").read_text())
+    for m in report["metrics"].values():
+        for field in ("p_value", "min_items", "ci_method"):
+            del m[field]
+    (folder / "report.json").write_text(json.dumps(report))
+    old = store.publish(
+        folder, kind="report", name="demo/eval", service="evaluation",
+        parents=[adapter.as_parent("adapter")],
+    )  # fmt: skip
+    assert cli_main(["promote", "demo/adapter", "--report", old.ref]) == 3
+    err = capsys.readouterr().err
+    assert "says 'no exact test'" in err and "evaluate it again" in err
+    assert store.labels() == []
 
 
 def test_an_improvement_is_promoted_and_resolves(
