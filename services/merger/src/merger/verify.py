@@ -19,8 +19,8 @@ agreement over every position of the probe conversations; greedy over probes):
 
     dtype     max |Δlogit|                    top-1 agreement                 greedy identical
     float32   <= 0.01 (measured 1.3e-4)       >= 99.5%                        all probes
-    bfloat16  <= 8.0 and <= 2 x dtype_only    >= 85%                          not gated (reported)
-    float16   <= 2.0 and <= 2 x dtype_only    >= 95%                          not gated (reported)
+    bfloat16  <= 8.0 and <= 2 x dtype_only    >= min(85%, dtype_only - 5 pts)  not gated (reported)
+    float16   <= 2.0 and <= 2 x dtype_only    >= min(95%, dtype_only - 5 pts)  not gated (reported)
 
 Why 2 x dtype_only in half precision (derived, not only measured): the merged weights
 W + s·BA are computed in float32 and rounded to the output dtype once, a relative error of
@@ -78,6 +78,11 @@ THRESHOLDS: dict[str, Thresholds] = {
         max_abs_logit=2.0, min_top1=0.95, min_greedy_identical=0.0, max_ratio_to_dtype=2.0
     ),
 }
+
+
+# top-1 agreement the merged model may lose against the dtype's own (half precision): two
+# runs of the same bf16 merge differed by 5 points on 80 positions (the docstring)
+TOP1_SLACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -167,8 +172,13 @@ def judge(dtype: str, merged: Comparison, dtype_only: Comparison | None = None) 
         fails.append(f"{merged.nonfinite} logits are inf/nan in {dtype}")
     if merged.max_abs > t.max_abs_logit:
         fails.append(f"max |Δlogit| {merged.max_abs:.4g} > {t.max_abs_logit:g}")
-    if merged.top1 < t.min_top1:
-        fails.append(f"top-1 agreement {merged.top1:.2%} < {t.min_top1:.1%}")
+    floor = t.min_top1
+    if dtype_only is not None and t.max_ratio_to_dtype is not None:
+        # where the dtype alone flips more argmaxes (near-ties everywhere: a random-weight
+        # model), the merged model is held to the dtype's own agreement less TOP1_SLACK
+        floor = min(floor, dtype_only.top1 - TOP1_SLACK)
+    if merged.top1 < floor:
+        fails.append(f"top-1 agreement {merged.top1:.2%} < {floor:.1%}")
     probes = len(merged.divergences)
     if probes and merged.greedy_identical / probes < t.min_greedy_identical:
         fails.append(
