@@ -163,3 +163,24 @@ def test_unsupported_adapters_are_refused_with_what_to_do() -> None:
         plan_lora({"r": 4, "lora_alpha": 8}, shapes, {"other.weight"})
     plan = plan_lora({"r": 4, "lora_alpha": 8}, shapes, names)
     assert plan.updates["model.layers.0.mlp.up_proj.weight"].loras[0][2] == 2.0  # alpha / r
+
+
+def test_a_saved_head_copy_and_embedding_lora_merge_like_peft(tmp_path: Path) -> None:
+    """modules_to_save=["lm_head"] (a full trained copy) replaces the head; a LoRA on the
+    embeddings adds (B @ A).T * scaling, as PEFT's merge does."""
+    base = _tiny_base(tmp_path / "base", torch.float32)
+    peft_model = _adapter(
+        base,
+        tmp_path / "adapter",
+        target_modules=["q_proj", "embed_tokens"],
+        modules_to_save=["lm_head"],
+    )
+    with torch.no_grad():  # a trained head copy differs from the base's head
+        head = peft_model.base_model.model.lm_head.modules_to_save["default"].weight
+        head.add_(1.0)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    expected = peft_model.merge_and_unload().state_dict()
+    _merge(tmp_path / "base", tmp_path / "adapter", tmp_path / "out", "float32")
+    got = _read_all(tmp_path / "out")
+    for name, t in got.items():
+        assert torch.equal(t, expected[name]), name
