@@ -168,10 +168,6 @@ class Manifest(BaseModel):
     def to_json(self) -> bytes:
         return (self.model_dump_json(indent=2) + "\n").encode()
 
-    @classmethod
-    def from_json(cls, raw: bytes) -> Manifest:
-        return cls.model_validate(json.loads(raw))
-
 
 _REPUBLISH = (
     "the manifest was edited or damaged in the store: publish the artifact again from its "
