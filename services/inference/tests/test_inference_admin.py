@@ -11,7 +11,10 @@ from starlette.testclient import TestClient
 
 from inference.main import create_app, prepare
 from inference.settings import InferenceSettings
+from lorastack.errors import ConfigError
 from lorastack.store import open_store
+
+KEY = "inference-admin-test-" + "0123456789abcdef" * 2  # the admin key needs 32 characters
 
 
 def _client(home: Path, embedded_model: Path, **settings: str) -> TestClient:
@@ -24,10 +27,10 @@ def _client(home: Path, embedded_model: Path, **settings: str) -> TestClient:
 @pytest.fixture(scope="module")
 def keyed(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> TestClient:
     home = tmp_path_factory.mktemp("admin-home")
-    return _client(home, embedded_model, admin_key="s3cret", supervisor_host="0.0.0.0")
+    return _client(home, embedded_model, admin_key=KEY, supervisor_host="0.0.0.0")
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong", "s3cret", "Basic s3cret"])
+@pytest.mark.parametrize("header", [None, "Bearer wrong", KEY, f"Basic {KEY}", "Bearer "])
 def test_admin_without_the_key_is_401_and_loads_nothing(
     keyed: TestClient, header: str | None
 ) -> None:
@@ -42,7 +45,7 @@ def test_admin_without_the_key_is_401_and_loads_nothing(
 
 
 def test_admin_with_the_key_reaches_the_supervisor(keyed: TestClient) -> None:
-    r = keyed.delete("/admin/adapters/chat/adapter-v1", headers={"authorization": "Bearer s3cret"})
+    r = keyed.delete("/admin/adapters/chat/adapter-v1", headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and "no adapter" in r.json()["error"]["message"]
 
 
@@ -51,3 +54,15 @@ def test_admin_is_off_on_a_public_bind_without_a_key(embedded_model: Path, tmp_p
     r = client.delete("/admin/adapters/chat/adapter-v1")
     assert r.status_code == 403 and "LORASTACK_ADMIN_KEY" in r.json()["error"]["hint"]
     assert client.get("/status").status_code == 200  # the rest of the supervisor answers
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [("", "empty"), ("   ", "empty"), ("REPLACE_ME", "placeholder"), ("changeme", "placeholder"),
+     ("s3cret", "fewer than 32")],
+)  # fmt: skip
+def test_an_empty_placeholder_or_short_admin_key_is_refused_at_start(key: str, why: str) -> None:
+    """An empty key opened /admin to anyone sending `Bearer ` (compare_digest of b"" and b"");
+    an example file's placeholder or a short key is one an attacker can guess."""
+    with pytest.raises((ConfigError, ValueError), match=why):
+        InferenceSettings(model="smollm2-135m-instruct", engine="cpu", admin_key=key)

@@ -26,9 +26,9 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 
 from lorastack.errors import ConfigError, field_errors
 from lorastack.manifest import parse_ref, served_name, validate_name
+from lorastack.secrets import ADMIN_KEY_MIN_CHARS, secret_problem
 from lorastack.serving import check_max_lora_rank
 from lorastack.settings import CommonSettings, read_yaml_mapping
-
 
 MIN_KEY_CHARS = 32  # secrets.token_urlsafe(32) gives 43
 
@@ -131,6 +131,17 @@ class InferenceSettings(CommonSettings):
     @classmethod
     def _served(cls, v: str) -> str:
         return validate_name(v, "served model name") if v else v
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key(cls, v: SecretStr | None) -> SecretStr | None:
+        # an empty key would open /admin: compare_digest(b"", b"") is True
+        value = None if v is None else v.get_secret_value()
+        if value is not None and (
+            problem := secret_problem(value, "admin_key", ADMIN_KEY_MIN_CHARS)
+        ):
+            raise ValueError(problem)
+        return v
 
     @field_validator("vllm_api_key")
     @classmethod
