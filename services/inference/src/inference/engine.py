@@ -322,7 +322,9 @@ class VllmServer:
                 )
             if self.is_healthy():
                 try:
-                    r = httpx.get(self.base_url + "/v1/models", timeout=5.0)
+                    # /v1/* wants vLLM's --api-key like every other caller
+                    auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                    r = httpx.get(self.base_url + "/v1/models", timeout=5.0, headers=auth)
                     if r.status_code == 200:
                         return
                 except httpx.HTTPError:
