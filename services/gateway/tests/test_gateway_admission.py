@@ -91,7 +91,7 @@ def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake
     url, state = fake
     state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
     state.pace_s = 0.1  # a stream lasts 20 s: the test ends the held ones itself
-    with make_gateway([url], scrape_interval_s=0.1) as gw:
+    with make_gateway([url], scrape_interval_s=0.1, kv_admit_wait_s=0) as gw:
         # one stream's claim as the gateway counts it (prompt + max_tokens; a streamed
         # prompt may be counted as an upper bound while it is on its way)
         body = chat(stream=True, max_tokens=MAX_TOKENS)
@@ -116,7 +116,8 @@ def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake
                     body = chat(stream=True, max_tokens=MAX_TOKENS)
                     async with client.stream("POST", f"{gw}/v1/chat/completions", json=body) as r:
                         if r.status_code == 200:
-                            await anext(r.aiter_bytes())  # streaming: its claim is held
+                            chunks = r.aiter_bytes()  # kept: a dropped one closes the stream
+                            await anext(chunks)  # streaming: its claim is held
                             await release.wait()  # then the client hangs up
                         else:
                             await r.aread()
@@ -150,6 +151,39 @@ def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake
         assert r.status_code == 200 and "upstream_broken" in r.text
         assert _claimed(gw, url) == 0
         assert metric(gw, "lorastack_gateway_backend_inflight", backend=url) == 0
+
+
+def test_a_request_waits_for_room_then_runs_instead_of_429(make_gateway, fake) -> None:
+    """Within `kv_admit_wait_s` a request that does not fit waits for a claim to be given
+    back (vLLM would queue it too, but could preempt for it): the test ends the holder."""
+    url, state = fake
+    state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
+    state.pace_s = 0.1  # the holder lasts 20 s unless the test hangs up
+    state.num_gpu_blocks, state.block_size = 30, B  # 464 usable tokens: one request at a time
+    with make_gateway([url], scrape_interval_s=0.1, kv_admit_wait_s=30) as gw:
+        wait_for(lambda: _capacity_seen(gw, url))
+        body = chat(stream=True, max_tokens=MAX_TOKENS)
+        with httpx.stream("POST", f"{gw}/v1/chat/completions", json=body) as holder:
+            chunks = holder.iter_bytes()  # kept: a dropped iterator closes the response
+            next(chunks)
+
+            async def second() -> httpx.Response:
+                async with httpx.AsyncClient(timeout=60) as c:
+                    return await c.post(f"{gw}/v1/chat/completions", json=body | {"stream": False})
+
+            async def scenario() -> httpx.Response:
+                task = asyncio.create_task(second())
+                while metric(gw, "lorastack_gateway_kv_admission_waiting") != 1:
+                    await asyncio.sleep(0.02)
+                assert len(state.calls()) == 1  # it waits in the gateway, not in vLLM
+                state.pace_s = 0.0  # the second answers at once once admitted
+                await asyncio.to_thread(holder.close)  # the holder hangs up: room again
+                return await task
+
+            r = asyncio.run(scenario())
+        assert r.status_code == 200 and len(state.calls()) == 2
+        assert state.preemptions == 0
+        wait_for(lambda: _claimed(gw, url) == 0)
 
 
 def _claimed(gw: str, url: str) -> float:

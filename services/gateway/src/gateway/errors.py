@@ -160,6 +160,11 @@ class Overloaded(_RetryLater):
     reason = "overloaded"
 
 
+class NoKvRoom(Overloaded):
+    """No backend has KV-cache room for the request's prompt + max output (routing.fits_kv):
+    it may wait for room (`kv_admit_wait_s`) before it is answered 429."""
+
+
 class AdapterLoading(_RetryLater):
     """A declared adapter that no backend lists yet (its replicas are loading it)."""
 

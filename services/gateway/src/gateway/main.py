@@ -222,6 +222,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         for url, n in backends.inflight.counts.items():
             metrics.backend_inflight.labels(url).set(n)
             metrics.backend_kv_claimed.labels(url).set(backends.inflight.tokens.get(url, 0))
+        metrics.kv_admission_waiting.set(backends.inflight.waiting)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

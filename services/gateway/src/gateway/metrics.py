@@ -99,6 +99,11 @@ class GatewayMetrics:
             b,
             registry=r,
         )
+        self.kv_admission_waiting = Gauge(
+            "lorastack_gateway_kv_admission_waiting",
+            "requests waiting for KV-cache room on a backend (kv_admit_wait_s at most)",
+            registry=r,
+        )
         self.backend_kv_capacity = Gauge(
             "lorastack_gateway_backend_kv_capacity_tokens",
             "the backend's KV cache in tokens (vllm:cache_config_info), NaN when not reported",

@@ -43,6 +43,8 @@ from gateway.counting import count_prompts
 from gateway.errors import (
     BadRequest,
     GatewayError,
+    NoKvRoom,
+    Overloaded,
     PayloadTooLarge,
     UnsupportedMediaType,
     UpstreamTimeout,
@@ -350,7 +352,27 @@ class Proxy:
             )
 
         headers = {"content-type": "application/json", "x-request-id": rid}
-        return await self.upstream.open(pick, path, body, headers, route_req.tokens)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.kv_admit_wait_s
+        rescraped = False
+        while True:
+            try:
+                return await self.upstream.open(pick, path, body, headers, route_req.tokens)
+            except NoKvRoom:
+                # no KV room anywhere yet: wait for a request to end (bounded), then look
+                # again; vLLM would have queued it too, but here it cannot evict another
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                await self.backends.inflight.released(left)
+            except Overloaded:
+                # saturated by the last scrape, which may be up to scrape_interval_s old (on
+                # the H200, a burst that had just ended refused all 64 of the next): read
+                # the backends once more before refusing (refresh() shares one read at once)
+                if rescraped:
+                    raise
+                rescraped = True
+                await self.backends.refresh()
 
     async def _open_count(self, prep: Prepared) -> UpstreamCall:
         """`_open`, counting the prompt exactly while it waits for the backend (a callback

@@ -13,10 +13,11 @@ is deterministic. No I/O here; the tables behind the affinities live in `affinit
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from gateway.errors import Overloaded, UpstreamUnavailable
+from gateway.errors import NoKvRoom, Overloaded, UpstreamUnavailable
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def pick_backend(
         full = ", ".join(
             f"{v.url}: {kv_claimed(v)} of {v.kv_capacity_tokens} tokens claimed" for v in serving
         )
-        raise Overloaded(
+        raise NoKvRoom(
             f"no KV-cache room for this request's {req.tokens} tokens (prompt + max output)"
             f" on any backend serving {req.model!r} ({full})",
             "retry after the Retry-After delay, lower max_tokens, or add replicas",
@@ -256,11 +257,31 @@ class InflightCounter:
     counts: dict[str, int] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # prompt + max output, open requests
+    _waiting: list[asyncio.Future[None]] = field(default_factory=list)  # `released` callers
 
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
         """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`)."""
         self.counts[url] = self.counts.get(url, 0) + delta
-        if tokens:
-            self.tokens[url] = self.tokens.get(url, 0) + tokens
         if delta > 0:
             self.sent[url] = self.sent.get(url, 0) + delta
+        if tokens:
+            self.tokens[url] = self.tokens.get(url, 0) + tokens
+        if delta < 0 and self._waiting:
+            waiting, self._waiting = self._waiting, []
+            for f in waiting:  # in the order they began to wait
+                if not f.done():
+                    f.set_result(None)
+
+    @property
+    def waiting(self) -> int:
+        """Callers of `released` waiting now."""
+        return sum(not f.done() for f in self._waiting)
+
+    async def released(self, timeout_s: float) -> None:
+        """Return once a request ends (its claim is given back), or after `timeout_s`."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            pass

@@ -78,6 +78,12 @@ class GatewaySettings(CommonSettings):
     admit_max_kv_usage: float = Field(0.95, ge=0, le=1, description="KV-cache usage, 0..1")
     admit_max_waiting: int = Field(8, ge=0, description="requests waiting in vLLM's queue")
     scrape_interval_s: float = Field(2.0, gt=0, description="seconds between /metrics scrapes")
+    kv_admit_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="seconds a request may wait for KV-cache room (its prompt + max_tokens"
+        " beside what the gateway has open on the backend) before it is answered 429",
+    )
     backend_max_num_seqs: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict,
         description="backend URL -> the requests it runs at once (vLLM's --max-num-seqs, which"
