@@ -89,6 +89,18 @@ def test_step_time_comes_from_the_warm_steps_of_a_measured_run(tmp_path: Path) -
     assert sps == pytest.approx(1.25) and "2 step(s) of the smoke run" in source
 
 
+def test_a_smoke_runs_step_time_scales_by_tokens_to_the_runs_steps(tmp_path: Path) -> None:
+    """The smoke run trains a smaller batch of short samples: its time per token, times the
+    tokens of the run's steps."""
+    for step, (t, n) in enumerate([(5.0, 100), (3.0, 100), (1.0, 100), (3.0, 200)], start=1):
+        (tmp_path / f"metrics-step-{step}.json").write_text(
+            json.dumps({"step": step, "step_time_s": t, "tokens": n})
+        )
+    sps, source = budget.measured_step_time(tmp_path, "the smoke run", 400.0) or (0.0, "")
+    assert sps == pytest.approx((0.01 + 0.015) / 2 * 400)  # warm steps 3 and 4
+    assert "tokens a step" in source
+
+
 def test_a_cap_needs_a_price() -> None:
     with pytest.raises(ConfigError, match="max_cost needs price_per_gpu_hour"):
         build_config({"dataset": {"path": "x.jsonl"}, "max_cost": 5})

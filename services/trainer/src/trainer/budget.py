@@ -98,24 +98,31 @@ def overshoot(caps: Caps, hours: float) -> list[str]:
     return out
 
 
-def measured_step_time(metrics_dir: Path, what: str) -> tuple[float, str] | None:
+def measured_step_time(
+    metrics_dir: Path, what: str, tokens_per_step: float | None = None
+) -> tuple[float, str] | None:
     """Mean seconds per step of a run's warm steps (the first WARMUP_STEPS left out when
-    enough remain) and where it came from; None without records."""
+    enough remain) and where it came from; None without records. With `tokens_per_step`
+    (another run's steps: the smoke run trains a smaller or shorter batch), the mean
+    seconds per token of those steps times it, where every step recorded its tokens."""
     rows = []
     for p in metrics_dir.glob("metrics-step-*.json"):
         try:
             data = json.loads(p.read_text())
-            rows.append((int(data["step"]), float(data["step_time_s"])))
+            rows.append((int(data["step"]), float(data["step_time_s"]), data.get("tokens")))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     rows.sort()
     if not rows:
         return None
-    warm = [t for s, t in rows if s > WARMUP_STEPS] or [t for _, t in rows[1:]] or [rows[0][1]]
-    return (
-        statistics.fmean(warm),
-        f"mean of {len(warm)} step(s) of {what} in {metrics_dir}",
-    )
+    warm = [r for r in rows if r[0] > WARMUP_STEPS] or rows[1:] or rows[:1]
+    source = f"mean of {len(warm)} step(s) of {what} in {metrics_dir}"
+    if tokens_per_step and all(isinstance(r[2], int) and r[2] > 0 for r in warm):
+        per_token = statistics.fmean(t / n for _, t, n in warm)
+        return per_token * tokens_per_step, (
+            f"{source}, {per_token * 1000:.3g} ms a token x {tokens_per_step:.0f} tokens a step"
+        )
+    return statistics.fmean(t for _, t, _ in warm), source
 
 
 class Meter:

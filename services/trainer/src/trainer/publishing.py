@@ -194,11 +194,13 @@ def check_budget(r: Recipe, resume_from: Path | None) -> str:
 
 def step_time(r: Recipe) -> tuple[float, str] | None:
     """Seconds per step for the cost estimate: the config's, else the steps this run took
-    before it was resumed, else this output's smoke run's."""
+    before it was resumed, else this output's smoke run's per token, times the tokens of
+    this run's steps (a smoke run trains a short batch of short samples)."""
     if r.config.seconds_per_step is not None:
         return r.config.seconds_per_step, "seconds_per_step in the run config"
+    tokens_per_step = sum(r.plan.lengths) / max(1, r.plan.steps_per_epoch())
     return budget.measured_step_time(r.metrics_dir, "this run") or budget.measured_step_time(
-        r.run_dir / "smoke" / "metrics", "the smoke run"
+        r.run_dir / "smoke" / "metrics", "the smoke run", tokens_per_step
     )
 
 
