@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_gateway_proxy import chat
 
 from gateway.errors import TokenizerUnavailable
 from gateway.main import create_app
@@ -16,7 +17,6 @@ from gateway.settings import GatewaySettings
 from gateway.tokens import RETRY_FIRST_S, RETRY_MAX_S, TokenizerCache, retry_delay
 from lorastack.store import open_store
 from lorastack_testing.net import free_port, serve_in_thread, wait_for
-from test_gateway_proxy import chat
 
 WEIGHTS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
