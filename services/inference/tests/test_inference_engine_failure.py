@@ -22,7 +22,7 @@ from inference.main import create_app
 from inference.settings import InferenceSettings
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
-from lorastack_testing.fake_engine import publish_tiny_model
+from lorastack_testing.fake_engine import FakeEngine, publish_tiny_model
 from lorastack_testing.net import free_port, wait_for
 
 # vLLM 0.26.0's log on CUDA without flashinfer (issue 39), shortened: the engine core's
@@ -133,3 +133,34 @@ def test_identical_engine_failures_stop_the_restart_loop_with_the_cause(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert sum("root cause (EngineCore_DP0)" in m and "flashinfer" in m for m in errors) == 3
     assert any("3 times in a row" in m and "not restarting" in m for m in errors)
+
+
+class OverriddenEngine(FakeEngine):
+    """The fake vLLM reporting 512 blocks of 16 tokens, as `--num-gpu-blocks-override 512`
+    makes vLLM do (the H200 check of issue 39: estimate 2,093,872 tokens, vLLM 8,192)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.state.num_gpu_blocks, self.state.block_size = 512, 16
+
+
+def test_a_kv_estimate_far_from_vllms_figure_is_a_warning_with_both_numbers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    home = tmp_path / "home"
+    publish_tiny_model(open_store(CommonSettings(home=home)), tmp_path / "model")
+    settings = InferenceSettings(
+        home=home, model="tiny", engine="cpu", port=free_port(), supervisor_port=free_port(),
+        workdir=tmp_path / "serve", extra_vllm_args=["--num-gpu-blocks-override", "512"],
+    )  # fmt: skip
+    caplog.set_level(logging.INFO, logger="inference")
+    with TestClient(create_app(settings, server_factory=OverriddenEngine)) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200, "ready", 30)
+        kv = client.get("/status").json()["kv_cache"]
+    estimate = kv["estimate"]["capacity_tokens"]
+    assert kv["vllm_metrics"]["capacity_tokens"] == 8192 and estimate != 8192
+    lines = [r for r in caplog.records if r.getMessage().startswith("KV cache: estimated")]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    message = lines[0].getMessage()
+    assert f"estimated {estimate} tokens" in message and "vLLM metrics 8192" in message
+    assert "--num-gpu-blocks-override" in message and "3%" in message
