@@ -61,6 +61,11 @@ V026 = (
     'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
     'gpu_memory_utilization="0.9",num_gpu_blocks="512",num_gpu_blocks_override="512"} 1.0\n'
 )
+# what vLLM 0.26.0 gave on the H200 (issue 39's check), trimmed: kv_cache_size_tokens too
+V026_H200 = (
+    'vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="3952288",'
+    'num_gpu_blocks="247018",num_gpu_blocks_override="None"} 1.0\n'
+)
 V032 = (
     'vllm:cache_config_info{block_size="16",engine="0",kv_cache_memory_bytes="None",'
     'num_gpu_blocks="132493",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"} 1.0\n'
@@ -72,6 +77,7 @@ V032 = (
     [
         (V026, 512 * 16),
         (V032, 132493 * 16),
+        (V026_H200, 3952288),
         ('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n', None),
         ("", None),
         # two engines (data parallel): the smaller cache decides

@@ -54,6 +54,14 @@ VLLM_026_FLASHINFER = """\
             "ModuleNotFoundError: No module named 'flashinfer'",
             "EngineCore_DP0",
         ),
+        # vLLM 0.26's engine as the H200 logged it: "(EngineCore pid=N)"
+        (
+            "(EngineCore pid=798) ERROR 12-03 10:03:48 [core.py:1] Traceback (most recent call"
+            ' last):\n(EngineCore pid=798) ERROR 12-03 10:03:48 [core.py:1]   File "x"\n'
+            "(EngineCore pid=798) ERROR 12-03 10:03:48 [core.py:1] RuntimeError: CUDA error\n",
+            "RuntimeError: CUDA error",
+            "EngineCore",
+        ),
         # only the API server failed (a bad flag): its exception is the cause
         (
             "(APIServer pid=1) Traceback (most recent call last):\n"
