@@ -29,6 +29,7 @@ from lorastack.store import artifacts, open_store
 from lorastack.store.artifacts import ArtifactStore
 from lorastack.store.backend import blob_key
 from lorastack.store.cache import verify_cache
+from lorastack.store.local import STORED_MTIME_NS, LocalBackend
 
 PART_MB = 5  # the smallest part S3 accepts
 
@@ -183,3 +184,67 @@ def test_a_local_store_is_linked_not_copied_and_a_write_through_the_link_is_caug
     assert any("weights.bin" in p for p in verify_cache(store.cache_dir)[1])
     with pytest.raises(IntegrityError, match=r"weights\.bin"):
         store.fetch(m2)
+
+
+def test_a_handed_over_folder_is_linked_in_once_and_a_write_to_it_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(artifacts, "LINK_MIN_BYTES", 1024)
+    store = open_store(CommonSettings(home=tmp_path / "home"))
+    src = tmp_path / "merged"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(b"w" * 4096)
+    (src / "config.json").write_text('{"a": 1}')
+    m = store.publish(src, kind="base-model", name="m", service="test", hand_over=True)
+    sha = {f.path: f.sha256 for f in m.files}
+    stored = store.backend.blob_path(sha["weights.bin"])  # type: ignore[attr-defined]
+
+    # the large file is the blob (one inode, no copy), read-only; the small one a copy
+    assert (src / "weights.bin").stat().st_ino == stored.stat().st_ino
+    assert stored.stat().st_mode & 0o222 == 0
+    config_blob = store.backend.blob_path(sha["config.json"])  # type: ignore[attr-defined]
+    assert (src / "config.json").stat().st_ino != config_blob.stat().st_ino
+    assert (store.fetch(m) / "weights.bin").read_bytes() == b"w" * 4096
+
+    # the publisher writes to its folder afterwards anyway: no fetch hands the change out
+    os.chmod(src / "weights.bin", 0o644)
+    with (src / "weights.bin").open("r+b") as f:
+        f.write(b"X")
+    with pytest.raises(IntegrityError, match=r"weights\.bin"):
+        ArtifactStore(store.backend, tmp_path / "other-cache").fetch(m)
+
+
+def test_a_folder_not_handed_over_is_left_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(artifacts, "LINK_MIN_BYTES", 1024)
+    store, src, m = _published_model(tmp_path)  # a user's folder: plain publish
+    stored = store.backend.blob_path(m.files[1].sha256)  # type: ignore[attr-defined]
+    weights = (src / "weights.bin").stat()
+    assert weights.st_ino != stored.stat().st_ino
+    assert weights.st_mode & 0o200 and weights.st_mtime_ns != STORED_MTIME_NS
+
+
+class _WrittenBeforeTheLink(LocalBackend):
+    """A publisher's writer that gets in between the hash and the link."""
+
+    def adopt_blob(self, sha256: str, src: Path, size: int) -> bool:
+        os.chmod(src, 0o644)
+        with src.open("r+b") as f:
+            f.write(b"X")
+        return super().adopt_blob(sha256, src, size)
+
+
+def test_a_file_written_between_its_hash_and_its_link_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(artifacts, "LINK_MIN_BYTES", 1024)
+    root = tmp_path / "store"
+    store = ArtifactStore(_WrittenBeforeTheLink(root), tmp_path / "cache")
+    src = tmp_path / "merged"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(b"w" * 4096)
+    with pytest.raises(IntegrityError, match=r"weights\.bin was written to"):
+        store.publish(src, kind="base-model", name="m", service="test", hand_over=True)
+    assert store.versions("m") == []  # no manifest
+    assert not (root / "blobs").exists() or not any((root / "blobs").rglob("*"))

@@ -11,7 +11,8 @@ reference (logits over every probe position, greedy tokens); merge shard by shar
 template, a generation config that stops at the end-of-turn token and a model card;
 cast the loaded model to the output dtype (the dtype's own error), read the written
 shards back into its base layers and compare, adapter disabled (verify.py); publish it
-as a `merged-model` with merge-report.json only if it passed.
+as a `merged-model` with merge-report.json only if it passed, the shards handed over
+to the store (on a file:// store on this disk, hard-linked in as its blobs, not copied).
 
 It owns the order of the steps and publishing; what it reads is inputs.py, what it
 checks on is probing.py, the rules live in checks.py, lora.py, verify.py and card.py.
@@ -35,7 +36,16 @@ from lorastack.store import open_store
 from merger.card import render_card
 from merger.inputs import Inputs, lineage_of, read_json, resolve_inputs
 from merger.lora import plan_lora
-from merger.preflight import Have, Need, Sizes, check_fit, measure, need_for, same_disk
+from merger.preflight import (
+    Have,
+    Need,
+    Sizes,
+    check_fit,
+    measure,
+    need_for,
+    one_file_system,
+    same_disk,
+)
 from merger.probing import Probing, adapter_effect, compare, prepare_probes, run_probes
 from merger.settings import MergerSettings
 from merger.shards import (
@@ -58,7 +68,8 @@ log = logging.getLogger(__name__)
 class MergeResult:
     manifest: Manifest | None  # the published merged model; None when verification failed
     report: dict[str, Any]  # what merge-report.json holds
-    folder: Path  # the local merged folder (kept either way, for inspection)
+    folder: Path  # the local merged folder (kept either way, for inspection; read-only
+    # once published to a file:// store on this disk: its shards are the store's blobs)
     reused: bool = False  # an earlier merge of this adapter with these settings was returned
 
 
@@ -213,14 +224,11 @@ def merge_adapter(
     folder = settings.resolved_merge_dir / out_name / f"{inputs.adapter.version}-{dtype}"
     url = settings.resolved_store_url
     sizes = sizes_of(layout, dtype, inputs.adapter_dir)
-    need = same_disk(
-        need_for(
-            sizes,
-            folder,
-            Path(url.removeprefix("file://")).expanduser() if url.startswith("file://") else None,
-            dev.type == "cuda",
-        )
+    store_dir = (
+        Path(url.removeprefix("file://")).expanduser() if url.startswith("file://") else None
     )
+    linked = store_dir is not None and one_file_system(folder, store_dir)
+    need = same_disk(need_for(sizes, folder, store_dir, dev.type == "cuda", linked))
     check_fit(need, resources(need, str(dev)), dtype, dev.type == "cuda")
     probing = prepare_probes(settings, inputs, probes)
     clock.lap("fetch_and_preflight")
@@ -307,6 +315,7 @@ def merge_adapter(
         service="merger",
         parents=[inputs.base.as_parent("base"), inputs.adapter.as_parent("adapter")],
         config=config,
+        hand_over=True,  # a file:// store on this disk links the shards in: no 16 GB copy
         metadata={
             "verification": {
                 k: report["merged"][k]

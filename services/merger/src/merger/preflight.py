@@ -4,8 +4,10 @@ option that helps.
 
 `check_fit(need, have)` is pure; `measure(need, device)` reads the machine (shutil,
 psutil, torch.cuda); `need_for(...)` computes what a merge needs from the base's
-headers. The merge writes its shards into the merge folder, then publishing copies
-them into a file:// store (an s3:// store takes them over the network: no local disk).
+headers. The merge writes its shards into the merge folder, then publishing links them
+into a file:// store on the same file system (no second copy: ArtifactStore.publish's
+hand_over) or copies them into one on another (an s3:// store takes them over the
+network: no local disk).
 """
 
 from __future__ import annotations
@@ -55,19 +57,26 @@ def _existing(path: Path) -> Path:
     return p
 
 
-def need_for(sizes: Sizes, merge_dir: Path, store_dir: Path | None, on_gpu: bool) -> Need:
-    """merge folder: the output; a file:// store: a copy of it (publish); verification
-    holds the base + adapter in float32 on the device that runs it, and the merge reads
-    one base shard + the adapter on the host."""
-    disk: dict[Path, int] = {}
-    targets = [merge_dir] + ([store_dir] if store_dir is not None else [])
-    for folder in targets:
-        disk[folder] = sizes.output + DISK_MARGIN
+def need_for(
+    sizes: Sizes, merge_dir: Path, store_dir: Path | None, on_gpu: bool, linked: bool = False
+) -> Need:
+    """merge folder: the output; a file:// store: a copy of it (publish), or only the
+    small files when `linked` (on the merge folder's file system the shards are hard-linked
+    in); verification holds the base + adapter in float32 on the device that runs it, and
+    the merge reads one base shard + the adapter on the host."""
+    disk: dict[Path, int] = {merge_dir: sizes.output + DISK_MARGIN}
+    if store_dir is not None:
+        disk[store_dir] = DISK_MARGIN if linked else sizes.output + DISK_MARGIN
     model = 4 * sizes.params + 2 * sizes.adapter  # float32 + the adapter as PEFT loads it
     host = sizes.largest_shard + sizes.adapter
     if not on_gpu:
         host += model
     return Need(disk=disk, host_ram=host, gpu_mem=model + GPU_MARGIN if on_gpu else 0)
+
+
+def one_file_system(a: Path, b: Path) -> bool:
+    """Whether two folders (or the nearest ones that exist) share a file system."""
+    return _existing(a).stat().st_dev == _existing(b).stat().st_dev
 
 
 def same_disk(need: Need) -> Need:

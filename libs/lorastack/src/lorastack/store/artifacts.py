@@ -76,8 +76,15 @@ class ArtifactStore:
         parents: Iterable[Parent] = (),
         config: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
+        hand_over: bool = False,
     ) -> Manifest:
-        """Upload every file of `folder`, then write the manifest exclusively."""
+        """Upload every file of `folder`, then write the manifest exclusively.
+
+        `hand_over`: the caller gives up its files of LINK_MIN_BYTES or more (a merger's
+        16 GB of fresh shards): on a store on this file system they are made read-only,
+        stamped and hashed, then hard-linked in as blobs instead of copied (no second
+        16 GB on the disk, no copy's time). They stay in `folder`, read-only; a file
+        written between its hash and its link is refused (IntegrityError)."""
         if kind not in KINDS:
             raise ConfigError(f"unknown artifact kind {kind!r}", f"use one of {', '.join(KINDS)}")
         validate_name(name)
@@ -85,12 +92,26 @@ class ArtifactStore:
             validate_version(version)
         if not folder.is_dir():
             raise NotFound(f"{folder} is not a folder", "publish a folder of files")
+        by_path = dict(walk_files(folder))
+        # a store on this disk (LocalBackend) can take files by a link; others copy them
+        adopt = getattr(self.backend, "adopt_blob", None) if hand_over else None
+        freeze = getattr(self.backend, "freeze", None) if adopt else None
+        frozen = {
+            rel
+            for rel, p in by_path.items()
+            if freeze and p.stat().st_size >= LINK_MIN_BYTES and freeze(p)
+        }  # frozen before they are hashed: the hash is of what will be linked
         files = scan_folder(folder)
         if not files:
             raise ConfigError(f"{folder} holds no files", "an artifact needs at least one file")
-        by_path = dict(walk_files(folder))
         for f in files:
-            self.backend.put_blob(f.sha256, by_path[f.path])
+            if f.path not in frozen:
+                self.backend.put_blob(f.sha256, by_path[f.path])
+            elif adopt is None or not adopt(f.sha256, by_path[f.path], f.size):
+                raise IntegrityError(
+                    f"{folder / f.path} was written to while it was published",
+                    "publish again once nothing writes to the folder",
+                )
         for _ in range(_AUTO_VERSION_TRIES):
             ver = version or self._next_version(name)
             manifest = Manifest(

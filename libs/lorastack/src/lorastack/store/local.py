@@ -3,7 +3,10 @@
 Atomicity comes from the file system: blobs are written to a temporary file and
 renamed into place, read-only and with the mtime STORED_MTIME_NS (as Nix stamps its
 store), so a blob that was ever written after it was stored shows it, and a cache can
-hard-link the others instead of copying them (lorastack.store.artifacts); manifests are hard-linked into place, which fails if the name exists, so the first
+hard-link the others instead of copying them (lorastack.store.artifacts); a publisher
+that hands its large files over (ArtifactStore.publish(hand_over=True)) has them frozen
+with those marks before they are hashed and hard-linked in as blobs, not copied; manifests
+are hard-linked into place, which fails if the name exists, so the first
 writer wins and nobody ever reads a partial manifest.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from lorastack.errors import Conflict, NotFound
@@ -59,6 +63,40 @@ class LocalBackend(RecordManifests):
         os.chmod(tmp, 0o444)
         os.utime(tmp, ns=(STORED_MTIME_NS, STORED_MTIME_NS))
         os.replace(tmp, dest)
+
+    def freeze(self, path: Path) -> bool:
+        """Give the file `path` a stored blob's marks where it lies (read-only, mtime
+        STORED_MTIME_NS) before it is hashed, when it is on this store's file system, so
+        it can become the blob by a hard link (adopt_blob) instead of a copy; False, and
+        the file untouched, where it is on another file system."""
+        if path.stat().st_dev != self.root.stat().st_dev:
+            return False
+        os.chmod(path, 0o444)
+        os.utime(path, ns=(STORED_MTIME_NS, STORED_MTIME_NS))
+        return True
+
+    def adopt_blob(self, sha256: str, src: Path, size: int) -> bool:
+        """Hard-link the frozen file `src`, hashed after `freeze`, in as the blob `sha256`:
+        no copy (a copy where the file system refuses the link). False where `src` was
+        written since it was frozen (its size or mtime moved: the hash may not be its
+        content). A write after the link moves the blob's mtime too, which every fetch
+        checks (unchanged_blob)."""
+        dest = self.blob_path(sha256)
+        if dest.is_file():
+            return True
+        st = src.stat()
+        if st.st_size != size or st.st_mtime_ns != STORED_MTIME_NS:
+            return False
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / "tmp" / f"link-{uuid.uuid4().hex}"
+        try:
+            os.link(src, tmp)
+            os.replace(tmp, dest)  # atomic: a reader sees no blob or the whole one
+        except OSError:
+            self.put_blob(sha256, src)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
 
     def download_blob(self, sha256: str, dest: Path) -> None:
         src = self.blob_path(sha256)
