@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -90,49 +91,84 @@ class _Reader:
         self.failed = exc
 
 
-def test_silence_watch_fires_only_while_waiting_for_the_backend() -> None:
-    async def scenario() -> tuple[BaseException | None, ...]:
-        results = []
-        # waiting longer than the limit: fires with the limit in the error
-        reader = _Reader()
-        watch = _SilenceWatch(reader, 0.05)  # type: ignore[arg-type]
-        watch.reading()
-        await asyncio.sleep(0.12)
-        watch.stop()
-        results.append(reader.failed)
-        # a long first-byte limit, then a short idle limit: the idle limit applies
-        reader = _Reader()
-        watch = _SilenceWatch(reader, 30.0)  # type: ignore[arg-type]
-        watch.reading()
-        watch.got(0.05)
-        watch.reading()
-        await asyncio.sleep(0.12)
-        watch.stop()
-        results.append(reader.failed)
-        # chunks keep coming faster than the limit: never fires
-        reader = _Reader()
-        watch = _SilenceWatch(reader, 0.05)  # type: ignore[arg-type]
-        for _ in range(8):
-            watch.reading()
-            await asyncio.sleep(0.02)
-            watch.got(0.05)
-        watch.stop()
-        results.append(reader.failed)
-        # not reading (the caller is busy sending to a slow client): paused
-        reader = _Reader()
-        watch = _SilenceWatch(reader, 0.05)  # type: ignore[arg-type]
-        watch.reading()
-        watch.got(0.05)
-        await asyncio.sleep(0.15)
-        watch.stop()
-        results.append(reader.failed)
-        return tuple(results)
+class _Timer:
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when, self.callback, self.cancelled = when, callback, False
 
-    fired, idle, steady, paused = asyncio.run(scenario())
-    assert isinstance(fired, _Silence) and fired.seconds == 0.05
-    assert isinstance(idle, _Silence) and idle.seconds == 0.05
-    assert steady is None
-    assert paused is None
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _ClockLoop:
+    """The three loop methods the watch uses, on a clock the test moves: no sleep, so
+    a loaded machine cannot turn "faster than the limit" into "slower"."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._timers: list[_Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Timer:
+        self._timers.append(_Timer(when, callback))
+        return self._timers[-1]
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        return self.call_at(self.now + delay, callback)
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock, running each timer that falls due on the way, in order."""
+        until = self.now + seconds
+        while due := [t for t in self._timers if t.when <= until and not t.cancelled]:
+            timer = min(due, key=lambda t: t.when)
+            self._timers.remove(timer)
+            self.now = max(self.now, timer.when)
+            timer.callback()
+        self.now = until
+
+
+def _watch(limit: float) -> tuple[_Reader, _SilenceWatch, _ClockLoop]:
+    reader, loop = _Reader(), _ClockLoop()
+    return reader, _SilenceWatch(reader, limit, loop), loop  # type: ignore[arg-type]
+
+
+def test_silence_watch_fires_only_while_waiting_for_the_backend() -> None:
+    # waiting longer than the limit: fires with the limit in the error
+    fired, watch, clock = _watch(0.05)
+    watch.reading()
+    clock.advance(0.12)
+    assert isinstance(fired.failed, _Silence) and fired.failed.seconds == 0.05
+    # a long first-byte limit, then a short idle limit: the idle limit applies
+    idle, watch, clock = _watch(30.0)
+    watch.reading()
+    watch.got(0.05)
+    watch.reading()
+    clock.advance(0.12)
+    assert isinstance(idle.failed, _Silence) and idle.failed.seconds == 0.05
+    # chunks keep coming faster than the limit: never fires
+    steady, watch, clock = _watch(0.05)
+    for _ in range(8):
+        watch.reading()
+        clock.advance(0.02)
+        watch.got(0.05)
+    watch.stop()
+    assert steady.failed is None
+    # not reading (the caller is busy sending to a slow client): paused
+    paused, watch, clock = _watch(0.05)
+    watch.reading()
+    watch.got(0.05)
+    clock.advance(0.15)
+    watch.stop()
+    assert paused.failed is None
+    # the limit counts from the last read, not from the timer's first check
+    late, watch, clock = _watch(0.05)
+    clock.advance(0.04)
+    watch.reading()
+    clock.advance(0.04)  # the timer checks at 0.05: 0.01 s of waiting, re-armed
+    assert late.failed is None
+    clock.advance(0.02)  # 0.06 s of waiting
+    assert isinstance(late.failed, _Silence)
 
 
 class _Call:

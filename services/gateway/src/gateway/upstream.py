@@ -136,8 +136,10 @@ class _SilenceWatch:
 
     __slots__ = ("_conn", "_handle", "_limit", "_loop", "_since")
 
-    def __init__(self, conn: Connection, limit: float) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(
+        self, conn: Connection, limit: float, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        self._loop = loop or asyncio.get_running_loop()  # tests give a loop with a fake clock
         self._conn = conn
         self._limit = limit
         self._since: float | None = None  # when the current read began; None: not reading
