@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +46,9 @@ BASE, ADAPTER, ADAPTER2 = "bench-llama", "bench/adapter", "bench2/adapter"
 SERVED = "llama"
 MAX_MODEL_LEN = 4096  # tokens
 LEVELS = (1, 16, 64, 256)
+# requests per arm and round: each arm runs several seconds at every level (the first
+# call's 32 requests at 16 streams lasted 0.9 s, too short to tell 0.91x from noise)
+REQUESTS = {1: 16, 16: 128, 64: 384, 256: 512}
 INPUT_LEN, OUTPUT_LEN = 512, 128  # tokens per loadtest request
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # vLLM log lines that say where a cold start goes (printed with the seconds they appeared at)
@@ -321,9 +325,10 @@ def functional(adapter_name: str) -> dict[str, Any]:
 # --- load ------------------------------------------------------------------------------
 
 
-def loadtest(url: str, level: int, seed: int, work: Path, env: dict[str, str]) -> dict[str, Any]:
-    requests = max(16, 2 * level)
-    out = work / f"lt-{url.rsplit(':', 1)[1]}-{level}"
+def loadtest(
+    url: str, level: int, seed: int, work: Path, env: dict[str, str], requests: int
+) -> dict[str, Any]:
+    out = work / f"lt-{url.rsplit(':', 1)[1]}-{level}-{seed}"
     cmd = [
         "lorastack", "loadtest", "--base-url", url, "--model", SERVED,
         "--concurrency", str(level), "--requests", str(requests), "--warmup", "2",
@@ -344,24 +349,38 @@ def loadtest(url: str, level: int, seed: int, work: Path, env: dict[str, str]) -
     }  # fmt: skip
 
 
-def compare(levels: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+def compare(levels: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per level: the gateway/direct output tokens/s of each round (rounds alternate which
+    arm goes first), their median and range, and the added TTFT p50/p99 (medians)."""
     rows = []
-    for level, arms in levels.items():
-        d, g = arms["direct"], arms["gateway"]
+    for level, rounds in levels.items():
 
         def ms(arm: dict[str, Any], q: str) -> float | None:
             v = (arm.get("ttft_ms") or {}).get(q)
             return v if isinstance(v, int | float) else None
 
-        row: dict[str, Any] = {"streams": level, "first": arms["first"]}
+        row: dict[str, Any] = {"streams": level, "rounds": len(rounds)}
         for q in ("p50", "p99"):
-            dv, gv = ms(d, q), ms(g, q)
-            row[f"added_ttft_{q}_ms"] = (
-                round(gv - dv, 2) if dv is not None and gv is not None else None
-            )
-        dt, gt = d["output_tokens_per_s"], g["output_tokens_per_s"]
-        row["throughput_ratio"] = round(gt / dt, 3) if dt else None
-        row["direct_tok_s"], row["gateway_tok_s"] = round(dt, 1), round(gt, 1)
+            added = [
+                gv - dv
+                for r in rounds
+                if (dv := ms(r["direct"], q)) is not None
+                and (gv := ms(r["gateway"], q)) is not None
+            ]
+            row[f"added_ttft_{q}_ms"] = round(statistics.median(added), 2) if added else None
+        ratios = [
+            r["gateway"]["output_tokens_per_s"] / r["direct"]["output_tokens_per_s"]
+            for r in rounds
+            if r["direct"]["output_tokens_per_s"]
+        ]
+        row["throughput_ratios"] = [round(x, 3) for x in ratios]
+        row["throughput_ratio"] = round(statistics.median(ratios), 3) if ratios else None
+        row["direct_tok_s"] = round(
+            statistics.median(r["direct"]["output_tokens_per_s"] for r in rounds), 1
+        )
+        row["gateway_tok_s"] = round(
+            statistics.median(r["gateway"]["output_tokens_per_s"] for r in rounds), 1
+        )
         rows.append(row)
     return rows
 
@@ -432,6 +451,10 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/serve-bench"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--skip-pressure", action="store_true", help="end after step 4")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="load rounds per level, the first arm alternating"
+    )
     ap.add_argument("--only-pressure", action="store_true", help="publish, then step 5 alone")
     args = ap.parse_args()
     work: Path = args.work
@@ -494,29 +517,40 @@ def main() -> int:
 
             # 4: direct vs gateway
             if not args.skip_load:
-                levels: dict[int, dict[str, Any]] = {}
-                for i, level in enumerate(LEVELS):
-                    order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
-                    arms: dict[str, Any] = {"first": order[0]}
-                    for arm in order:
-                        url = f"http://127.0.0.1:{VLLM if arm == 'direct' else GW}"
-                        seed = (1000 if arm == "direct" else 2000) + level
-                        profile = None
-                        if arm == "gateway" and level == LEVELS[-1] and shutil.which("py-spy"):
-                            profile = subprocess.Popen(
-                                ["py-spy", "record", "--pid", str(gateway.pid), "--duration", "8",
-                                 "--format", "raw", "--output", str(args.out.parent / "gateway-py-spy-256.txt")],
-                                stdout=subprocess.DEVNULL, stderr=(work / "py-spy.log").open("wb"),
-                            )  # fmt: skip
-                        arms[arm] = loadtest(url, level, seed, work, env)
-                        if profile is not None:
-                            profile.wait(30)
-                        log(f"{level} streams {arm}: {arms[arm]['output_tokens_per_s']:.0f} tok/s")
-                    levels[level] = arms
-                    result["load"] = {"levels": levels, "comparison": compare(levels)}
-                    save()
+                levels: dict[int, list[dict[str, Any]]] = {}
+                for level in LEVELS:
+                    levels[level] = []
+                    for i in range(args.rounds):
+                        order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
+                        arms: dict[str, Any] = {"first": order[0]}
+                        for arm in order:
+                            url = f"http://127.0.0.1:{VLLM if arm == 'direct' else GW}"
+                            # no prompt shared between arms or rounds: prefix caching favours none
+                            seed = (1000 if arm == "direct" else 2000) + 10 * level + i
+                            profile = None
+                            if (
+                                arm == "gateway"
+                                and level == 64
+                                and i == 0
+                                and shutil.which("py-spy")
+                            ):
+                                profile = subprocess.Popen(
+                                    ["py-spy", "record", "--pid", str(gateway.pid), "--duration", "5",
+                                     "--format", "raw", "--output", str(args.out.parent / "gateway-py-spy-64.txt")],
+                                    stdout=subprocess.DEVNULL, stderr=(work / "py-spy.log").open("wb"),
+                                )  # fmt: skip
+                            arms[arm] = loadtest(url, level, seed, work, env, REQUESTS[level])
+                            if profile is not None:
+                                profile.wait(30)
+                            tok_s = arms[arm]["output_tokens_per_s"]
+                            log(f"{level} streams, round {i + 1}, {arm}: {tok_s:.0f} tok/s")
+                        levels[level].append(arms)
+                        result["load"] = {"levels": levels, "comparison": compare(levels)}
+                        save()
 
         # 5: pressure
+        if args.skip_pressure:
+            return 0
         if serve is not None:
             stop(serve)
         t0 = time.monotonic()
