@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from test_gateway_sse import _ClockLoop
 
 from gateway import h1client
 from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
@@ -514,17 +515,23 @@ def test_idle_connections_expire_and_the_sweeper_closes_them(fake) -> None:
         Pool(url, connect_timeout_s=1, keepalive_s=0)
 
     async def scenario() -> None:
-        pool = Pool(url, connect_timeout_s=1, keepalive_s=0.3)
+        # the keep-alive on a clock the test moves (real sleeps against a 0.3 s limit let
+        # b expire too on a loaded machine); whole seconds: no float rounding at the edges
+        clock = _ClockLoop()
+        pool = Pool(url, connect_timeout_s=1, keepalive_s=4.0, clock=clock)  # type: ignore[arg-type]
         (a, _, _), (b, _, _) = await asyncio.gather(
             exchange(pool, chat_body()), exchange(pool, chat_body())
         )
         pool.release(a)
-        await asyncio.sleep(0.15)
+        clock.advance(2.0)
         pool.release(b)
-        await asyncio.sleep(0.225)  # a is past its 0.3 s, b is not
+        clock.advance(3.0)  # a is past its 4 s (the sweeper ran at 4), b is not
         assert a.closed and not b.closed and pool.idle == [b]
-        await asyncio.sleep(0.3)
+        clock.advance(0.5)  # 5.5: b has 0.5 s left
+        assert not b.closed and pool.idle == [b]
+        clock.advance(0.5)  # 6: the sweeper, re-armed for b's 4 s, runs
         assert b.closed and pool.idle == []  # nothing left for a request to find
+        pool.close()
 
     run(scenario())
 

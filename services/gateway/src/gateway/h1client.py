@@ -154,7 +154,12 @@ class Pool:
     """The keep-alive connections to one backend (`base_url`: http[s]://host[:port])."""
 
     def __init__(
-        self, base_url: str, *, connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S
+        self,
+        base_url: str,
+        *,
+        connect_timeout_s: float,
+        keepalive_s: float = KEEPALIVE_S,
+        clock: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         if keepalive_s <= 0:
             raise ValueError(f"keepalive_s must be > 0 seconds, not {keepalive_s!r}")
@@ -170,11 +175,17 @@ class Pool:
         self.keepalive_s = keepalive_s
         self.idle: list[Connection] = []  # oldest first; reuse takes the newest
         self._sweeper: asyncio.TimerHandle | None = None
+        # whose time(), call_later() and call_at() keep the keep-alive: the running loop,
+        # or one with a fake clock (tests); the connections always use the running loop
+        self._clock = clock
+
+    def _timers(self) -> asyncio.AbstractEventLoop:
+        return self._clock or asyncio.get_running_loop()
 
     async def acquire(self) -> Connection:
         """An idle connection (newest first), or a new one; raises ConnectFailed."""
         loop = asyncio.get_running_loop()
-        self._expire(loop.time())
+        self._expire(self._timers().time())
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed:
@@ -200,7 +211,7 @@ class Pool:
         if not conn.reusable():
             conn.close()
             return
-        loop = asyncio.get_running_loop()
+        loop = self._timers()
         conn.parser = None
         conn.idle_since = loop.time()
         self.idle.append(conn)
@@ -225,7 +236,7 @@ class Pool:
             del idle[:n]
 
     def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._timers()
         self._sweeper = None
         self._expire(loop.time())
         if self.idle:
