@@ -5,10 +5,8 @@ Two fake vLLM replicas on loopback, a real gateway in front."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
-from test_gateway_proxy import chat
+from test_gateway_proxy import chat, wait_rescraped
 
 from lorastack.settings import CommonSettings
 from lorastack.store import declared, open_store
@@ -39,13 +37,13 @@ def test_lora_requests_reach_only_replicas_with_the_adapter_loaded(
 
         s1.models.append(SQL)  # loaded on replica 1, then unloaded from replica 2
         s2.models.remove(SQL)
-        time.sleep(0.5)  # > scrape interval (0.1 s)
+        wait_rescraped(gw, fake, second_fake)
         n2 = len(s2.calls())
         assert _backends(gw, "sql-lora") == {url1}
         assert len(s2.calls()) == n2
 
         s1.models.remove(SQL)  # loaded nowhere: a clear 404/503, never a blind forward
-        time.sleep(0.5)
+        wait_rescraped(gw, fake, second_fake)
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat(model="sql-lora"), timeout=30)
         assert r.status_code in (404, 503) and r.json()["error"]["message"]
         assert len(s2.calls()) == n2
@@ -72,7 +70,7 @@ def test_a_declared_adapter_no_replica_lists_yet_is_503_with_retry_after(
         assert r.status_code == 404  # neither listed nor declared
 
         s2.models.append(SQL)  # replica 2 has loaded it
-        time.sleep(0.5)
+        wait_rescraped(gw, fake, second_fake)
         assert _backends(gw, "sql-lora") == {url2}
         assert s1.calls() == []
         metrics = httpx.get(f"{gw}/metrics").text

@@ -10,8 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+from test_gateway_proxy import metric, wait_for, wait_rescraped
 
 from gateway.affinity import BLOCK_CHARS, MAX_BLOCKS, Affinity, LruTable, prefix_hashes, session_key
+from lorastack_testing.fake_state import FakeState
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1 K characters: 4 full prefix blocks
 
@@ -74,9 +76,10 @@ def ask(gw: str, messages: list[dict[str, Any]], **extra: Any) -> str:
     return r.headers["x-lorastack-backend"]
 
 
-def settle() -> None:
-    """Let a scrape (every 0.1 s) see the states as they are now."""
-    time.sleep(0.3)
+def settle(gw: str, *backends: tuple[str, FakeState]) -> None:
+    """Until the gateway has applied a scrape of each backend begun after the change (not a
+    sleep "longer than the scrape interval", which a loaded machine can outlast)."""
+    wait_rescraped(gw, *backends)
 
 
 def test_a_burst_fills_free_slots_before_any_queue(make_gateway, fake, second_fake) -> None:
@@ -150,7 +153,7 @@ def test_a_session_sticks_to_its_replica(make_gateway, fake, second_fake) -> Non
         first = ask(gw, hi, headers={"X-Session-Id": "s1"})
         state = a if first == a_url else b
         state.kv_usage = 0.6  # the session's replica now looks busier
-        settle()
+        settle(gw, fake, second_fake)
         other = b_url if first == a_url else a_url
         assert ask(gw, hi) == other  # no session: the emptier one
         for _ in range(3):
@@ -158,11 +161,11 @@ def test_a_session_sticks_to_its_replica(make_gateway, fake, second_fake) -> Non
         assert ask(gw, hi, user="s2") == other  # `user` is a session key too (a new one)
         assert ask(gw, hi, user="s2") == other
         state.metrics_down = True  # the replica goes down: the session moves, then sticks
-        settle()
+        wait_for(lambda: metric(gw, "lorastack_gateway_backend_up", backend=first) == 0)
         assert ask(gw, hi, headers={"X-Session-Id": "s1"}) == other
         state.metrics_down = False
         state.kv_usage = 0.0
-        settle()
+        settle(gw, fake, second_fake)
         assert ask(gw, hi, headers={"X-Session-Id": "s1"}) == other
 
 
@@ -172,7 +175,7 @@ def test_a_conversation_follows_its_prefix(make_gateway, fake, second_fake) -> N
         turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}]
         first = ask(gw, turn1)
         (a if first == a_url else b).kv_usage = 0.6
-        settle()
+        settle(gw, fake, second_fake)
         other = b_url if first == a_url else a_url
         turn2 = [*turn1, {"role": "assistant", "content": "Hello."}]
         turn2.append({"role": "user", "content": "Tell me more."})

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from lorastack_testing.fake_state import FakeState
+
 ADMIN_KEY = "gateway-test-admin-" + "0123456789abcdef" * 2  # >= 32 characters, no placeholder
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}]}
@@ -39,11 +41,29 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_for(cond: Any, timeout: float = 5.0) -> None:
+def wait_for(cond: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def wait_rescraped(gw: str, *backends: tuple[str, FakeState]) -> None:
+    """Until the gateway has applied a scrape of each backend that began after this call:
+    what a test changed in a fake is seen, however long a loaded machine takes (a sleep
+    "longer than the scrape interval" is not). The marker is the preemptions counter, which
+    the gateway only mirrors; two rounds, as a scrape reads /v1/models before /metrics: the
+    scrape that shows the second marker started after the one that showed the first had
+    ended, so after this call."""
+    for _ in range(2):
+        for _url, state in backends:
+            state.preemptions += 1
+        for url, state in backends:
+            wait_for(lambda u=url, s=state: _preemptions_seen(gw, u) == s.preemptions)
+
+
+def _preemptions_seen(gw: str, url: str) -> float:
+    return metric(gw, "lorastack_gateway_backend_preemptions", backend=url)
 
 
 def test_overflow_is_400_and_upstream_never_called(make_gateway, fake) -> None:
@@ -296,7 +316,7 @@ def test_routing_prefers_lower_kv_usage_and_loaded_adapter(make_gateway, fake, s
         }
         assert backends == {url2}
         s1.running_adapters = ["sql-lora"]  # loaded on the fuller backend only
-        time.sleep(0.3)  # > scrape interval
+        wait_rescraped(gw, fake, second_fake)
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat(model="sql-lora"))
         assert r.headers["x-lorastack-backend"] == url1
 
