@@ -105,6 +105,7 @@ class RedisLimiter:
         clock: Callable[[], float] | None = None,  # None: the Redis server's clock
         wall: Callable[[], float] = time.time,
         where: str = "redis",
+        now: Callable[[], float] = time.monotonic,  # when Redis is tried again (tests: fake)
     ) -> None:
         self.client = client
         self.metrics = metrics
@@ -113,6 +114,7 @@ class RedisLimiter:
         self.clock = clock
         self.wall = wall
         self.where = where  # for log lines; never holds a password
+        self._now = now
         self._admit = client.register_script(_ADMIT)
         self._refund = client.register_script(_REFUND)
         self._down_until = 0.0
@@ -124,7 +126,14 @@ class RedisLimiter:
             metrics.redis_errors.labels(op)
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float, metrics: GatewayMetrics) -> RedisLimiter:
+    def from_url(
+        cls,
+        url: str,
+        timeout_s: float,
+        metrics: GatewayMetrics,
+        *,
+        now: Callable[[], float] = time.monotonic,
+    ) -> RedisLimiter:
         from redis.asyncio import Redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -139,7 +148,7 @@ class RedisLimiter:
         kw = client.connection_pool.connection_kwargs
         where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
         log.info("per-key limits in redis at %s, shared with every replica using it", where)
-        return cls(client, metrics, where=f"redis at {where}")
+        return cls(client, metrics, where=f"redis at {where}", now=now)
 
     def _keys(self, key: Limited) -> list[str]:
         base = f"{self.prefix}{{{key.name}}}:"  # {name}: one hash slot in a Redis Cluster
@@ -152,7 +161,7 @@ class RedisLimiter:
     def _failed(self, op: str, e: Exception) -> None:
         self.metrics.redis_errors.labels(op).inc()
         self._up.set(0)
-        self._down_until = time.monotonic() + REDIS_RETRY_S
+        self._down_until = self._now() + REDIS_RETRY_S
         if not self._down:
             self._down = True
             log.warning(
@@ -173,7 +182,7 @@ class RedisLimiter:
     async def admit(self, key: Limited, tokens: int) -> None:
         if key.requests is None and key.tokens is None and key.budget is None:
             return
-        if time.monotonic() < self._down_until:
+        if self._now() < self._down_until:
             return self.fallback.check(key, tokens)
         budget = key.budget
         wall = self.wall()
@@ -205,7 +214,7 @@ class RedisLimiter:
     def refund(self, key: Limited, tokens: int) -> None:
         if tokens <= 0 or (key.tokens is None and key.budget is None):
             return
-        if time.monotonic() < self._down_until:
+        if self._now() < self._down_until:
             return self.fallback.refund(key, tokens)
         task = asyncio.get_running_loop().create_task(self._send_refund(key, tokens))
         self._pending.add(task)
