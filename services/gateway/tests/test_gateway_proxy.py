@@ -218,7 +218,7 @@ def test_disconnect_during_slow_first_byte_cancels_upstream(make_gateway, fake) 
                 + body
             )
             wait_for(lambda: len(state.calls()) == 1)
-        wait_for(lambda: state.cancelled == 1, timeout=10)
+        wait_for(lambda: state.cancelled == 1)
         wait_for(lambda: metric(gw, "lorastack_gateway_inflight_requests") == 0)
 
 
@@ -239,11 +239,13 @@ def test_upstream_dying_mid_stream_gives_one_error_event(make_gateway, fake) -> 
 
 def test_idle_gap_mid_stream_gives_one_timeout_event(make_gateway, fake) -> None:
     url, state = fake
-    state.pace_s = 0.6  # the first token comes at once, the next after 0.6 s
+    # the first token comes at once, the next after 30 s: only the idle timeout can end it
+    # (a 0.6 s gap raced a late 0.2 s timer on a loaded machine)
+    state.pace_s = 30.0
     with make_gateway([url], idle_timeout_s=0.2) as gw:
         t0 = time.monotonic()
-        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
-        assert time.monotonic() - t0 < 0.55  # ended by the idle timeout, not by the backend
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True), timeout=60)
+        assert time.monotonic() - t0 < 30  # ended by the idle timeout, not by the backend
         events = sse_events(r.text)
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["error"]["code"] == "upstream_timeout"
@@ -257,14 +259,20 @@ def test_idle_gap_mid_stream_gives_one_timeout_event(make_gateway, fake) -> None
 
 def test_slow_first_byte_is_504_and_steady_stream_is_not_cut(make_gateway, fake) -> None:
     url, state = fake
-    state.first_byte_delay_s = 0.6
-    with make_gateway([url], first_byte_timeout_s=0.2, idle_timeout_s=0.3) as gw:
-        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
+    # the head comes after 30 s: only the first-byte limit can answer first (0.6 s raced a
+    # late 0.2 s timer); then gaps 60x under the idle limit, in a stream longer than it
+    # (0.1 s gaps under 0.3 s let a stalled thread cut the stream)
+    state.first_byte_delay_s = 30.0
+    with make_gateway([url], first_byte_timeout_s=0.2, idle_timeout_s=3.0) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True), timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
         state.first_byte_delay_s = 0.0
-        state.pace_s = 0.1  # every gap under the idle limit: a 0.5 s stream goes through
-        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True))
+        state.tokens = [f" t{i}" for i in range(80)]
+        state.pace_s = 0.05  # every gap under the idle limit: a 4 s stream goes through
+        body = chat(stream=True, max_tokens=80)
+        r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=60)
         assert sse_events(r.text)[-1] == "[DONE]" and "error" not in r.text
+        assert r.text.count(" t79") == 1  # the whole answer
 
 
 def test_proxied_routes_answer_405_to_other_methods(make_gateway, fake) -> None:
