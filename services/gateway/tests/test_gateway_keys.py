@@ -202,5 +202,5 @@ def test_two_named_keys_through_the_openai_client(make_gateway, fake, tmp_path, 
             except openai.AuthenticationError:
                 return True
 
-        wait_for(bob_gone, timeout=5)
+        wait_for(bob_gone)
         assert client(carol_secret).chat.completions.create(model="sql", messages=msgs).choices

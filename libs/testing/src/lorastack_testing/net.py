@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     """Poll `check` every 50 ms until it is true; AssertionError naming `what` after
     `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
