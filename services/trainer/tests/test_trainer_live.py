@@ -95,16 +95,37 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes() -> None:
+class _Linger:
+    """Stands in for `time` in trainer.live: the linger lasts until the test ends it (a real
+    1.5 s linger, scraped after a 0.3 s sleep, could be over on a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self.lingering, self.over = threading.Event(), threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.lingering.set()
+        assert self.over.wait(60), "the test never ended the linger"
+
+
+def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainer import live as live_module
     from trainer.live import LiveRun
 
+    linger = _Linger()
+    monkeypatch.setattr(live_module, "time", linger)
     port = free_port()
     live = LiveRun("live", 6, port, "127.0.0.1", bar=False)
     live.gauges["step"].set(6)
     closing = threading.Thread(target=live.close, kwargs={"linger_s": 1.5})
     closing.start()
-    time.sleep(0.3)
+    assert linger.lingering.wait(60)  # the run has ended; its endpoint lingers
+    assert linger.asked == [1.5]
     assert scrape(port)["lorastack_trainer_step"] == 6  # after the run's end, before the scrape
+    linger.over.set()
     closing.join()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         scrape(port)
