@@ -30,8 +30,26 @@ def scrape(port: int) -> dict[str, float]:
     }
 
 
+class _Linger:
+    """Stands in for `time` in trainer.live, whose one use is the linger's sleep: the linger
+    lasts until the test ends it, after scraping (a real one can be over before a scrape on
+    a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self.lingering, self.over = threading.Event(), threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.lingering.set()
+        assert self.over.wait(60), "the test never ended the linger"
+
+
 def test_a_running_trainer_serves_its_metrics(
-    trainer_env: TrainerSettings, demo_jsonl: Path, write_config: Callable[..., Path]
+    trainer_env: TrainerSettings,
+    demo_jsonl: Path,
+    write_config: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     port = free_port()
     settings = trainer_env.model_copy(update={"metrics_port": port})
@@ -42,19 +60,19 @@ def test_a_running_trainer_serves_its_metrics(
     )
     done: list[TrainResult] = []
     thread = threading.Thread(target=lambda: done.append(run_training(config, settings)))
+    # the run's end waits for the test (its linger is the test's to end): polling a run of
+    # six tiny steps for a moment after its evaluation raced the run's end on a loaded machine
+    from trainer import live as live_module
+
+    linger = _Linger()
+    monkeypatch.setattr(live_module, "time", linger)
     thread.start()
-    seen: dict[str, float] = {}
     deadline = time.monotonic() + 600
-    while thread.is_alive() and time.monotonic() < deadline:
-        try:
-            now = scrape(port)
-        except (urllib.error.URLError, ConnectionError):
-            now = {}
-        if now.get("lorastack_trainer_step", 0) >= 1:
-            seen = now
-            if "lorastack_trainer_val_loss" in now and now["lorastack_trainer_val_loss"] > 0:
-                break
-        time.sleep(0.1)
+    while not linger.lingering.wait(0.1):  # the run's end: its last values, still served
+        assert thread.is_alive() and time.monotonic() < deadline, "the run did not end well"
+    assert linger.asked == [settings.metrics_linger_s]
+    seen = scrape(port)  # the run's last values, still served
+    linger.over.set()
     thread.join(timeout=600)
     assert done and done[0].steps == 6
     assert seen["lorastack_trainer_total_steps"] == 6
@@ -64,7 +82,7 @@ def test_a_running_trainer_serves_its_metrics(
     assert (
         seen["lorastack_trainer_max_cost"] == 1000 and seen["lorastack_trainer_elapsed_hours"] > 0
     )
-    assert seen["lorastack_trainer_val_loss"] > 0  # the evaluation at step 3
+    assert seen["lorastack_trainer_val_loss"] > 0  # the evaluation at step 6
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         scrape(port)  # closed with the run
     # report_to: tensorboard wrote the same series as event files TensorBoard reads
@@ -93,20 +111,6 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
             for v in event.summary.value:
                 out.setdefault(v.tag, {})[event.step] = v.simple_value
     return out
-
-
-class _Linger:
-    """Stands in for `time` in trainer.live: the linger lasts until the test ends it (a real
-    1.5 s linger, scraped after a 0.3 s sleep, could be over on a loaded machine)."""
-
-    def __init__(self) -> None:
-        self.asked: list[float] = []
-        self.lingering, self.over = threading.Event(), threading.Event()
-
-    def sleep(self, seconds: float) -> None:
-        self.asked.append(seconds)
-        self.lingering.set()
-        assert self.over.wait(60), "the test never ended the linger"
 
 
 def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes(
