@@ -4,7 +4,7 @@ stickiness and prefix-cache affinity."""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 from typing import Any
 
@@ -82,6 +82,40 @@ def settle(gw: str, *backends: tuple[str, FakeState]) -> None:
     wait_rescraped(gw, *backends)
 
 
+async def hold_streams(
+    gw: str, n: int, gap_s: float, *fakes: FakeState
+) -> tuple[list[int], list[str]]:
+    """`n` streamed requests, `gap_s` apart, each held open (its answer's first token is
+    30 s away) until every one is in a replica, running or queued: the burst overlaps
+    however slowly a loaded machine sends it. Then the clients hang up. Their statuses and
+    backends, in the order the heads came."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi."}]}
+    body |= {"stream": True, "max_tokens": 3}
+    statuses: list[int] = []
+    backends: list[str] = []
+    release = asyncio.Event()
+
+    async def one(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", f"{gw}/v1/chat/completions", json=body) as r:
+            statuses.append(r.status_code)
+            backends.append(r.headers["x-lorastack-backend"])
+            await release.wait()
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = []
+        for _ in range(n):
+            tasks.append(asyncio.create_task(one(client)))
+            await asyncio.sleep(gap_s)  # pacing only: every request stays open
+        deadline = time.monotonic() + 60
+        while sum(f.generating + f.queued for f in fakes) < n or len(statuses) < n:
+            assert time.monotonic() < deadline, "the burst never reached the replicas"
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(*tasks)
+    return statuses, backends
+
+
 def test_a_burst_fills_free_slots_before_any_queue(make_gateway, fake, second_fake) -> None:
     """The issue's case: one replica runs 1 request at a time, one runs 8; 9 streamed
     requests at once, none waits for a slot (the old queue scorer split them evenly, and
@@ -89,27 +123,16 @@ def test_a_burst_fills_free_slots_before_any_queue(make_gateway, fake, second_fa
     (one_url, one), (eight_url, eight) = fake, second_fake
     one.max_running, eight.max_running = 1, 8
     for s in (one, eight):
-        s.ttft_s, s.pace_s = 1.0, 0.05
+        s.ttft_s = 30.0  # held open until the test has looked (see hold_streams)
     slots = {one_url: 1, eight_url: 8}
     # no scrape during the burst (the first one made the gateway ready): the gateway's own
     # count of what it sent decides (a scrape in the burst: the next test)
     with make_gateway([one_url, eight_url], backend_max_num_seqs=slots, scrape_interval_s=60) as gw:
-        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi."}]}
-        body |= {"stream": True, "max_tokens": 3}
-        statuses: list[int] = []
-
-        def stream() -> None:
-            r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=30)
-            statuses.append(r.status_code)
-
-        threads = [threading.Thread(target=stream) for _ in range(9)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        statuses, _ = asyncio.run(hold_streams(gw, 9, 0.0, one, eight))
         assert statuses == [200] * 9
         assert one.waited == 0 and eight.waited == 0
         assert len(eight.calls("/chat/completions")) >= 7
+        wait_for(lambda: one.cancelled + eight.cancelled == 9)  # the clients hung up
 
 
 def test_requests_on_their_way_hold_their_slots_across_a_scrape(
@@ -122,28 +145,16 @@ def test_requests_on_their_way_hold_their_slots_across_a_scrape(
     (two_url, two), (four_url, four) = fake, second_fake
     two.max_running, four.max_running = 2, 4
     for s in (two, four):
-        s.first_byte_delay_s, s.ttft_s, s.pace_s = 1.0, 0.5, 0.05
+        s.first_byte_delay_s, s.ttft_s = 1.0, 30.0  # then held (see hold_streams)
     slots = {two_url: 2, four_url: 4}
     with make_gateway(
         [two_url, four_url], backend_max_num_seqs=slots, scrape_interval_s=0.05
     ) as gw:
-        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi."}]}
-        body |= {"stream": True, "max_tokens": 3}
-        backends: list[str] = []
-
-        def stream() -> None:
-            r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=30)
-            assert r.status_code == 200, r.text
-            backends.append(r.headers["x-lorastack-backend"])
-
-        threads = [threading.Thread(target=stream) for _ in range(6)]
-        for t in threads:
-            t.start()
-            time.sleep(0.15)
-        for t in threads:
-            t.join()
+        statuses, backends = asyncio.run(hold_streams(gw, 6, 0.15, two, four))
+        assert statuses == [200] * 6
         assert sorted(backends) == sorted([two_url] * 2 + [four_url] * 4)
         assert two.waited == 0 and four.waited == 0
+        wait_for(lambda: two.cancelled + four.cancelled == 6)  # the clients hung up
 
 
 def test_a_session_sticks_to_its_replica(make_gateway, fake, second_fake) -> None:
