@@ -279,18 +279,26 @@ def test_the_readme_walk_on_the_cpu_override(
 
     # 11. Every query of the Grafana dashboard answers with data from Prometheus, over the
     # walk's time range as a Grafana panel asks (the training row's run ended minutes ago).
-    time.sleep(12)  # two more scrapes after the last request
+    # Asked until every query has data (Prometheus scrapes every 5 s; a fixed 12 s sleep
+    # "two more scrapes after the last request" could end first on a loaded machine).
     prometheus = f"http://127.0.0.1:{compose.env['PROMETHEUS_PORT']}"
-    empty = []
-    for expr in dashboard_exprs():
-        query = expr.replace("$__rate_interval", "1m")
-        span = {"start": f"{walk_start:.0f}", "end": f"{time.time():.0f}", "step": "5"}
-        url = f"{prometheus}/api/v1/query_range?" + urllib.parse.urlencode({"query": query, **span})
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            result = json.load(resp)["data"]["result"]
-        say(f"  {len(result)} series  {query}")
-        if not result:
-            empty.append(query)
+    deadline = time.monotonic() + 180
+    while True:
+        found: dict[str, int] = {}
+        for expr in dashboard_exprs():
+            query = expr.replace("$__rate_interval", "1m")
+            span = {"start": f"{walk_start:.0f}", "end": f"{time.time():.0f}", "step": "5"}
+            url = f"{prometheus}/api/v1/query_range?" + urllib.parse.urlencode(
+                {"query": query, **span}
+            )
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                found[query] = len(json.load(resp)["data"]["result"])
+        empty = [query for query, n in found.items() if not n]
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    for query, n in found.items():
+        say(f"  {n} series  {query}")
     assert not empty, f"dashboard queries without data: {empty}"
 
     # 12. The merged model instead of base + adapter.
