@@ -54,9 +54,9 @@ def gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         scrape_interval_s=0.5,
     )
     with serve_in_thread(create_app(settings), free_port()) as url:
-        for _ in range(600):
-            if httpx.get(f"{url}/ready").status_code == 200:
-                break
+        deadline = time.monotonic() + 300  # a deadline, not a count of 0.1 s sleeps
+        while httpx.get(f"{url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the gateway in front of vLLM never got ready"
             time.sleep(0.1)
         yield url
 
