@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -55,22 +53,19 @@ def test_s3_down_mid_publish_then_resume(tmp_path: Path, caplog: pytest.LogCaptu
 
     key = f"team/{blob_key(hashlib.sha256(payload).hexdigest())}"
     uploaded: list[int] = []  # part numbers sent, both attempts
+    down = server
+
+    def count_then_stop(params: dict[str, int], **kw: object) -> None:
+        uploaded.append(params["PartNumber"])
+        if len(uploaded) == 3:  # the endpoint goes away mid-publish: before the third part
+            down.stop()  # (decided here, not by a polling thread a loaded machine may starve)
+
     store.backend._client.meta.events.register(  # type: ignore[attr-defined]
-        "before-parameter-build.s3.UploadPart",
-        lambda params, **kw: uploaded.append(params["PartNumber"]),
+        "before-parameter-build.s3.UploadPart", count_then_stop
     )
-
-    def stop_after_some_parts() -> None:
-        while len(uploaded) < 3:
-            time.sleep(0.001)
-        server.stop()  # the endpoint goes away mid-publish
-
-    killer = threading.Thread(target=stop_after_some_parts)
-    killer.start()
     try:
         with pytest.raises(StoreUnavailable) as e:
             store.publish(src, kind="checkpoint", name="run/checkpoints", service="test")
-        killer.join()
         assert endpoint in e.value.message and "resumes" in e.value.hint
         first = len(uploaded)
         assert 3 <= first < 13
