@@ -163,8 +163,10 @@ def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
     process that was started (create time, command line) and runs in the workdir."""
     work = tmp_path / "w"
     work.mkdir()
-    left = subprocess.Popen(["sleep", "60"], cwd=work, start_new_session=True)
-    other = subprocess.Popen(["sleep", "60"], cwd=tmp_path, start_new_session=True)
+    # the test decides when these die (killed at the end): a 60 s sleep could end by
+    # itself on a loaded machine and read as "stopped"
+    left = subprocess.Popen(["sleep", "3600"], cwd=work, start_new_session=True)
+    other = subprocess.Popen(["sleep", "3600"], cwd=tmp_path, start_new_session=True)
     reaper = threading.Thread(target=left.wait)  # as init would reap an orphan
     reaper.start()
 
@@ -199,7 +201,7 @@ def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
         assert left.poll() is None and not s.pid_path.exists()
         record(left.pid, dead.pid)
         assert s.stop_leftover()
-        reaper.join(timeout=10)
+        reaper.join(timeout=60)
         assert left.returncode == -signal.SIGTERM
     finally:
         for p in (left, other):
