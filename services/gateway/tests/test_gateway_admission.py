@@ -9,6 +9,7 @@ and the claim given back on completion, client disconnect and upstream errors.""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -96,7 +97,9 @@ MAX_TOKENS = 200
 def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake) -> None:
     url, state = fake
     state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
-    state.pace_s = 0.1  # a stream lasts 20 s: the test ends the held ones itself
+    # a stream lasts 100 min: only the test ends the held ones (at 0.1 s a token, 20 s, a
+    # loaded machine could outlast, and a held claim went back by itself)
+    state.pace_s = 30.0
     with make_gateway([url], scrape_interval_s=0.1, kv_admit_wait_s=0) as gw:
         # one stream's claim as the gateway counts it (prompt + max_tokens; a streamed
         # prompt may be counted as an upper bound while it is on its way)
@@ -132,7 +135,9 @@ def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake
                         return r.status_code
 
                 tasks = [asyncio.create_task(one()) for _ in range(6)]
+                deadline = time.monotonic() + 30
                 while sum(t.done() for t in tasks) < 4:  # the four refused end at once
+                    assert time.monotonic() < deadline, "four were not refused"
                     await asyncio.sleep(0.01)
                 held = metric(gw, "lorastack_gateway_backend_kv_claimed_tokens", backend=url)
                 assert held == 2 * one_claim
@@ -164,7 +169,7 @@ def test_a_request_waits_for_room_then_runs_instead_of_429(make_gateway, fake) -
     back (vLLM would queue it too, but could preempt for it): the test ends the holder."""
     url, state = fake
     state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
-    state.pace_s = 0.1  # the holder lasts 20 s unless the test hangs up
+    state.pace_s = 30.0  # the holder lasts until the test hangs up (at 0.1 s: 20 s, racy)
     state.num_gpu_blocks, state.block_size = 30, B  # 464 usable tokens: one request at a time
     with make_gateway([url], scrape_interval_s=0.1, kv_admit_wait_s=30) as gw:
         wait_for(lambda: _capacity_seen(gw, url))
@@ -179,7 +184,9 @@ def test_a_request_waits_for_room_then_runs_instead_of_429(make_gateway, fake) -
 
             async def scenario() -> httpx.Response:
                 task = asyncio.create_task(second())
+                deadline = time.monotonic() + 30
                 while metric(gw, "lorastack_gateway_kv_admission_waiting") != 1:
+                    assert time.monotonic() < deadline, "the second request never waited"
                     await asyncio.sleep(0.02)
                 assert len(state.calls()) == 1  # it waits in the gateway, not in vLLM
                 state.pace_s = 0.0  # the second answers at once once admitted
