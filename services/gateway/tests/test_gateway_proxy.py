@@ -164,15 +164,23 @@ def test_limits_on_body_and_messages(make_gateway, fake) -> None:
 
 def test_streaming_passes_chunks_and_strips_added_usage(make_gateway, fake) -> None:
     url, state = fake
-    state.pace_s = 0.05
     with make_gateway([url]) as gw:
-        arrivals = []
+        # pieces arrive as the backend sends them, not at once: the first token reaches the
+        # client while the backend's next one is 30 s away (arrival times 0.05 s apart
+        # compared with the wall clock could bunch up on a loaded machine)
+        state.pace_s = 30.0
         with httpx.stream("POST", f"{gw}/v1/chat/completions", json=chat(stream=True)) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
-            text = ""
-            for piece in r.iter_text():
-                arrivals.append(time.monotonic())
-                text += piece
+            pieces = r.iter_text()  # kept: a dropped iterator closes the response
+            first = ""
+            while "Hello" not in first:
+                first += next(pieces)
+            assert state.completed == 0 and state.active == 1  # mid-stream
+        wait_for(lambda: state.cancelled == 1)
+        state.pace_s = 0.0
+        with httpx.stream("POST", f"{gw}/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            text = "".join(r.iter_text())
         events = sse_events(text)
         assert events[-1] == "[DONE]"
         assert (
@@ -181,7 +189,6 @@ def test_streaming_passes_chunks_and_strips_added_usage(make_gateway, fake) -> N
         )
         assert all(e["choices"] for e in events[:-1])  # the usage event the gateway added is gone
         assert state.calls()[-1]["stream_options"] == {"include_usage": True}
-        assert arrivals[-1] - arrivals[0] > 0.15  # pieces arrived over time, not at once
         # a client that asks for usage gets it
         body = chat(stream=True, stream_options={"include_usage": True})
         events = sse_events(httpx.post(f"{gw}/v1/chat/completions", json=body).text)
@@ -191,12 +198,15 @@ def test_streaming_passes_chunks_and_strips_added_usage(make_gateway, fake) -> N
 def test_client_disconnect_cancels_upstream(make_gateway, fake) -> None:
     url, state = fake
     state.tokens = [f" t{i}" for i in range(200)]
-    state.pace_s = 0.05
+    # the second token is 30 s away: only the hang-up ends the stream (at 0.05 s a token
+    # it ended by itself after 10 s, which a loaded machine could outlast)
+    state.pace_s = 30.0
     with make_gateway([url]) as gw:
         with httpx.stream("POST", f"{gw}/v1/chat/completions", json=chat(stream=True)) as r:
             it = r.iter_bytes()
-            next(it)
-            next(it)
+            got = b""
+            while b" t0" not in got:  # the first token reached the client
+                got += next(it)
             wait_for(lambda: state.active == 1)
         wait_for(lambda: state.cancelled == 1 and state.active == 0)
         wait_for(lambda: metric(gw, "lorastack_gateway_inflight_requests") == 0)
