@@ -29,9 +29,9 @@ FAKE = [sys.executable, "-m", "lorastack_testing.fake_vllm"]
 IDLE_TIMEOUT_S = 30.0
 
 
-def _start_fake(port: int) -> subprocess.Popen[bytes]:
+def _start_fake(port: int, pace_s: float = 0.02) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        [*FAKE, "--port", str(port), "--tokens", "400", "--pace", "0.02"],
+        [*FAKE, "--port", str(port), "--tokens", "400", "--pace", str(pace_s)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -49,7 +49,9 @@ def _start_fake(port: int) -> subprocess.Popen[bytes]:
 @pytest.fixture
 def fake_process() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
     port = free_port()
-    procs = [_start_fake(port)]
+    # 400 tokens 0.25 s apart: the stream the drill kills lasts 100 s, so it is mid-stream
+    # when killed (at 0.02 s it ended by itself after 8 s, which a loaded machine could take)
+    procs = [_start_fake(port, pace_s=0.25)]
     try:
         yield port, procs
     finally:
