@@ -113,8 +113,13 @@ def test_damaged_cache_file_is_caught_before_use(tmp_path: Path) -> None:
     cached = store.fetch(m)
 
     # overwritten in place (size kept, mtime moves): refetched before anyone gets it
-    with (cached / "weights.bin").open("r+b") as f:
+    weights = cached / "weights.bin"
+    before = weights.stat()
+    with weights.open("r+b") as f:
         f.write(b"X")
+    # the test moves the mtime: a write within the file system's clock tick of the fetch's
+    # own (coarse, a few ms) keeps it, and the damage then looks like bit rot
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     again = store.fetch(m)
     assert (again / "weights.bin").read_bytes() == b"w" * 4096
 
