@@ -38,6 +38,8 @@ from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream
 
 CHAT = "/v1/chat/completions"
+# connects to loopback servers: a deadline a stalled loop cannot miss, not the 1-2 s it was
+CONNECT_S = 30.0
 JSON = {"content-type": "application/json"}
 
 
@@ -174,7 +176,7 @@ def test_keep_alive_reuses_one_connection(fake) -> None:
     url, state = fake
 
     async def scenario() -> None:
-        client = H1Client(connect_timeout_s=2)
+        client = H1Client(connect_timeout_s=CONNECT_S)
         pool = client.pool(url)
         ports = set()
         for stream in (True, False, True):
@@ -199,7 +201,7 @@ def test_two_at_once_open_two_connections_and_both_return(fake) -> None:
     url, _ = fake
 
     async def scenario() -> None:
-        pool = H1Client(connect_timeout_s=2).pool(url)
+        pool = H1Client(connect_timeout_s=CONNECT_S).pool(url)
         (a, sa, _), (b, sb, _) = await asyncio.gather(
             exchange(pool, chat_body()), exchange(pool, chat_body())
         )
@@ -219,7 +221,7 @@ def test_backend_dying_mid_stream_raises_disconnected(fake) -> None:
     state.pace_s = 0.01
 
     async def scenario() -> bytes:
-        pool = H1Client(connect_timeout_s=2).pool(url)
+        pool = H1Client(connect_timeout_s=CONNECT_S).pool(url)
         conn = await pool.acquire()
         conn.send(request_bytes("POST", pool.host_header, CHAT, chat_body(), JSON))
         assert (await conn.head()).status == 200
@@ -428,7 +430,7 @@ def test_chunked_stream_split_across_socket_reads() -> None:
 
     async def scenario() -> None:
         server, url = await raw_server(handler)
-        pool = H1Client(connect_timeout_s=1).pool(url)
+        pool = H1Client(connect_timeout_s=CONNECT_S).pool(url)
         conn, status, raw = await exchange(pool, b"{}")
         assert status == 200 and raw == b"data: first\n\ndata: second\n\n"
         assert conn.reusable()
@@ -451,7 +453,7 @@ def test_keep_alive_connection_closed_by_the_backend_is_not_reused() -> None:
 
     async def scenario() -> None:
         server, url = await raw_server(handler)
-        pool = H1Client(connect_timeout_s=1).pool(url)
+        pool = H1Client(connect_timeout_s=CONNECT_S).pool(url)
         first, status, raw = await exchange(pool, b"{}")
         assert (status, raw) == (200, b"ok")
         pool.release(first)
@@ -545,7 +547,7 @@ def test_idle_connections_expire_and_the_sweeper_closes_them(fake) -> None:
         # the keep-alive on a clock the test moves (real sleeps against a 0.3 s limit let
         # b expire too on a loaded machine); whole seconds: no float rounding at the edges
         clock = _ClockLoop()
-        pool = Pool(url, connect_timeout_s=1, keepalive_s=4.0, clock=clock)  # type: ignore[arg-type]
+        pool = Pool(url, connect_timeout_s=CONNECT_S, keepalive_s=4.0, clock=clock)  # type: ignore[arg-type]
         (a, _, _), (b, _, _) = await asyncio.gather(
             exchange(pool, chat_body()), exchange(pool, chat_body())
         )
@@ -576,7 +578,7 @@ def test_a_reader_that_falls_behind_pauses_the_connection() -> None:
 
     async def scenario() -> None:
         server, url = await raw_server(handler)
-        pool = Pool(url, connect_timeout_s=1)
+        pool = Pool(url, connect_timeout_s=CONNECT_S)
         conn = await pool.acquire()
         conn.send(request_bytes("POST", pool.host_header, CHAT, b"{}", JSON))
         p = await conn.head()
