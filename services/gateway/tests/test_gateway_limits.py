@@ -72,7 +72,7 @@ async def memory(clocks: Clocks) -> MemoryLimiter:
 def redis_limiter(url: str, prefix: str, clocks: Clocks | None = None) -> RedisLimiter:
     now, wall = clocks or ([0.0], [time.time()])
     return RedisLimiter(
-        Redis.from_url(url, socket_timeout=2),
+        Redis.from_url(url, socket_timeout=30),  # a deadline: a slow answer is not "down"
         GatewayMetrics(),
         prefix=prefix,
         fallback=MemoryLimiter(lambda: now[0], lambda: wall[0]),
