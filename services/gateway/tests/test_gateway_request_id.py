@@ -139,7 +139,7 @@ def test_header_fields_read_as_starlette_reads_them() -> None:
     `request.headers.get` gives it, None for an absent one, latin-1 values."""
     from starlette.datastructures import Headers
 
-    from gateway.proxy import HeaderFields
+    from gateway.request_body import HeaderFields
 
     raw = [
         (b"x-request-id", b"first"),

@@ -1,8 +1,9 @@
 """The fake vLLM's answers beside generation, as vLLM 0.32 gives them: runtime LoRA load
 and unload (applied to `FakeState.models`), `/tokenize` and `/detokenize` (one token per
 word), `/v1/embeddings` (a 4-float vector per input); and the shapes every route shares:
-vLLM's error body and a whole answer written to ASGI. Routing requests to them, and
-generation, is lorastack_testing.fake_vllm.
+vLLM's error body and a whole answer written to ASGI; their handlers (`SIDE_ROUTES`,
+with `/v1/models`, `/metrics` and `/health`). Routing requests to them, and generation,
+is lorastack_testing.fake_vllm.
 """
 
 from __future__ import annotations
@@ -10,19 +11,27 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+from lorastack_testing.fake_metrics import metrics_text
 from lorastack_testing.fake_state import FakeState, message_text
 
-ROUTES = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/responses",
-    "/v1/embeddings",
-    "/tokenize",
-    "/detokenize",
-)
-LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+NOT_FOUND = b'{"error":{"message":"not found"}}'
+
+
+@dataclass(frozen=True)
+class FakeRequest:
+    """What a route's handler sees (besides the state)."""
+
+    path: str
+    body: dict[str, Any]  # a POST's JSON body, as received; {} for a GET
+    receive: Any  # ASGI: a stream watches it for the client hanging up
+    send: Any
+
+
+Handler = Callable[[FakeState, FakeRequest], Awaitable[None]]
 
 
 def lora_update(s: FakeState, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -87,3 +96,50 @@ async def send_answer(send: Any, status: int, body: bytes, ctype: str = "applica
     headers = [(b"content-type", ctype.encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def serve_models(s: FakeState, req: FakeRequest) -> None:
+    data = [
+        {"object": "model", "owned_by": "vllm", "root": None, "parent": None, **m} for m in s.models
+    ]
+    await send_answer(req.send, 200, json.dumps({"object": "list", "data": data}).encode())
+
+
+async def serve_metrics(s: FakeState, req: FakeRequest) -> None:
+    if s.metrics_down:
+        return await send_answer(req.send, 500, b"down", "text/plain")
+    await send_answer(req.send, 200, metrics_text(s), "text/plain; version=0.0.4")
+
+
+async def serve_health(s: FakeState, req: FakeRequest) -> None:
+    await send_answer(req.send, 200, b"")
+
+
+async def serve_lora(s: FakeState, req: FakeRequest) -> None:
+    status, answer = lora_update(s, req.path, req.body)
+    ctype = "application/json" if status != 200 else "text/plain"
+    await send_answer(req.send, status, answer, ctype)
+
+
+async def serve_tokenize(s: FakeState, req: FakeRequest) -> None:
+    await send_answer(req.send, 200, json.dumps(tokenize(req.path, req.body)).encode())
+
+
+async def serve_embeddings(s: FakeState, req: FakeRequest) -> None:
+    if "input" not in req.body:  # vLLM's schema check
+        error = error_body(400, "input: Field required", "BadRequestError", "input")
+        return await send_answer(req.send, 400, error)
+    await send_answer(req.send, 200, json.dumps(embeddings(req.body)).encode())
+
+
+# (method, path) -> handler, for every route beside generation
+SIDE_ROUTES: dict[tuple[str, str], Handler] = {
+    ("GET", "/v1/models"): serve_models,
+    ("GET", "/metrics"): serve_metrics,
+    ("GET", "/health"): serve_health,
+    ("POST", "/v1/embeddings"): serve_embeddings,
+    ("POST", "/tokenize"): serve_tokenize,
+    ("POST", "/detokenize"): serve_tokenize,
+    ("POST", "/v1/load_lora_adapter"): serve_lora,
+    ("POST", "/v1/unload_lora_adapter"): serve_lora,
+}

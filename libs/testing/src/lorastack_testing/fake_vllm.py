@@ -29,10 +29,11 @@ text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a
                 KV-cache usage is `kv_per_request` per generating request when that is set
     records     every request body received (and its headers), streams completed and cancelled by the client
 
-This module routes requests and generates (chat and completions, streamed or whole, on
-running slots) and serves the app (`FakeServer`, `serve_fake`, `main`). The state and
-the answer plan are lorastack_testing.fake_state, the routes beside generation and the
-error body lorastack_testing.fake_routes, the Responses API
+This module routes requests (a table: (method, path) -> handler) and generates (chat
+and completions, streamed or whole, on running slots) and serves the app (`FakeServer`,
+`serve_fake`, `main`). The state and the answer plan are lorastack_testing.fake_state,
+the routes beside generation and the error body lorastack_testing.fake_routes, the
+scripted failures lorastack_testing.fake_failures, the Responses API
 lorastack_testing.fake_responses, the `/metrics` text lorastack_testing.fake_metrics.
 """
 
@@ -48,16 +49,15 @@ from typing import Any
 
 import uvicorn
 
-from lorastack_testing.fake_metrics import metrics_text
+from lorastack_testing.fake_failures import before_first_byte
 from lorastack_testing.fake_responses import serve_responses
 from lorastack_testing.fake_routes import (
-    LORA_ROUTES,
-    ROUTES,
-    embeddings,
+    NOT_FOUND,
+    SIDE_ROUTES,
+    FakeRequest,
+    Handler,
     error_body,
-    lora_update,
     send_answer,
-    tokenize,
 )
 from lorastack_testing.fake_state import FakeState, echo_answer, plan_answer
 from lorastack_testing.net import serve_in_thread
@@ -92,6 +92,25 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _read_body(receive: Any) -> bytes:
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return raw
+
+
 class FakeVLLM:
     """The ASGI app; `state` may be changed by a test at any time."""
 
@@ -99,78 +118,58 @@ class FakeVLLM:
         self.state = state or FakeState()
         self._n = 0
         self._slots: asyncio.Semaphore | None = None
+        complete = self._generation(self._complete)
+        # (method, path) -> handler; any other is vLLM's 404
+        self.routes: dict[tuple[str, str], Handler] = {
+            **SIDE_ROUTES,
+            ("POST", "/v1/chat/completions"): complete,
+            ("POST", "/v1/completions"): complete,
+            ("POST", "/v1/responses"): self._generation(self._responses),
+        }
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await _lifespan(receive, send)
         path, method, s = scope["path"], scope["method"], self.state
         if s.api_key is not None and path.startswith("/v1") and not _authorized(scope, s.api_key):
             # as vLLM's AuthenticationMiddleware: every /v1/* route, load_lora_adapter too
             return await send_answer(send, 401, b'{"error":"Unauthorized"}')
-        if method == "GET" and path == "/v1/models":
-            data = [
-                {"object": "model", "owned_by": "vllm", "root": None, "parent": None, **m}
-                for m in s.models
-            ]
-            return await send_answer(
-                send, 200, json.dumps({"object": "list", "data": data}).encode()
-            )
-        if method == "GET" and path == "/metrics":
-            if s.metrics_down:
-                return await send_answer(send, 500, b"down", "text/plain")
-            return await send_answer(send, 200, metrics_text(s), "text/plain; version=0.0.4")
-        if method == "GET" and path == "/health":
-            return await send_answer(send, 200, b"")
-        if method != "POST" or path not in ROUTES + LORA_ROUTES:
-            return await send_answer(send, 404, b'{"error":{"message":"not found"}}')
-        if path == "/v1/embeddings" and not s.embeds:  # vLLM mounts it for embedding models
-            return await send_answer(send, 404, b'{"error":{"message":"not found"}}')
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        body = json.loads(raw)
-        s.received.append((path, body))
-        s.received_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        if path in LORA_ROUTES:
-            status, answer = lora_update(s, path, body)
-            return await send_answer(
-                send, status, answer, "application/json" if status != 200 else "text/plain"
-            )
-        if path in ("/tokenize", "/detokenize"):
-            return await send_answer(send, 200, json.dumps(tokenize(path, body)).encode())
-        if path == "/v1/embeddings":
-            if "input" not in body:  # vLLM's schema check
-                error = error_body(400, "input: Field required", "BadRequestError", "input")
-                return await send_answer(send, 400, error)
-            return await send_answer(send, 200, json.dumps(embeddings(body)).encode())
-        if s.first_byte_delay_s:
-            await asyncio.sleep(s.first_byte_delay_s)
-        if s.fail_status is not None and s.fail_count > 0:
-            s.fail_count -= 1
-            error = error_body(
-                s.fail_status, f"fake failure {s.fail_status}", "InternalServerError"
-            )
-            return await send_answer(send, s.fail_status, error)
-        if s.fail_every and len(s.received) % s.fail_every == 0:
-            return await send_answer(
-                send, 500, error_body(500, "scripted failure", "InternalServerError")
-            )
-        if body.get("model") not in [m["id"] for m in s.models]:
-            message = f"The model `{body.get('model')}` does not exist."
-            return await send_answer(send, 404, error_body(404, message, "NotFoundError", "model"))
-        if path == "/v1/responses":
-            self._n += 1
-            return await serve_responses(s, send, body, self._n, self._slot)
-        chat = path.endswith("chat/completions")
+        handler = self.routes.get((method, path))
+        if handler is None or (path == "/v1/embeddings" and not s.embeds):
+            # vLLM mounts /v1/embeddings only for embedding models
+            return await send_answer(send, 404, NOT_FOUND)
+        body: dict[str, Any] = {}
+        if method == "POST":
+            body = json.loads(await _read_body(receive))
+            s.received.append((path, body))
+            s.received_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        await handler(s, FakeRequest(path, body, receive, send))
+
+    # --- generation ---------------------------------------------------------------
+    def _generation(self, serve: Handler) -> Handler:
+        """`serve` after the scripted failures (fake_failures) and vLLM's model check."""
+
+        async def handler(s: FakeState, req: FakeRequest) -> None:
+            failure = await before_first_byte(s)
+            if failure is not None:
+                return await send_answer(req.send, *failure)
+            model = req.body.get("model")
+            if model not in [m["id"] for m in s.models]:
+                message = f"The model `{model}` does not exist."
+                error = error_body(404, message, "NotFoundError", "model")
+                return await send_answer(req.send, 404, error)
+            await serve(s, req)
+
+        return handler
+
+    async def _responses(self, s: FakeState, req: FakeRequest) -> None:
+        self._n += 1
+        await serve_responses(s, req.send, req.body, self._n, self._slot)
+
+    async def _complete(self, s: FakeState, req: FakeRequest) -> None:
+        """Chat and completions: streamed as SSE, or one JSON answer."""
+        body, send = req.body, req.send
+        chat = req.path.endswith("chat/completions")
         limit = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
         if limit is not None and (type(limit) is not int or limit < 1):  # vLLM's schema says no
             message = f"max_tokens must be a positive integer, not {limit!r}"
@@ -185,7 +184,7 @@ class FakeVLLM:
             "completion_tokens": len(pieces),
         }
         if body.get("stream"):
-            return await self._stream(receive, send, chat, body, pieces, finish, usage)
+            return await self._stream(req.receive, send, chat, body, pieces, finish, usage)
         async with self._slot(usage["total_tokens"]):
             start = time.perf_counter()
             if pieces:
@@ -203,7 +202,7 @@ class FakeVLLM:
             "choices": [choice],
             "usage": usage,
         }
-        return await send_answer(send, 200, json.dumps(out).encode())
+        await send_answer(send, 200, json.dumps(out).encode())
 
     @contextlib.asynccontextmanager
     async def _slot(self, tokens: int = 0) -> Any:

@@ -24,6 +24,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.auth import Authenticator, is_admin
 from gateway.backends import Backends
+from gateway.endpoints import ENDPOINTS
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.passthrough import passthrough
@@ -34,11 +35,7 @@ from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream, upstream_auth
 
-PROXIED = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-    "/v1/responses": "responses",
-}
+PROXIED = ENDPOINTS  # path -> the endpoint's handler parts
 
 
 class GatewayApp(FastAPI):
@@ -64,12 +61,12 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.forwarded(scope, receive, send)
-        route = PROXIED.get(scope["path"])
-        if route is not None and scope["method"] == "POST":
-            response = await self.proxy.handle(Request(scope, receive), route)
+        endpoint = PROXIED.get(scope["path"])
+        if endpoint is not None and scope["method"] == "POST":
+            response = await self.proxy.handle(Request(scope, receive), endpoint)
             return await response(scope, receive, send)
         rid = scope["request_id"] = request_id(_header(scope, b"x-request-id"))
-        if route is not None:
+        if endpoint is not None:
             response = http_error(scope["method"], scope["path"], 405, "Method Not Allowed", rid)
             return await response(scope, receive, send)
         await self.forwarded(scope, receive, _with_request_id(send, rid))

@@ -16,7 +16,8 @@ from fastapi.responses import Response
 
 from gateway.auth import Key
 from gateway.errors import BadRequest
-from gateway.proxy import BACKEND_HEADER, Proxy
+from gateway.prepared import BACKEND_HEADER
+from gateway.proxy import Proxy
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import request_id
 from gateway.routing import RouteRequest

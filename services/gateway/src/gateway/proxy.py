@@ -6,6 +6,10 @@ auth -> body limits -> parse -> model check (exists, and the key may use it) -> 
 token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
 pass the response through (SSE chunk by chunk) -> metrics.
 
+Owns: that flow and its I/O (auth, backends, upstream, metrics). Its pure pieces live
+apart: reading the body (`request_body.py`), what differs per path (`endpoints.py`), and
+the request it forwards, built step by step (`prepared.py`).
+
 Counting while the backend works: when upper bounds prove the fit (`counting.py`), the
 request is forwarded at once and counted exactly while the gateway waits for the
 backend's answer (`_open_count`). A request the bounds cannot settle is counted first:
@@ -27,136 +31,48 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
-from starlette.types import Receive
 
-from gateway.affinity import SESSION_HEADER, Affinity, prefix_hashes, session_key
+from gateway.affinity import SESSION_HEADER, Affinity, session_key
 from gateway.auth import Authenticator, Key
 from gateway.backends import Backends
 from gateway.counting import count_prompts
+from gateway.endpoints import Endpoint
 from gateway.errors import (
-    BadRequest,
     GatewayError,
     NoKvRoom,
     Overloaded,
-    PayloadTooLarge,
-    UnsupportedMediaType,
     UpstreamTimeout,
     as_gateway_error,
     error_response,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.prepared import (
+    BACKEND_HEADER,
+    CLAMP_HEADER,
+    PROMPT_TOKENS_HEADER,
+    Prepared,
+    client_headers,
+    count_header,
+    forward_body,
+    plan_output,
+    prompt_prefix,
+    reserved_tokens,
+    wants_clamp,
+)
 from gateway.relay import SseRelay, StreamEnd
-from gateway.request_id import HEADER as REQUEST_ID_HEADER
+from gateway.request_body import HeaderFields, header_fields, read_json
 from gateway.request_id import request_id
-from gateway.responses import parse_responses
 from gateway.routing import RouteRequest, Thresholds, Weights, pick_backend
 from gateway.settings import GatewaySettings
-from gateway.sse import CHAT_END, RESPONSES_END
 from gateway.upstream import Upstream, UpstreamCall
-from gateway.validation import (
-    ChatRequest,
-    CompletionRequest,
-    parse_chat,
-    parse_completion,
-    plan_tokens,
-    requested_output,
-)
-from lorastack.errors import InvalidInput
-from lorastack.untrusted_json import (
-    BodyTooLarge,
-    NotJson,
-    body_over,
-    check_body_head,
-    loads_object,
-)
 
 log = logging.getLogger(__name__)
-
-CLAMP_HEADER = b"x-lorastack-clamp"  # request: "1"/"true" turns clamp mode on
-CLAMPED_HEADER = "X-Lorastack-Clamped-Max-Tokens"  # response: "<from>-><to>"
-PROMPT_TOKENS_HEADER = "X-Lorastack-Prompt-Tokens"
-BACKEND_HEADER = "X-Lorastack-Backend"
-PATHS = {
-    "chat": "/v1/chat/completions",
-    "completion": "/v1/completions",
-    "responses": "/v1/responses",
-}
-
-
-@dataclass
-class Prepared:
-    model: str
-    route: str
-    stream: bool
-    client_wants_usage: bool
-    body: bytes
-    headers: dict[str, str]  # for the client
-    key: Key
-    reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
-    prompt_tokens: int  # all prompts, as counted here
-    adapter: bool
-    request_id: str  # also in `headers` (for the client) and sent to the backend
-    session: str | None  # the session key (affinity.py)
-    prefix: tuple[bytes, ...]  # hashes of the prompt's leading blocks (affinity.py)
-    # set when upper bounds proved the fit (prompt_tokens is then the bound until it runs):
-    # the exact counts and their length check, run after forwarding
-    count_later: Callable[[], list[int]] | None = None
-
-
-INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
-
-
-class HeaderFields:
-    """A request's header fields by lower-case name (ASGI servers lower-case them), the
-    first of a repeated one as Starlette's `request.headers.get` gives it: one dict built
-    per request instead of a scan of the list per field read (and an exception per absent
-    field, the common case for the optional ones)."""
-
-    __slots__ = ("_raw",)
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self._raw = dict(reversed(raw))
-
-    def get(self, name: bytes) -> str | None:
-        value = self._raw.get(name)
-        return None if value is None else value.decode("latin-1")
-
-
-def header_fields(request: Request) -> HeaderFields:
-    return HeaderFields(request.scope["headers"])
-
-
-async def receive_body(receive: Receive, limit: int) -> bytes:
-    """A request's body from its ASGI messages, as Starlette's `Request.stream()` reads
-    them (ClientDisconnect when the client hangs up first); over `limit` bytes is an error
-    at once, before the rest arrives."""
-    raw = b""
-    while True:
-        message = await receive()
-        kind = message["type"]
-        if kind == "http.request":
-            raw += message.get("body", b"")
-            if len(raw) > limit:
-                raise body_over(limit)
-            if not message.get("more_body", False):
-                return raw
-        elif kind == "http.disconnect":
-            raise ClientDisconnect()
-
-
-def with_include_usage(raw: bytes) -> bytes:
-    """`raw` (a JSON object with members and no `stream_options`) with
-    `"stream_options": {"include_usage": true}` as its first member: the bytes the client
-    sent, spliced, instead of the parsed body serialised again."""
-    start = raw.index(b"{") + 1
-    return raw[:start] + INCLUDE_USAGE + b"," + raw[start:]
 
 
 class Proxy:
@@ -177,7 +93,7 @@ class Proxy:
         self.weights = Weights(prefix=settings.prefix_weight, session=settings.session_weight)
         self.affinity = Affinity(settings.affinity_table_size)
 
-    async def handle(self, request: Request, route: str) -> Response:
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         t0 = time.perf_counter()
         self.metrics.inflight.inc()
         done_here = True  # a streaming response takes the in-flight count over
@@ -186,8 +102,11 @@ class Proxy:
         key: Key | None = None
         try:
             key = self.auth.authenticate(fields.get(b"authorization"))
-            prep = await self._prepare(request, fields, route, rid, key)
-            call = await (self._open(prep) if prep.count_later is None else self._open_count(prep))
+            prep = await self._prepare(request, fields, endpoint, rid, key)
+            if prep.count_later is None:
+                call = await self._open(prep)
+            else:
+                prep, call = await self._open_count(prep)
             if prep.stream:
                 done_here = False
                 return SseRelay(
@@ -197,11 +116,11 @@ class Proxy:
                     t0=t0,
                     request_id=rid,
                     on_end=lambda end: self._end_stream(prep, call, t0, end),
-                    end=RESPONSES_END if route == "responses" else CHAT_END,
+                    end=endpoint.end,
                 )
             return await self._unary(prep, call, t0)
         except Exception as e:
-            return self.fail(e, route, rid, key)
+            return self.fail(e, endpoint.label, rid, key)
         finally:
             if done_here:
                 self.metrics.inflight.dec()
@@ -230,106 +149,60 @@ class Proxy:
     async def read_json(
         self, request: Request, fields: HeaderFields | None = None
     ) -> tuple[dict[str, Any], bytes]:
-        """The body as a JSON object, and its bytes, within the limits (`untrusted_json`).
-        Read from the ASGI messages and the header dict themselves: with Starlette's
-        `stream()` (an async generator) and `headers` this took ~70 µs a request under the
-        64-stream bench, ~40 µs without (bench/gateway/history.md)."""
-        limit = self.settings.max_body_bytes
-        fields = fields or header_fields(request)
-        try:
-            check_body_head(fields.get(b"content-type"), fields.get(b"content-length"), limit)
-            raw = await receive_body(request.receive, limit)
-            return loads_object(raw, max_depth=self.settings.max_json_depth), raw
-        except BodyTooLarge as e:
-            raise PayloadTooLarge(e.message, e.hint) from None
-        except NotJson as e:
-            raise UnsupportedMediaType(e.message, e.hint) from None
-        except InvalidInput as e:
-            raise BadRequest(e.message, e.hint) from None
+        """The body as a JSON object, and its bytes, within the limits (`request_body.py`)."""
+        return await read_json(
+            request,
+            fields or header_fields(request),
+            limit=self.settings.max_body_bytes,
+            max_depth=self.settings.max_json_depth,
+        )
 
     async def _prepare(
-        self, request: Request, fields: HeaderFields, route: str, rid: str, key: Key
+        self, request: Request, fields: HeaderFields, endpoint: Endpoint, rid: str, key: Key
     ) -> Prepared:
-        body, original = await self.read_json(request, fields)
-        req: ChatRequest | CompletionRequest
-        if route == "chat":
-            req = parse_chat(body, self.settings.max_messages)
-        elif route == "responses":
-            req = parse_responses(body, self.settings.max_messages)
-        else:
-            req = parse_completion(body)
+        """Parse, model check, counting, length check (or clamp), limits and budget, body
+        rewrite: each a step of its own (`endpoints.py`, `counting.py`, `prepared.py`)."""
+        body, raw = await self.read_json(request, fields)
+        req = endpoint.parse(body, self.settings.max_messages)
         self.auth.check_model(key, req.model)  # before existence: a 403 or 404 tells nothing
         info = await self.backends.model(req.model, key.models)
         max_len = self.backends.max_model_len(info)
         tok = await self.backends.tokenizer_for(info)
-        param, requested = requested_output(req)
-        if route == "responses":
-            param = "max_output_tokens"
+        param, requested = endpoint.requested_output(req)
         exact_first = key.tokens is not None or key.budget is not None  # limits need it
         inputs, counts, count_later = await count_prompts(
-            tok, req, requested, max_len, param, exact_first=exact_first, body_bytes=len(original)
+            tok, req, requested, max_len, param, exact_first=exact_first, body_bytes=len(raw)
         )
-        clamp = self.settings.clamp_max_tokens or (fields.get(CLAMP_HEADER) or "").lower() in (
-            "1",
-            "true",
-            "yes",
-        )
-        plans = [plan_tokens(c, requested, max_len, clamp=clamp, param=param) for c in counts]
-        out_tokens = min(p.max_tokens for p in plans)  # one value serves every prompt
-        headers = {REQUEST_ID_HEADER: rid}
-        if count_later is None:
-            headers[PROMPT_TOKENS_HEADER] = ",".join(str(c) for c in counts)
-        changed = False
-        if any(p.clamped_from is not None for p in plans):
-            body[param] = out_tokens
-            headers[CLAMPED_HEADER] = f"{requested}->{out_tokens}"
+        clamp = wants_clamp(self.settings.clamp_max_tokens, fields.get(CLAMP_HEADER))
+        out = plan_output(counts, requested, max_len, clamp=clamp, param=param)
+        if out.clamped_from is not None:
             self.metrics.clamped.inc()
-            changed = True
-        reserved = sum(counts) + out_tokens * req.n * len(counts)
+        reserved = reserved_tokens(counts, out, req.n)
         await self.auth.admit(key, reserved)
-        # the Responses API always reports usage (in its last event)
-        client_wants_usage = route == "responses" or bool(
-            (req.stream_options or {}).get("include_usage")
-        )
-        raw = original
-        if req.stream and not client_wants_usage:
-            if changed or "stream_options" in body:
-                changed = True
-            else:  # the common case: one member to add, not the whole body to serialise again
-                raw = with_include_usage(original)
-            body["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
-        if changed:
-            raw = json.dumps(body).encode()
+        wants_usage = endpoint.client_wants_usage(req)
         return Prepared(
             model=req.model,
-            route=route,
+            endpoint=endpoint,
             stream=req.stream,
-            client_wants_usage=client_wants_usage,
-            body=raw,
-            headers=headers,
+            client_wants_usage=wants_usage,
+            body=forward_body(body, raw, req, param=param, out=out, client_wants_usage=wants_usage),
+            headers=client_headers(rid, counts if count_later is None else None, out),
             key=key,
             reserved_tokens=reserved,
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
             request_id=rid,
             session=session_key(fields.get(SESSION_HEADER), body),
-            prefix=self._prefix(inputs),
+            prefix=prompt_prefix(inputs, self.weights.prefix),
             count_later=count_later,
         )
-
-    def _prefix(self, inputs: list[str | int]) -> tuple[bytes, ...]:
-        """The prefix hashes of the first prompt (a token-id prompt has none)."""
-        if self.weights.prefix <= 0 or not inputs or not isinstance(inputs[0], str):
-            return ()
-        return prefix_hashes(inputs[0])
 
     async def _open(self, prep: Prepared) -> UpstreamCall:
         route_req = self.affinity.route_request(prep.model, prep.adapter, prep.session, prep.prefix)
         # its KV claim: prompts (the bound, while counted later) + max output of every choice
         route_req = replace(route_req, tokens=prep.reserved_tokens)
-        path = PATHS[prep.route]
         try:
-            call = await self.send(route_req, path, prep.body, prep.request_id)
+            call = await self.send(route_req, prep.endpoint.path, prep.body, prep.request_id)
         except GatewayError:
             self.auth.refund(prep.key, prep.reserved_tokens)
             raise
@@ -374,10 +247,11 @@ class Proxy:
                 rescraped = True
                 await self.backends.refresh()
 
-    async def _open_count(self, prep: Prepared) -> UpstreamCall:
+    async def _open_count(self, prep: Prepared) -> tuple[Prepared, UpstreamCall]:
         """`_open`, counting the prompt exactly while it waits for the backend (a callback
         that runs once `_open` yields, i.e. after the request went out); then the length
-        check on the exact counts, which the bound makes a formality."""
+        check on the exact counts, which the bound makes a formality. `prep` comes back
+        with the exact prompt count."""
         count = prep.count_later
         assert count is not None
         counted: list[list[int]] = []
@@ -391,9 +265,8 @@ class Proxy:
         except BaseException:
             await call.aclose()  # the backend aborts the request
             raise
-        prep.headers[PROMPT_TOKENS_HEADER] = ",".join(str(c) for c in counts)
-        prep.prompt_tokens = sum(counts)
-        return call
+        prep.headers[PROMPT_TOKENS_HEADER] = count_header(counts)
+        return replace(prep, prompt_tokens=sum(counts)), call
 
     # --- after the upstream answered ------------------------------------------
     def _observe(
@@ -405,7 +278,7 @@ class Proxy:
         usage: dict[str, Any] | None,
     ) -> None:
         e2e = time.perf_counter() - t0
-        series = self.metrics.series(prep.model, prep.route)
+        series = self.metrics.series(prep.model, prep.endpoint.label)
         series.duration(status).observe(e2e)
         # chat and completions name them prompt/completion_tokens; Responses input/output_tokens
         out = usage.get("completion_tokens", usage.get("output_tokens")) if usage else None

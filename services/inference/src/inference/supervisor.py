@@ -13,6 +13,9 @@ min(restart_backoff_max_s, restart_backoff_s × 2^(failures−1)) seconds; the f
 resets once a start reaches ready. `max_identical_failures` starts in a row that die of
 the same cause end the loop (state `failed`): restarting cannot fix a missing module. Adapters loaded at runtime are passed
 as --lora-modules to the next start, so a restart keeps them.
+
+The exit record and the restart rules are restarts.py; the KV-cache comparison it logs
+and reports is kv_report.py; the /status body is status_report.py.
 """
 
 from __future__ import annotations
@@ -21,24 +24,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from inference import vllm_api
 from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
 from inference.chat_format import ChatFormat, check_adapter, vllm_flags
 from inference.engine import VllmServer
-from inference.engine_log import RootCause, root_cause
+from inference.engine_log import RootCause
 from inference.errors import EngineFailed
 from inference.kv_cache import (
     KvEstimate,
     VllmKvReport,
     parse_cache_config_info,
     parse_kv_log,
-    relative_difference,
-    tokens_from_cache_config,
 )
+from inference.kv_report import KV_LOG_FORMAT, kv_comparison, kv_log_line
+from inference.restarts import ExitRecord, backoff_delay, read_exit, same_cause_run
 from inference.settings import InferenceSettings
+from inference.status_report import status_body
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import validate_name
 from lorastack.store import ArtifactStore
@@ -55,24 +59,6 @@ class ServePlan:
     estimate: KvEstimate
     platform: str  # "cpu" or "cuda"
     chat: ChatFormat  # chat template and tool parser (inference.chat_format)
-
-
-@dataclass
-class ExitRecord:
-    returncode: int | None
-    at: float  # unix time
-    uptime_s: float  # seconds since that start
-    log_tail: list[str] = field(default_factory=list)
-    root_cause: str | None = None  # the engine's first exception, `Name: message`
-
-
-KV_PROMISE_PCT = 3.0  # the estimate is within this of vLLM's figure (README), percent
-ROOT_CAUSE_LINES = 4000  # log lines searched for the engine's first exception
-
-
-def backoff_delay(failures: int, base_s: float, cap_s: float) -> float:
-    """Seconds to wait before restart number `failures` (1, 2, ...): doubling, capped."""
-    return min(cap_s, base_s * 2 ** max(0, failures - 1))
 
 
 class Supervisor:
@@ -220,16 +206,8 @@ class Supervisor:
             self.ready = False
 
     def _record_exit(self, server: VllmServer) -> RootCause | None:
-        tail = server.log_tail(self.settings.log_tail_lines).splitlines()
-        # the engine's traceback sits above the API server's: read further back than /status
-        cause = root_cause(server.log_tail(ROOT_CAUSE_LINES))
-        record = ExitRecord(
-            server.returncode,
-            time.time(),
-            time.time() - self.started_at,
-            tail,
-            str(cause) if cause else None,
-        )
+        record, cause = read_exit(server, self.started_at, self.settings.log_tail_lines)
+        tail = record.log_tail
         with self._lock:
             self.ready = False
             self.exits = [*self.exits[-9:], record]
@@ -250,8 +228,7 @@ class Supervisor:
         """Count a failed start; True (state `failed`) once `max_identical_failures` in a
         row died of the same cause. Called with the lock held."""
         previous = self.exits[-2].root_cause if len(self.exits) >= 2 else None
-        same = cause is not None and self.same_failures > 0 and previous == str(cause)
-        self.same_failures = self.same_failures + 1 if same else 1
+        self.same_failures = same_cause_run(previous, cause, self.same_failures)
         limit = self.settings.max_identical_failures
         if cause is None or self.same_failures < limit:
             return False
@@ -273,28 +250,8 @@ class Supervisor:
             self.vllm_cache_config = info or self.vllm_cache_config
 
     def _log_comparison(self) -> None:
-        kv = self.kv_comparison()
-        diff = kv["difference_pct"]
-        off = diff is not None and abs(diff) > KV_PROMISE_PCT
-        log.log(
-            logging.WARNING if off else logging.INFO,
-            "KV cache: estimated %s tokens, vLLM logged %s, vLLM metrics %s (difference %s%%)%s",
-            kv["estimate"]["capacity_tokens"],
-            kv["vllm_log"] and kv["vllm_log"]["capacity_tokens"],
-            kv["vllm_metrics"] and kv["vllm_metrics"]["capacity_tokens"],
-            diff,
-            (
-                f": more than the +-{KV_PROMISE_PCT:g}% the estimate promises; vLLM's figure"
-                " holds (admission and the gateway use it)"
-                + (
-                    ", set by --num-gpu-blocks-override"
-                    if "--num-gpu-blocks-override" in " ".join(self.engine_args)
-                    else ""
-                )
-            )
-            if off
-            else "",
-        )
+        level, args = kv_log_line(self.kv_comparison(), self.engine_args)
+        log.log(level, KV_LOG_FORMAT, *args)
         for w in self.plan.estimate.warnings:
             log.warning("KV cache: %s", w)
 
@@ -402,66 +359,29 @@ class Supervisor:
     # -- reporting ---------------------------------------------------------------------
 
     def kv_comparison(self) -> dict[str, Any]:
-        est = self.plan.estimate
         with self._lock:
             report, info = self.vllm_kv, self.vllm_cache_config
-        metrics_tokens = tokens_from_cache_config(info) if info else None
-        reported = report.capacity_tokens if report else metrics_tokens
-        return {
-            "estimate": est.as_dict(),
-            "vllm_log": report.__dict__ if report else None,
-            "vllm_metrics": {
-                "capacity_tokens": metrics_tokens,
-                "num_gpu_blocks": info.get("num_gpu_blocks"),
-                "block_size": info.get("block_size"),
-                "kv_cache_memory_bytes": info.get("kv_cache_memory_bytes"),
-                "cache_config_info": info,
-            }
-            if info
-            else None,
-            "difference_pct": round(100 * relative_difference(est.capacity_tokens, reported), 3)
-            if reported
-            else None,
-        }
+        return kv_comparison(self.plan.estimate, report, info)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
             server = self.server
             exits = list(self.exits)
             state, ready = self.state, self.ready
-        m = self.plan.model.manifest
-        return {
-            "state": state,
-            "ready": ready,
-            "platform": self.plan.platform,
-            "model": {
-                "ref": m.ref,
-                "kind": m.kind,
-                "digest": m.digest,
-                "served_name": self.settings.resolved_served_name,
-                "path": str(self.plan.model.path),
-            },
-            "adapters": [a.describe() for a in self.adapters.values()],
-            "chat_format": self.plan.chat.describe(),
-            "vllm": {
-                "base_url": server.base_url if server else None,
-                "pid": server.pid if server else None,
-                "running": bool(server and server.running),
-                "log": str(server.log_path) if server else None,
-                "uptime_s": round(time.time() - self.started_at, 1) if ready else 0.0,
-            },
-            "restarts": self.restarts,
-            "last_error": self.last_error,
-            "root_cause": {
-                "error": str(self.root_cause),
-                "process": self.root_cause.process,
-                "hint": self.root_cause.hint,
-            }
-            if self.root_cause
-            else None,
-            "last_exit": exits[-1].__dict__ if exits else None,
-            "kv_cache": self.kv_comparison(),
-            "log_tail": server.log_tail(self.settings.log_tail_lines).splitlines()
-            if server
-            else [],
-        }
+        return status_body(
+            state=state,
+            ready=ready,
+            platform=self.plan.platform,
+            model=self.plan.model,
+            served_name=self.settings.resolved_served_name,
+            adapters=[a.describe() for a in self.adapters.values()],
+            chat_format=self.plan.chat.describe(),
+            server=server,
+            started_at=self.started_at,
+            restarts=self.restarts,
+            last_error=self.last_error,
+            root_cause=self.root_cause,
+            last_exit=exits[-1] if exits else None,
+            kv_cache=self.kv_comparison(),
+            log_tail_lines=self.settings.log_tail_lines,
+        )

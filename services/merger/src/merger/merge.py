@@ -15,7 +15,8 @@ as a `merged-model` with merge-report.json only if it passed, the shards handed 
 to the store (on a file:// store on this disk, hard-linked in as its blobs, not copied).
 
 It owns the order of the steps and publishing; what it reads is inputs.py, what it
-checks on is probing.py, the rules live in checks.py, lora.py, verify.py and card.py.
+checks on is probing.py, the rules live in checks.py, lora.py, verify.py and card.py,
+and the report's fields in report.py.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from typing import Any
 
 from lorastack.errors import ConfigError
 from lorastack.manifest import Manifest, validate_name
-from lorastack.store import open_store
+from lorastack.store import ArtifactStore, open_store
 from merger.card import render_card
 from merger.inputs import Inputs, lineage_of, read_json, resolve_inputs
-from merger.lora import plan_lora
+from merger.loading import cast_parameters, load_merged, load_with_adapter
+from merger.lora import LoraPlan, plan_lora
 from merger.preflight import (
     Have,
     Need,
@@ -46,20 +48,27 @@ from merger.preflight import (
     one_file_system,
     same_disk,
 )
-from merger.probing import Probing, adapter_effect, compare, prepare_probes, run_probes
+from merger.probing import (
+    ModelRun,
+    Probing,
+    adapter_effect,
+    compare,
+    prepare_probes,
+    run_probes,
+)
+from merger.report import Checked, build_report
 from merger.settings import MergerSettings
 from merger.shards import (
     ShardReader,
     base_dtype,
     base_layout,
-    base_shards,
     load_adapter,
     merge_shards,
     output_bytes,
     pick_device,
     read_shard,
 )
-from merger.verify import DTYPES, THRESHOLDS, Comparison, judge
+from merger.verify import DTYPES, judge
 
 log = logging.getLogger(__name__)
 
@@ -76,91 +85,6 @@ class MergeResult:
 def default_name(adapter_name: str) -> str:
     """'run1/adapter' -> 'run1/merged'; any other name gets '/merged' appended."""
     return adapter_name.removesuffix("/adapter") + "/merged"
-
-
-def _torch_dtype(dtype: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def _load_base(base_dir: Path, device: Any) -> Any:
-    """The base in float32 on `device`, its weights copied in shard by shard (one shard's
-    pages mapped at a time: from_pretrained mapped every shard at once, 17.9 GB of host
-    RSS for an 8B), every tensor of the model loaded or tied to a loaded one."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(base_dir)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = model.state_dict()
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for shard in base_shards(base_dir):
-            with safe_open(str(base_dir / shard), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                    if name not in state:
-                        raise ConfigError(
-                            f"the base's tensor {name} is not in {type(model).__name__}",
-                            "publish the base as transformers saves it",
-                        )
-                    state[name].copy_(f.get_tensor(name))
-                    loaded.add(name)
-    ptrs = {state[n].data_ptr() for n in loaded}
-    missing = [n for n in state if n not in loaded and state[n].data_ptr() not in ptrs]
-    if missing:
-        raise ConfigError(
-            f"the base has no weights for {', '.join(missing[:3])}",
-            "publish the complete base model",
-        )
-    return model
-
-
-def _load_with_adapter(base_dir: Path, adapter_dir: Path, device: Any) -> Any:
-    """Base + adapter in float32 on `device`, loaded once for every comparison."""
-    from peft import PeftModel
-
-    base = _load_base(base_dir, device)
-    try:
-        model = PeftModel.from_pretrained(base, adapter_dir)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise ConfigError(
-            f"the adapter does not load onto its base: {str(e).splitlines()[0][:300]}",
-            "the adapter was trained on another architecture or vocabulary; check its base "
-            "parent with 'lorastack store show'",
-        ) from e
-    return model.eval()
-
-
-def _cast_parameters(model: Any, dtype: str) -> None:
-    """Parameters to `dtype`, buffers (rotary frequencies) untouched: as from_pretrained
-    in that dtype loads them."""
-    t = _torch_dtype(dtype)
-    for p in model.parameters():
-        p.data = p.data.to(t)
-
-
-def _load_merged(model: Any, folder: Path) -> None:
-    """Copy the merged shards as written into the base layers of the loaded PeftModel:
-    with its adapter disabled it is then the merged model as it ships."""
-    import torch
-    from safetensors import safe_open
-
-    base = model.get_base_model()
-    with torch.no_grad():
-        for shard in base_shards(folder):
-            with safe_open(str(folder / shard), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                    module_path, _, leaf = name.rpartition(".")
-                    module = base.get_submodule(module_path)
-                    module = (
-                        getattr(module, "base_layer", None)
-                        or getattr(module, "original_module", None)
-                        or module
-                    )
-                    getattr(module, leaf).copy_(f.get_tensor(name))
 
 
 def write_folder(inputs: Inputs, probing: Probing, dtype: str, folder: Path) -> None:
@@ -192,10 +116,7 @@ def merge_adapter(
     when there is one). `resources` and `reader` are the seams tests fake."""
     import torch
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-    if probes < 1:
-        raise ConfigError(f"--probes {probes} must be at least 1", "use e.g. --probes 8")
+    check_arguments(dtype, probes)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     dev = pick_device(device or settings.merge_device)
@@ -208,32 +129,16 @@ def merge_adapter(
     store = open_store(settings)
     earlier = already_merged(store.ls(out_name), out_name, inputs.adapter, config)
     if earlier is not None:
-        kept = store.fetch(earlier)
-        record = json.loads((kept / "merge-report.json").read_text())
-        return MergeResult(manifest=earlier, report=record, folder=kept, reused=True)
+        return _reuse(store, earlier)
 
     lora_config, adapter_tensors = load_adapter(inputs.adapter_dir)
-    base_cfg = read_json(inputs.base_dir / "config.json")
-    names = {n for h in layout.values() for n in h if n != "__metadata__"}
-    plan = plan_lora(
-        lora_config,
-        {k: tuple(v.shape) for k, v in adapter_tensors.items()},
-        names,
-        tie_word_embeddings=bool(base_cfg.get("tie_word_embeddings")),
-    )
+    plan = _plan_lora(inputs, layout, lora_config, adapter_tensors)
     folder = settings.resolved_merge_dir / out_name / f"{inputs.adapter.version}-{dtype}"
-    url = settings.resolved_store_url
-    sizes = sizes_of(layout, dtype, inputs.adapter_dir)
-    store_dir = (
-        Path(url.removeprefix("file://")).expanduser() if url.startswith("file://") else None
-    )
-    linked = store_dir is not None and one_file_system(folder, store_dir)
-    need = same_disk(need_for(sizes, folder, store_dir, dev.type == "cuda", linked))
-    check_fit(need, resources(need, str(dev)), dtype, dev.type == "cuda")
+    _preflight(settings, layout, dtype, inputs.adapter_dir, folder, dev, resources)
     probing = prepare_probes(settings, inputs, probes)
     clock.lap("fetch_and_preflight")
 
-    model = _load_with_adapter(inputs.base_dir, inputs.adapter_dir, dev)
+    model = load_with_adapter(inputs.base_dir, inputs.adapter_dir, dev)
     ref = run_probes(model, probing.encoded, probing.generation)
     effect = adapter_effect(model, probing.encoded, ref)
     clock.lap("reference")
@@ -245,69 +150,121 @@ def merge_adapter(
     write_folder(inputs, probing, dtype, folder)
     clock.lap("merge_and_save")
 
-    dtype_only: Comparison | None = None
-    merge_only: Comparison | None = None
-    same_dtype = None
-    if dtype != "float32":
-        _cast_parameters(model, dtype)  # base + adapter unmerged, in the output dtype
-        same_dtype = run_probes(model, probing.encoded, probing.generation)
-    # Verify the files as they will ship: the written shards, read back into the model.
-    _load_merged(model, folder)
-    with model.disable_adapter():
-        got = run_probes(model, probing.encoded, probing.generation)
+    same_dtype, got = _probe_merged(model, folder, dtype, probing)
     del model
-    merged_cmp = compare(ref, got)
-    if same_dtype is not None:
-        dtype_only = compare(ref, same_dtype)
-        merge_only = compare(same_dtype, got)
-    verdict = judge(dtype, merged_cmp, dtype_only)
+    checked = check_merged(dtype, ref, got, same_dtype)
     clock.lap("verify")
 
     lineage = lineage_of(inputs.adapter, inputs.base, inputs.dataset)
-    report: dict[str, Any] = {
-        "schema_version": 1,
-        "adapter": lineage["adapter"],
-        "base": lineage["base"],
-        "dataset": lineage["dataset"],
-        "output": {"name": out_name, "dtype": dtype, "stop_token_ids": probing.stops},
-        "dtype": dtype,
-        "device": str(dev),
-        "passed": verdict.passed,
-        "failures": verdict.failures,
-        "advice": verdict.advice,
-        "notes": _notes(inputs.adapter),
-        "thresholds": THRESHOLDS[dtype].as_dict(),
-        "reference": "base + adapter, unmerged, float32",
-        "adapter_effect": {
-            "max_abs_logit_diff": effect.max_abs,
-            "top1_agreement": round(effect.top1, 6),
-            "note": "base alone vs the reference; near 0 means the adapter changes nothing",
-        },
-        "merged": merged_cmp.summary(),
-        "dtype_only": dtype_only.summary() if dtype_only else None,
-        "merge_only": merge_only.summary() if merge_only else None,
-        "probes": {
-            "source": f"{inputs.dataset.name}:{inputs.dataset.version}/{probing.source}",
-            "count": len(probing.encoded),
-            "skipped_too_long": probing.skipped,
-            "new_tokens": settings.merge_probe_new_tokens,
-            "greedy_reference": [probing.tokenizer.decode(t) for t in ref.tokens],
-            "greedy_merged": [probing.tokenizer.decode(t) for t in got.tokens],
-        },
-        "shards": {
-            "files": stats.shards,
-            "tensors": stats.tensors,
-            "merged_tensors": stats.merged,
-            "bytes_written": stats.bytes_written,
-        },
-        "lineage": lineage,
-        "timings_s": clock.laps,
-    }
+    report = build_report(
+        inputs=inputs,
+        lineage=lineage,
+        out_name=out_name,
+        dtype=dtype,
+        device=str(dev),
+        probing=probing,
+        new_tokens=settings.merge_probe_new_tokens,
+        effect=effect,
+        ref=ref,
+        got=got,
+        checked=checked,
+        stats=stats,
+        timings_s=clock.laps,
+    ).to_json()
     (folder / "merge-report.json").write_text(json.dumps(report, indent=2) + "\n")
     (folder / "README.md").write_text(render_card(out_name, lineage, report))
-    if not verdict.passed:
-        log.warning("verification failed, nothing published: %s", "; ".join(verdict.failures))
+    if not checked.verdict.passed:
+        failures = "; ".join(checked.verdict.failures)
+        log.warning("verification failed, nothing published: %s", failures)
         return MergeResult(manifest=None, report=report, folder=folder)
+    published = _publish(store, folder, out_name, inputs, config, report, lineage)
+    return MergeResult(manifest=published, report=report, folder=folder)
+
+
+def check_arguments(dtype: str | None, probes: int) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if probes < 1:
+        raise ConfigError(f"--probes {probes} must be at least 1", "use e.g. --probes 8")
+
+
+def _reuse(store: ArtifactStore, earlier: Manifest) -> MergeResult:
+    """The earlier merge as it was published, with the report it wrote."""
+    kept = store.fetch(earlier)
+    record = json.loads((kept / "merge-report.json").read_text())
+    return MergeResult(manifest=earlier, report=record, folder=kept, reused=True)
+
+
+def _plan_lora(
+    inputs: Inputs, layout: dict[str, dict[str, Any]], lora_config: Any, adapter: dict[str, Any]
+) -> LoraPlan:
+    """Where each adapter tensor goes in the base (lora.py's checks), from headers only."""
+    base_cfg = read_json(inputs.base_dir / "config.json")
+    names = {n for h in layout.values() for n in h if n != "__metadata__"}
+    return plan_lora(
+        lora_config,
+        {k: tuple(v.shape) for k, v in adapter.items()},
+        names,
+        tie_word_embeddings=bool(base_cfg.get("tie_word_embeddings")),
+    )
+
+
+def _preflight(
+    settings: MergerSettings,
+    layout: dict[str, dict[str, Any]],
+    dtype: str,
+    adapter_dir: Path,
+    folder: Path,
+    dev: Any,
+    resources: Callable[[Need, str], Have],
+) -> None:
+    """Refuse, before any work, a merge that does not fit the disks, host or GPU memory
+    (preflight.py); a file:// store on the output's file system costs no second copy."""
+    url = settings.resolved_store_url
+    sizes = sizes_of(layout, dtype, adapter_dir)
+    store_dir = (
+        Path(url.removeprefix("file://")).expanduser() if url.startswith("file://") else None
+    )
+    linked = store_dir is not None and one_file_system(folder, store_dir)
+    need = same_disk(need_for(sizes, folder, store_dir, dev.type == "cuda", linked))
+    check_fit(need, resources(need, str(dev)), dtype, dev.type == "cuda")
+
+
+def _probe_merged(
+    model: Any, folder: Path, dtype: str, probing: Probing
+) -> tuple[ModelRun | None, ModelRun]:
+    """The probes on base + adapter unmerged in the output dtype (None for float32), then
+    on the files as they will ship: the written shards, read back into the model."""
+    same_dtype = None
+    if dtype != "float32":
+        cast_parameters(model, dtype)  # base + adapter unmerged, in the output dtype
+        same_dtype = run_probes(model, probing.encoded, probing.generation)
+    load_merged(model, folder)
+    with model.disable_adapter():
+        got = run_probes(model, probing.encoded, probing.generation)
+    return same_dtype, got
+
+
+def check_merged(dtype: str, ref: ModelRun, got: ModelRun, same_dtype: ModelRun | None) -> Checked:
+    """The merged model against the reference, and (for a cast) the cast and the merge
+    apart; the verdict on them (verify.py)."""
+    merged = compare(ref, got)
+    dtype_only = merge_only = None
+    if same_dtype is not None:
+        dtype_only = compare(ref, same_dtype)
+        merge_only = compare(same_dtype, got)
+    return Checked(merged, dtype_only, merge_only, judge(dtype, merged, dtype_only))
+
+
+def _publish(
+    store: ArtifactStore,
+    folder: Path,
+    out_name: str,
+    inputs: Inputs,
+    config: dict[str, Any],
+    report: dict[str, Any],
+    lineage: dict[str, Any],
+) -> Manifest:
     published = store.publish(
         folder,
         kind="merged-model",
@@ -327,7 +284,7 @@ def merge_adapter(
         | chat_format(inputs.adapter),
     )
     log.info("published %s (%s)", published.ref, published.digest[:19])
-    return MergeResult(manifest=published, report=report, folder=folder)
+    return published
 
 
 def sizes_of(layout: dict[str, dict[str, Any]], dtype: str, adapter_dir: Path) -> Sizes:
@@ -381,12 +338,3 @@ class _Clock:
         now = time.monotonic()
         self.laps[name] = round(now - self._t, 2)
         self._t = now
-
-
-def _notes(adapter: Manifest) -> list[str]:
-    if "nf4" in (adapter.config.get("quantization"), adapter.metadata.get("quantization")):
-        return [
-            "QLoRA adapter: it trained against an nf4 view of the base and is merged into the "
-            "unquantised base, as it should be; the reference is base + adapter in float32"
-        ]
-    return []

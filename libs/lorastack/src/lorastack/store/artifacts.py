@@ -1,10 +1,11 @@
 """`ArtifactStore`: publish, look up, fetch and copy artifacts over any backend.
 
 Owns versioning (the next integer when none is given), the publish order (blobs,
-then manifest), verification of every downloaded file against its sha256, and where
-fetched artifacts land: the local cache (`CACHE/blobs/<sha256>` and
-`CACHE/artifacts/<digest>/`), whose records of what was verified, checks on use and
-full re-hash are lorastack.store.cache. It knows nothing of what an artifact contains.
+then manifest), and which files of which artifact are fetched where: the local cache
+(`CACHE/blobs/<sha256>` and `CACHE/artifacts/<digest>/`). Filling it, with every
+downloaded file verified against its sha256, is lorastack.store.fetching; the cache's
+records of what was verified, checks on use and full re-hash are lorastack.store.cache.
+It knows nothing of what an artifact contains.
 
 Every manifest it reads is checked (lorastack.manifest.read_manifest: paths, sha256s,
 digest, name and version against the key) before any path is built from it, and `fetch`
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -26,7 +26,6 @@ from typing import Any
 from lorastack.errors import ConfigError, Conflict, IntegrityError, NotFound
 from lorastack.manifest import (
     KINDS,
-    FileEntry,
     Manifest,
     Parent,
     Producer,
@@ -36,7 +35,6 @@ from lorastack.manifest import (
     now_iso,
     read_manifest,
     scan_folder,
-    sha256_file,
     split_ref,
     validate_name,
     validate_version,
@@ -45,7 +43,7 @@ from lorastack.manifest import (
 from lorastack.settings import CommonSettings
 from lorastack.store import labels as label_store
 from lorastack.store.backend import Backend
-from lorastack.store.cache import cache_damage, discard, write_stamp
+from lorastack.store.fetching import download_checked, materialise
 from lorastack.store.labels import LabelRecord
 
 log = logging.getLogger(__name__)
@@ -255,7 +253,9 @@ class ArtifactStore:
         rather than hand it out."""
         check_manifest(manifest, f"manifest {manifest.ref} for {self.url}")
         target = self.cache_dir / "artifacts" / manifest.digest.removeprefix("sha256:")
-        return self._materialise(manifest, manifest.files, target)
+        return materialise(
+            self.backend, self.cache_dir, manifest, manifest.files, target, LINK_MIN_BYTES
+        )
 
     def fetch_files(self, manifest: Manifest, paths: Iterable[str]) -> Path:
         """A verified local folder holding only the files of `manifest` named in `paths`
@@ -272,62 +272,8 @@ class ArtifactStore:
             )
         chosen = hashlib.sha256("\n".join(sorted(f.path for f in files)).encode()).hexdigest()
         digest = manifest.digest.removeprefix("sha256:")
-        return self._materialise(
-            manifest, files, self.cache_dir / "artifacts" / f"{digest}-only-{chosen[:16]}"
-        )
-
-    def _materialise(self, manifest: Manifest, files: list[FileEntry], target: Path) -> Path:
-        """`files` of `manifest`, verified, in the cache folder `target` (see fetch)."""
-        if target.is_dir():
-            damaged = cache_damage(target, files)
-            if not damaged:
-                return target
-            log.warning(
-                "cached %s: %s changed on disk since it was verified; fetching it again",
-                manifest.ref,
-                ", ".join(damaged),
-            )
-            discard(target)
-            for f in files:
-                if f.path in damaged:
-                    (self.cache_dir / "blobs" / f.sha256).unlink(missing_ok=True)
-        (self.cache_dir / "artifacts").mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=self.cache_dir / "artifacts", prefix=".tmp-"))
-        try:
-            for f in files:
-                dest = staging / f.path
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                if self._link_stored(f.sha256, f.size, dest):
-                    continue
-                blob = self._fetch_blob(manifest, f.path, f.sha256)
-                try:
-                    os.link(blob, dest)
-                except OSError:
-                    shutil.copyfile(blob, dest)
-            write_stamp(staging, target, files)
-            try:
-                os.rename(staging, target)
-            except OSError:  # another process materialised it first
-                if not target.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
-
-    def _link_stored(self, sha256: str, size: int, dest: Path) -> bool:
-        """Hard-link a large blob of a store on this disk into `dest`; False where the
-        store is elsewhere, the file small (a copy keeps an edited config repairable),
-        the blob written to since it was stored (the caller then downloads and verifies
-        it), or the file system refuses the link."""
-        unchanged = getattr(self.backend, "unchanged_blob", None)
-        stored = unchanged(sha256, size) if unchanged and size >= LINK_MIN_BYTES else None
-        if stored is None:
-            return False
-        try:
-            os.link(stored, dest)
-        except OSError:
-            return False
-        return True
+        target = self.cache_dir / "artifacts" / f"{digest}-only-{chosen[:16]}"
+        return materialise(self.backend, self.cache_dir, manifest, files, target, LINK_MIN_BYTES)
 
     def get(self, manifest: Manifest, dest: Path) -> Path:
         """Copy the verified artifact into `dest` (created; must be empty if it exists)."""
@@ -338,46 +284,6 @@ class ArtifactStore:
             self.fetch(manifest), dest, dirs_exist_ok=True, copy_function=shutil.copyfile
         )
         return dest
-
-    def _fetch_blob(self, manifest: Manifest, path: str, sha256: str) -> Path:
-        blob = self.cache_dir / "blobs" / sha256
-        if blob.is_file():
-            if sha256_file(blob) == sha256:  # a blob is reused only when a new copy is made
-                return blob
-            log.warning("cached blob %s of %s is damaged; fetching it again", sha256[:12], path)
-            blob.unlink()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._download_checked(manifest, path, sha256, blob.parent)
-        try:
-            os.replace(tmp, blob)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return blob
-
-    def _download_checked(self, manifest: Manifest, path: str, sha256: str, where: Path) -> Path:
-        """Download one blob into a new file in `where`; IntegrityError when its sha256 differs."""
-        fd, tmp_name = tempfile.mkstemp(dir=where, prefix=".tmp-")
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            self.backend.download_blob(sha256, tmp)
-            h = hashlib.sha256()
-            with tmp.open("rb") as fh:
-                while chunk := fh.read(1 << 20):
-                    h.update(chunk)
-            got = h.hexdigest()
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        if got != sha256:
-            tmp.unlink(missing_ok=True)
-            raise IntegrityError(
-                f"{manifest.ref}: file {path} is corrupted in {self.url} "
-                f"(sha256 {got[:16]}…, manifest says {sha256[:16]}…)",
-                "the stored object was altered or damaged; publish the artifact again "
-                "from its source",
-            )
-        return tmp
 
     def verify_remote(self, manifest: Manifest) -> None:
         """Read `manifest` back from the store and download every file of it afresh (never
@@ -394,7 +300,7 @@ class ArtifactStore:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix=".verify-") as scratch:
             for f in stored.files:
-                self._download_checked(stored, f.path, f.sha256, Path(scratch)).unlink()
+                download_checked(self.backend, stored, f.path, f.sha256, Path(scratch)).unlink()
 
 
 def open_store(settings: CommonSettings) -> ArtifactStore:
