@@ -317,6 +317,9 @@ def test_two_gateway_processes_enforce_one_keys_limit(
         "LORASTACK_KEYS_FILE": str(keys),
         "LORASTACK_REDIS_URL": redis_url.replace("/0", "/1"),  # a db of its own
         "LORASTACK_SCRAPE_INTERVAL_S": "0.2",
+        # the longest allowed: a Redis reply slower than the 0.25 s default on a loaded
+        # machine made a gateway answer from its own buckets (then 6 x 200, not 4 + 2 x 429)
+        "LORASTACK_REDIS_TIMEOUT_S": "10",
     }
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     procs = [_start_gateway(env, log) for log in logs]
