@@ -34,7 +34,7 @@ from trainer.errors import CheckpointWriteFailed
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 
-KILLS = 20
+STEPS = 18  # of the uninterrupted run; the killed one dies once per write point (13 today)
 
 
 def _adapter(run: Path) -> dict[str, object]:
@@ -125,14 +125,15 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
     trainer_env: TrainerSettings, demo_jsonl: Path, write_config: Callable[..., Path]
 ) -> None:
     """Each run is a forked child of this process (its imports are paid once: a fresh
-    interpreter per kill would cost ~10 s of imports each, 20 times), which SIGKILLs itself
-    at a write point of its first checkpoint (of its second, in the first run) drawn at
-    random: mid-write, written but not renamed, renamed but not yet synced."""
+    interpreter per kill would cost ~10 s of imports), which SIGKILLs itself at one write
+    point of its first checkpoint (of its second, in the first run): every write point of
+    a checkpoint once, in a seeded order (mid-write, written but not renamed, renamed but
+    not yet synced), where 20 random draws could miss one."""
     import multiprocessing
 
     fork = multiprocessing.get_context("fork")
     runs = trainer_env.resolved_runs_dir
-    steps = KILLS + 2  # a killed run advances 0 or 1 step (the first 1 or 2)
+    steps = STEPS
     fields = {  # one-sample steps of ~75 tokens, a checkpoint after each
         "max_steps": steps,
         "epochs": 2,
@@ -154,17 +155,19 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
     assert counted, text[-2000:]
     per_ckpt = int(counted.group(1)) // steps  # the same files every step
     assert per_ckpt >= 5 and int(counted.group(1)) % steps == 0, counted.group(1)
+    # a killed run advances 0 or 1 step (the first 1 or 2): the last resume has steps left
+    assert per_ckpt + 2 < steps, per_ckpt
+    kill_points = random.Random(1234).sample(range(1, per_ckpt + 1), per_ckpt)
 
     cfg = write_config("killed", demo_jsonl, **fields)
     ckpts = runs / "killed" / "checkpoints"
-    rng = random.Random(1234)
     kills, resumes = 0, []
     while True:
         expected = _latest_complete(ckpts)
         log = runs.parent / f"attempt-{kills}.log"
         kill_at = 0
-        if kills < KILLS:  # the first run: after one complete checkpoint
-            kill_at = rng.randint(1, per_ckpt) + (per_ckpt if expected is None else 0)
+        if kills < per_ckpt:  # the first run: after one complete checkpoint
+            kill_at = kill_points[kills] + (per_ckpt if expected is None else 0)
         proc = fork.Process(target=_train, args=(cfg, expected is not None, log, kill_at))
         proc.start()
         proc.join(600)
@@ -179,6 +182,6 @@ def test_kill_9_during_checkpoint_writes_then_resume_is_bitwise_exact(
         assert proc.exitcode == -signal.SIGKILL, text[-2000:]
         kills += 1
     print(f"kill -9 drill: {kills} kills, resumed from steps {resumes}")
-    assert kills == KILLS and len(resumes) == KILLS, (kills, resumes)
+    assert kills == per_ckpt and len(resumes) == per_ckpt, (kills, resumes)
     assert not list(ckpts.glob(".tmp-*")) and not list(ckpts.glob(".trash-*"))
     assert _same(_adapter(runs / "whole"), _adapter(runs / "killed"))
