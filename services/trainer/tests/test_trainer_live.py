@@ -96,7 +96,7 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
 
 
 def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes() -> None:
-    from trainer.live import LiveRun
+    from trainer.loop.live import LiveRun
 
     port = free_port()
     live = LiveRun("live", 6, port, "127.0.0.1", bar=False)

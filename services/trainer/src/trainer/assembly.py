@@ -2,7 +2,7 @@
 --resume compares), the data and test splits published, the memory estimate, the model
 with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped or
 FSDP-sharded on several processes), and the live metrics. Preparing the data is
-trainer.prepare; the order of the steps, and the resume in between, stay in
+trainer.data.preparation; the order of the steps, and the resume in between, stay in
 trainer.recipe.Recipe.setup.
 """
 
@@ -15,16 +15,16 @@ import numpy as np
 import torch
 
 from lorastack.manifest import Manifest, git_commit
-from trainer import checkpoint
-from trainer.batching import lr_factor
-from trainer.compiling import CompileRun
-from trainer.distributed import wrap
-from trainer.live import LiveRun
-from trainer.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
+from trainer.data.batching import lr_factor
+from trainer.data.samples import template_hash
+from trainer.data.splits import publish_once
+from trainer.loop.live import LiveRun
 from trainer.metrics import library_versions, write_json
-from trainer.modeling import LossModule, compute_dtype, load_model
-from trainer.samples import template_hash
-from trainer.splits import publish_once
+from trainer.model.compiling import CompileRun
+from trainer.model.distributed import wrap_for_processes
+from trainer.model.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
+from trainer.model.modeling import LossModule, compute_dtype, load_model
+from trainer.publish import checkpoint
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -66,7 +66,7 @@ def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
 
 
 def estimate_memory(r: Recipe) -> dict[str, int]:
-    """The memory estimate (trainer.memory), written as memory-estimate.json and said;
+    """The memory estimate (trainer.model.memory), written as memory-estimate.json and said;
     sets how many decoder layers recompute their activations (gradient_checkpointing)."""
     cfg = r.config
     args: dict[str, Any] = {
@@ -129,7 +129,7 @@ def build_model(r: Recipe) -> str:
     # processes
     r.train_loss = LossModule(r.peft)
     if settings.world_size > 1:
-        r.train_loss = wrap(r.train_loss, cfg, settings.world_size, r.device, r.mode)
+        r.train_loss = wrap_for_processes(r.train_loss, cfg, settings.world_size, r.device, r.mode)
     r.model.train()
     params = [p for p in r.peft.parameters() if p.requires_grad]
     r.trainable = sum(p.numel() for p in params)

@@ -4,22 +4,23 @@
 it). Modes: "train" (publishes `<output>/data`, `<output>/test`, checkpoints and the
 adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothing) and
 "overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing): their
-differences live in trainer.modes. The recipe holds the order of the stages and the
+differences live in trainer.loop.modes. The recipe holds the order of the stages and the
 state they share; each stage's pieces live in their own module:
 
-    setup     trainer.prepare (data, tokenizer, base), trainer.assembly (run manifest,
-              published splits, memory estimate, model/optimizer/schedule, live metrics),
-              trainer.resuming (state back from a checkpoint), trainer.auto_batch
-    train     trainer.gradients (one step's micro-batches, backward), trainer.progress
-              (the step record and line), trainer.validation (eval, early stopping),
-              trainer.stopping (signals, cost caps), trainer.distributed (DDP),
-              trainer.sharding (FSDP)
-    save      trainer.resuming.save_checkpoint (what a resume needs), trainer.checkpoint
-              (the folder), trainer.publishing (the store)
-    finish    trainer.completion (training-complete.json, the TrainResult),
-              trainer.publishing (the selected adapter), trainer.modes (smoke / overfit
-              verdicts)
-    failure   trainer.failure (support memo, on_failure hook, error mapping)
+    setup     trainer.data.preparation (data, tokenizer, base), trainer.assembly (run
+              manifest, published splits, memory estimate, model/optimizer/schedule,
+              live metrics), trainer.publish.resuming (state back from a checkpoint),
+              trainer.model.auto_batch
+    train     trainer.loop.gradients (one step's micro-batches, backward),
+              trainer.loop.progress (the step record and line), trainer.loop.evaluation
+              (validation loss, early stopping), trainer.loop.stopping (signals, cost
+              caps), trainer.model.distributed (DDP), trainer.model.sharding (FSDP)
+    save      trainer.publish.resuming.save_checkpoint (what a resume needs),
+              trainer.publish.checkpoint (the folder), trainer.publish.publishing (the store)
+    finish    trainer.publish.completion (training-complete.json, the TrainResult),
+              trainer.publish.publishing (the selected adapter), trainer.loop.modes (smoke /
+              overfit verdicts)
+    failure   trainer.publish.failure (support memo, on_failure hook, error mapping)
 
 Exact resume: the data position is the step (batch order derives from (seed, epoch));
 a checkpoint restores adapter, AdamW, scheduler and RNG states; `--resume` first
@@ -41,29 +42,16 @@ import torch
 
 from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore
-from trainer import (
-    assembly,
-    budget,
-    compile_ahead,
-    failure,
-    gradients,
-    hooks,
-    modes,
-    progress,
-    publishing,
-    resuming,
-    stopping,
-    validation,
-)
-from trainer.auto_batch import fit as fit_micro_batch
-from trainer.batching import Plan
-from trainer.compiling import CompileRun
-from trainer.completion import TrainResult, train_result
-from trainer.completion import record as record_completion
+from trainer import assembly
 from trainer.config import RunConfig
-from trainer.distributed import rank0_decides, shut_down
+from trainer.data.batching import Plan
+from trainer.data.preflight import PreflightReport, refuse_unless_ok
+from trainer.data.preparation import prepare
+from trainer.data.samples import end_of_turn_id
+from trainer.data.splits import Splits
 from trainer.errors import SmokeFailed
-from trainer.live import LiveRun
+from trainer.loop import evaluation, gradients, modes, progress, stopping
+from trainer.loop.live import LiveRun
 from trainer.metrics import (
     LogTail,
     held_bytes,
@@ -71,13 +59,15 @@ from trainer.metrics import (
     read_series,
     write_json,
 )
-from trainer.modeling import resolve_device, use_expandable_segments
+from trainer.model import compile_ahead
+from trainer.model.auto_batch import fit_micro_batch
+from trainer.model.compiling import CompileRun
+from trainer.model.distributed import rank0_decides, shut_down
+from trainer.model.modeling import resolve_device, use_expandable_segments
 from trainer.plotting import Plotter
-from trainer.preflight import PreflightReport, refuse_unless_ok
-from trainer.prepare import prepare
-from trainer.samples import end_of_turn_id
+from trainer.publish import budget, failure, hooks, publishing, resuming
+from trainer.publish.completion import TrainResult, record_completion, train_result
 from trainer.settings import TrainerSettings
-from trainer.splits import Splits
 
 log = logging.getLogger("trainer")
 
@@ -113,7 +103,7 @@ class Recipe:
         self.metrics_dir = self.run_dir / "metrics"
         self.step = 0
         self.stop_signal: int | None = None
-        self.old_handlers: dict[int, Any] = {}  # trainer.stopping
+        self.old_handlers: dict[int, Any] = {}  # trainer.loop.stopping
         self.device = torch.device("cpu")
         self.losses: dict[int, float] = {}
         self.val_losses: dict[int, float] = {}
@@ -135,10 +125,10 @@ class Recipe:
         self.memory_estimate: dict[str, int] = {}
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
         self.plotter: Plotter | None = None  # rank 0's
-        self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
+        self.memory_marks: dict[str, int] = {}  # trainer.model.memory.against_measured
         self.model: Any = None
         self.ahead: compile_ahead.Ahead | None = (
-            None  # the child compiling ahead (trainer.compile_ahead)
+            None  # the child compiling ahead (trainer.model.compile_ahead)
         )
         self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
@@ -262,7 +252,7 @@ class Recipe:
         session_start, session_tokens = time.monotonic(), 0
         world = self.settings.world_size
         session_steps = 0
-        if self.val_losses and validation.early_stop(self):  # a resumed run that had stopped early
+        if self.val_losses and evaluation.early_stop(self):  # a resumed run that had stopped early
             return
         self.meter.mark()
         while self.step < self.total_steps:
@@ -311,17 +301,17 @@ class Recipe:
                 self.step % cfg.eval_every == 0 or self.step == self.total_steps
             )
             if evaluated:
-                validation.evaluate(self)
+                evaluation.evaluate(self)
             if self.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
-            new_best = evaluated and validation.best_step(self) == self.step
+            new_best = evaluated and evaluation.best_step(self) == self.step
             if (
                 self.step % cfg.checkpoint_every == 0
                 or self.step == self.total_steps
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
                 resuming.save_checkpoint(self)
-            if evaluated and validation.early_stop(self):
+            if evaluated and evaluation.early_stop(self):
                 break
             stopping.stop_if_asked(self)
 
@@ -334,7 +324,7 @@ class Recipe:
         if done is not None:
             return done
         if self.val_samples and self.step not in self.val_losses and self.step > 0:
-            validation.evaluate(self)
+            evaluation.evaluate(self)
         resuming.checkpoint_unless_saved(self)
         train_series = read_series(self.metrics_dir, "metrics", "loss")
         plot = self.run_dir / "loss.png"
@@ -396,7 +386,7 @@ def run_training(
         recipe.train()
         result = recipe.finish()
     except Exception as e:
-        error = failure.handle(recipe, e)
+        error = failure.report_failure(recipe, e)
         if error is e:
             raise
         raise error from e

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lorastack.manifest import Manifest
-from trainer.compiling import compile_report
-from trainer.hooks import HookOutcome
-from trainer.memory import against_measured, human
+from trainer.data.preflight import PreflightReport
 from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
-from trainer.preflight import PreflightReport
+from trainer.model.compiling import compile_report
+from trainer.model.memory import against_measured, human
+from trainer.publish.hooks import HookOutcome
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -57,7 +57,7 @@ def train_result(r: Recipe, completion: dict[str, Any]) -> TrainResult:
 
 
 def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
-    """The parts of trainer.memory.PARTS as measured. `r.memory_marks` holds bytes held
+    """The parts of trainer.model.memory.PARTS as measured. `r.memory_marks` holds bytes held
     (torch's allocations on a GPU, RSS on the CPU) before the model loads (`start`), after
     it loads (`loaded`) and after the first optimizer step freed its gradients
     (`resting`). On a GPU each part is a difference of those. On the CPU the weights and
@@ -89,7 +89,7 @@ def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
     }
 
 
-def record(r: Recipe) -> dict[str, Any]:
+def record_completion(r: Recipe) -> dict[str, Any]:
     """The record of the run as it ends (all sessions of a resumed run); says the memory
     estimate against the measured peak."""
     cfg = r.config

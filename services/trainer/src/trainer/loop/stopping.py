@@ -1,7 +1,7 @@
 """How a run stops before its last step, at a checkpoint it can resume from: SIGTERM or
-SIGINT (TrainingInterrupted) and a cost or time cap (CostCapReached, trainer.budget; rank
+SIGINT (TrainingInterrupted) and a cost or time cap (CostCapReached, trainer.publish.budget; rank
 0's clock and rank 0's signal decide for all processes). Early stopping on the validation loss is
-trainer.validation.
+trainer.loop.evaluation.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING, Any
 
-from trainer import publishing, resuming
-from trainer.distributed import rank0_decides
 from trainer.errors import TrainingInterrupted
+from trainer.model.distributed import rank0_decides
+from trainer.publish import publishing, resuming
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe

@@ -2,9 +2,9 @@
 step, a stop), what it keeps for a resume (trainer-state.json) and what a resumed run takes
 back from it: the step, the token counters, the wall time of earlier sessions,
 the validation losses and the RNG states (the adapter, AdamW and scheduler states load
-through trainer.checkpoint.load_into); and the upload of a checkpoint that a killed run
+through trainer.publish.checkpoint.load_into); and the upload of a checkpoint that a killed run
 wrote locally but never published. Which checkpoint to resume from, and the refusal when
-the run changed, is trainer.publishing.find_resume_point.
+the run changed, is trainer.publish.publishing.find_resume_point.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer import checkpoint, publishing, sharding
+from trainer.model import sharding
+from trainer.publish import checkpoint, publishing
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -62,7 +63,7 @@ def checkpoint_unless_saved(r: Recipe) -> None:
 
 def saved_state(r: Recipe) -> dict[str, Any]:
     """What a checkpoint keeps of the run for a resume, besides the step and the model,
-    optimizer, scheduler and RNG states (trainer.checkpoint.save): the counters, the wall
+    optimizer, scheduler and RNG states (trainer.publish.checkpoint.save): the counters, the wall
     time of all sessions so far and the validation losses."""
     return {
         "epoch": (r.step - 1) // max(1, r.plan.steps_per_epoch()),

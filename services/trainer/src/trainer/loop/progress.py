@@ -1,6 +1,6 @@
 """What a run reports while it trains: the step record (metrics-step-N.json), the step
-line or progress bar (with the cost so far) and the live metrics (trainer.live). A failed
-run's support memo is trainer.failure.
+line or progress bar (with the cost so far) and the live metrics (trainer.loop.live). A failed
+run's support memo is trainer.publish.failure.
 """
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from trainer.live import gpu_reading
-from trainer.memory import human
+from trainer.loop.live import gpu_reading
 from trainer.metrics import (
     memory_now,
     write_json,
 )
+from trainer.model.memory import human
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe

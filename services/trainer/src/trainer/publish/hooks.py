@@ -32,7 +32,7 @@ from trainer.config import HookConfig, RunConfig
 from trainer.errors import CostCapReached, HookNotRun, TrainingInterrupted
 
 if TYPE_CHECKING:
-    from trainer.completion import TrainResult
+    from trainer.publish.completion import TrainResult
     from trainer.recipe import Recipe
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
@@ -251,7 +251,7 @@ def after_success(r: Recipe, result: TrainResult, base_env: dict[str, str]) -> H
 def after_failure(
     r: Recipe, error: LorastackError, memo: Manifest | None, base_env: dict[str, str]
 ) -> None:
-    """Verify the support memo (published by trainer.failure.failed) and the last
+    """Verify the support memo (published by trainer.publish.failure.failed) and the last
     checkpoint off the host, then run on_failure; a memo that is not there means no hook,
     said why."""
     cfg = r.config

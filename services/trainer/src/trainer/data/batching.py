@@ -12,9 +12,9 @@ import math
 import numpy as np
 import torch
 
-from trainer.masking import IGNORE
-from trainer.packing import collate_rows, pack_rows
-from trainer.samples import Sample
+from trainer.data.masking import IGNORE
+from trainer.data.packing import collate_rows, pack_rows
+from trainer.data.samples import Sample
 
 WIDTH_MULTIPLE = 64  # tokens: unpacked batch widths of a compiled run round up to this
 
@@ -29,7 +29,7 @@ class Plan:
 
     A micro-batch is a list of rows and a row a list of sample indices: one sample per
     row, or, with `pack_to` (packing), as many as fit in `pack_to` tokens
-    (trainer.packing). Rows follow the (seed, epoch) permutation; packed rows are then
+    (trainer.data.packing). Rows follow the (seed, epoch) permutation; packed rows are then
     shuffled by (seed, epoch) too, so a row's position says nothing of its lengths.
     The last step of an epoch may hold fewer micro-batches, its last micro-batch fewer
     rows.

@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 from lorastack.errors import LorastackError
 from lorastack.manifest import Manifest
-from trainer import hooks
+from trainer.data.samples import template_hash
 from trainer.errors import TrainingCrashed, TrainingOOM
 from trainer.metrics import OOM_HINT, device_facts, is_oom, write_support_bundle
-from trainer.samples import template_hash
+from trainer.publish import hooks
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
 
 
-def handle(r: Recipe, e: Exception) -> LorastackError:
+def report_failure(r: Recipe, e: Exception) -> LorastackError:
     """The support memo, then the on_failure hook; the error to raise for `e`."""
-    error, memo = failed(r, e)
+    error, memo = leave_support_memo(r, e)
     try:
         hooks.after_failure(r, error, memo, dict(os.environ))
     except Exception as h:  # never hide the run's own error behind the hook's
@@ -30,7 +30,7 @@ def handle(r: Recipe, e: Exception) -> LorastackError:
     return error
 
 
-def facts(r: Recipe) -> dict[str, Any]:
+def run_facts(r: Recipe) -> dict[str, Any]:
     """What the support memo says of the run (trainer.metrics.write_support_bundle)."""
     cfg = r.config
     facts: dict[str, Any] = {
@@ -56,15 +56,15 @@ def facts(r: Recipe) -> dict[str, Any]:
     return facts
 
 
-def failed(r: Recipe, e: Exception) -> tuple[LorastackError, Manifest | None]:
+def leave_support_memo(r: Recipe, e: Exception) -> tuple[LorastackError, Manifest | None]:
     """A failed run's support memo, written and published beside the run (None: it stays
     local), and the error to raise: `e` itself, or TrainingOOM / TrainingCrashed for an
     unexpected one."""
-    from trainer.publishing import publish_support_bundle
+    from trainer.publish.publishing import publish_support_bundle
 
     r.run_dir.mkdir(parents=True, exist_ok=True)
     bundle = write_support_bundle(
-        r.run_dir / "support-bundle.json", e, facts(r), list(r.tail.lines), dict(os.environ)
+        r.run_dir / "support-bundle.json", e, run_facts(r), list(r.tail.lines), dict(os.environ)
     )
     print(f"support bundle: {bundle}", flush=True)
     memo = publish_support_bundle(r, bundle)

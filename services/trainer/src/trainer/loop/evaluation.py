@@ -1,6 +1,6 @@
 """The validation split during training: its loss at an evaluation step (written as
 metrics/eval-step-N.json, shown, and sent to the live metrics), the best step so far and
-early stopping (the arithmetic of both is trainer.selection).
+early stopping (the arithmetic of both is trainer.loop.selection).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.batching import collate, supervised_count
+from trainer.data.batching import collate, supervised_count
+from trainer.loop.selection import should_stop, standing
 from trainer.metrics import write_json
-from trainer.modeling import batch_loss
-from trainer.selection import should_stop, standing
-from trainer.sharding import is_sharded
+from trainer.model.modeling import batch_loss
+from trainer.model.sharding import is_sharded
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe

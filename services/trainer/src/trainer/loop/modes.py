@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.config import with_overrides
+from trainer.data.samples import Sample, prompt_ids
 from trainer.errors import SmokeFailed
-from trainer.samples import Sample, prompt_ids
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe

@@ -17,7 +17,7 @@ import torch
 from trainer.config import RunConfig, with_overrides
 from trainer.errors import TrainingOOM
 from trainer.metrics import OOM_HINT
-from trainer.modeling import load_model, loss_sum
+from trainer.model.modeling import load_model, loss_sum
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -54,7 +54,7 @@ def probe(model: Any, seq: int, token: int, device: torch.device) -> Callable[[i
     return fits
 
 
-def fit(r: Recipe) -> RunConfig:
+def fit_micro_batch(r: Recipe) -> RunConfig:
     """The run's config with the micro-batch the GPU fits (CUDA only; else unchanged)."""
     cfg = r.config
     effective = cfg.micro_batch * cfg.grad_accum

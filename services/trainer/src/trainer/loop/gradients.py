@@ -1,6 +1,6 @@
 """One optimizer step's batches and gradients: the step's micro-batches from the plan
 (refused when no token is supervised), this process's share of the step's micro-batches
-(trainer.distributed.my_share), each collated, its loss scaled to the step's supervised
+(trainer.model.distributed.my_share), each collated, its loss scaled to the step's supervised
 tokens (all processes) and run backward, with the gradient sync (DDP's, FSDP's) only on
 the last one;
 the step's loss, summed over processes. Clipping and the optimizer step stay in
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.batching import collate_micro_batch, supervised_count
-from trainer.compiling import mark_dynamic_samples, mark_dynamic_width
-from trainer.cross_entropy import loss_positions
-from trainer.distributed import my_share, sum_over_ranks, syncing
+from trainer.data.batching import collate_micro_batch, supervised_count
+from trainer.data.samples import Sample
 from trainer.errors import SmokeFailed
-from trainer.samples import Sample
+from trainer.model.compiling import mark_dynamic_samples, mark_dynamic_width
+from trainer.model.cross_entropy import loss_positions
+from trainer.model.distributed import my_share, sum_over_ranks, syncing
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe

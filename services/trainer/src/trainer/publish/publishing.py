@@ -1,7 +1,7 @@
 """Where a run meets the artifact store: the checkpoint a resumed run continues from
 (refused when the run changed), checkpoints and the adapter published, the best
 checkpoint kept, the adapter `select` picks, a finished run left as it was, and the
-stop at a cost cap (at a published checkpoint; the arithmetic is trainer.budget).
+stop at a cost cap (at a published checkpoint; the arithmetic is trainer.publish.budget).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
-from trainer import budget, checkpoint
-from trainer.chat_templates import chat_format_record
-from trainer.completion import train_result
 from trainer.config import SAFE_TO_CHANGE
+from trainer.data.chat_templates import chat_format_record
 from trainer.errors import CostCapReached, ResumeRefused
+from trainer.loop.selection import selected_step, standing
 from trainer.metrics import write_json
-from trainer.selection import selected_step, standing
+from trainer.publish import budget, checkpoint
+from trainer.publish.completion import train_result
 
 if TYPE_CHECKING:
-    from trainer.completion import TrainResult
+    from trainer.publish.completion import TrainResult
     from trainer.recipe import Recipe
 
 log = logging.getLogger("trainer")
@@ -96,7 +96,7 @@ def kept_best(r: Recipe) -> int | None:
 
 
 def select_adapter(r: Recipe) -> dict[str, Any]:
-    """The step `select` picks (trainer.selection), its checkpoint here (publish_adapter
+    """The step `select` picks (trainer.loop.selection), its checkpoint here (publish_adapter
     publishes that checkpoint's adapter: under FSDP the model holds shards)."""
     step, why = selected_step(r.val_losses, r.config.select, r.step)
     folder = checkpoint.step_dir(r.ckpt_root, step)
@@ -178,7 +178,7 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
 
 
 def check_budget(r: Recipe, resume_from: Path | None) -> str:
-    """The preflight of a capped run (trainer.budget): its line, or PreflightRefused. A
+    """The preflight of a capped run (trainer.publish.budget): its line, or PreflightRefused. A
     resumed run counts the steps and hours of its checkpoint (trainer-state.json)."""
     state: dict[str, Any] = {}
     if resume_from is not None:
