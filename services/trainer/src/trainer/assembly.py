@@ -9,12 +9,15 @@ trainer.recipe.Recipe.setup.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from lorastack.manifest import Manifest, git_commit
+from trainer.config import RunConfig
 from trainer.data.batching import lr_factor
 from trainer.data.samples import template_hash
 from trainer.data.splits import publish_once
@@ -25,8 +28,11 @@ from trainer.model.distributed import wrap_for_processes
 from trainer.model.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
 from trainer.model.modeling import LossModule, compute_dtype, load_model
 from trainer.publish import checkpoint
+from trainer.settings import TrainerSettings
+from trainer.state import Components
 
 if TYPE_CHECKING:
+    from trainer.model.compile_ahead import Ahead
     from trainer.recipe import Recipe
 
 
@@ -105,40 +111,57 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(r: Recipe) -> str:
+def build_model(
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    base_dir: Path,
+    model_config: dict[str, Any],
+    device: torch.device,
+    *,
+    checkpointed: int,
+    ahead: Ahead | None,
+    mode: str,
+    total_steps: int,
+    lap: Callable[[str], None],
+) -> tuple[Components, str]:
     """Seed, load the model (maybe compiled), wrap its loss for training (DDP or FSDP on
-    several processes), and make the optimizer and schedule; returns the compile note for
-    the start line."""
-    cfg, settings = r.config, r.settings
+    several processes), and make the optimizer and schedule; returns them with the compile
+    note for the start line. `lap` times the load (with the compile's start)."""
     seed_everything(cfg.seed)
     sharded = cfg.distributed == "fsdp" and settings.world_size > 1
     # left on the host under FSDP: fully_shard moves it
-    r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded, checkpointed=r.checkpointed)
-    r.peft = r.model
-    r.compiler = CompileRun(
+    peft = load_model(base_dir, cfg, device, on_host=sharded, checkpointed=checkpointed)
+    compiler = CompileRun(
         cfg,
-        r.device,
-        r.model_config,
+        device,
+        model_config,
         settings.resolved_cache_dir / "torch-compile",
-        r.ahead,
-        all_checkpointed=r.checkpointed == int(r.model_config["num_hidden_layers"]),
+        ahead,
+        all_checkpointed=checkpointed == int(model_config["num_hidden_layers"]),
     )
-    compiling = r.compiler.begin(r.peft)
-    r.lap("load_model")
+    compiling = compiler.begin(peft)
+    lap("load_model")
     # training calls the loss through one module; DDP wraps (FSDP shards) it on several
     # processes
-    r.train_loss = LossModule(r.peft)
+    train_loss: Any = LossModule(peft)
     if settings.world_size > 1:
-        r.train_loss = wrap_for_processes(r.train_loss, cfg, settings.world_size, r.device, r.mode)
-    r.model.train()
-    params = [p for p in r.peft.parameters() if p.requires_grad]
-    r.trainable = sum(p.numel() for p in params)
-    r.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total, warmup, schedule = r.total_steps, cfg.warmup_steps, cfg.schedule
-    r.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        r.optimizer, lambda s: lr_factor(s, total, warmup, schedule)
+        train_loss = wrap_for_processes(train_loss, cfg, settings.world_size, device, mode)
+    peft.train()
+    params = [p for p in peft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup, schedule = cfg.warmup_steps, cfg.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, warmup, schedule)
     )
-    return compiling
+    parts = Components(
+        peft=peft,
+        compiler=compiler,
+        train_loss=train_loss,
+        trainable=sum(p.numel() for p in params),
+        optimizer=optimizer,
+        scheduler=scheduler,
+    )
+    return parts, compiling
 
 
 def live_run(r: Recipe) -> LiveRun:
@@ -153,5 +176,5 @@ def live_run(r: Recipe) -> LiveRun:
         tensorboard=r.run_dir / "tensorboard"
         if "tensorboard" in cfg.report_to and settings.is_main
         else None,
-        resumed_at=r.resumed_at,
+        resumed_at=r.progress.resumed_at,
     )

@@ -61,25 +61,19 @@ from trainer.metrics import (
 )
 from trainer.model import compile_ahead
 from trainer.model.auto_batch import fit_micro_batch
-from trainer.model.compiling import CompileRun
 from trainer.model.distributed import rank0_decides, shut_down
 from trainer.model.modeling import resolve_device, use_expandable_segments
 from trainer.plotting import Plotter
 from trainer.publish import budget, failure, hooks, publishing, resuming
 from trainer.publish.completion import TrainResult, record_completion, train_result
 from trainer.settings import TrainerSettings
+from trainer.state import Components, Progress
 
 log = logging.getLogger("trainer")
 
 
 class Recipe:
-    # built by setup (trainer.assembly.build_model)
-    peft: Any  # the PEFT model (the LoRA weights train, save and load through it)
-    compiler: CompileRun
-    train_loss: Any  # LossModule, DDP-wrapped on several processes
-    trainable: int  # LoRA parameters
-    optimizer: torch.optim.AdamW
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    parts: Components  # built by setup (trainer.assembly.build_model)
 
     def __init__(
         self,
@@ -101,16 +95,10 @@ class Recipe:
         self.run_dir = base_dir if mode == "train" else base_dir / mode
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics_dir = self.run_dir / "metrics"
-        self.step = 0
+        self.progress = Progress()  # replaced by a resumed run's (trainer.publish.resuming)
         self.stop_signal: int | None = None
         self.old_handlers: dict[int, Any] = {}  # trainer.loop.stopping
         self.device = torch.device("cpu")
-        self.losses: dict[int, float] = {}
-        self.val_losses: dict[int, float] = {}
-        self.tokens_seen = 0  # input tokens (not padding) in finished steps
-        self.supervised_seen = 0  # of those, tokens the loss counted
-        self.wall_before = 0.0  # seconds spent in earlier sessions of a resumed run
-        self.resumed_at: int | None = None  # the step a resumed run started from
         self.start_time = time.monotonic()
         caps = budget.Caps.of(config, settings.world_size)
         self.meter = budget.Meter(caps, clock=clock)  # billed time, all sessions
@@ -126,7 +114,6 @@ class Recipe:
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
         self.plotter: Plotter | None = None  # rank 0's
         self.memory_marks: dict[str, int] = {}  # trainer.model.memory.against_measured
-        self.model: Any = None
         self.ahead: compile_ahead.Ahead | None = (
             None  # the child compiling ahead (trainer.model.compile_ahead)
         )
@@ -201,16 +188,29 @@ class Recipe:
             self.say(publishing.check_budget(self, resume_from))
         self.lap("prepare")
         self.memory_marks["start"] = held_bytes(self.device)
-        compiling = assembly.build_model(self)
+        self.parts, compiling = assembly.build_model(
+            cfg,
+            settings,
+            self.base_dir,
+            self.model_config,
+            self.device,
+            checkpointed=self.checkpointed,
+            ahead=self.ahead,
+            mode=self.mode,
+            total_steps=self.total_steps,
+            lap=self.lap,
+        )
         self.memory_marks["loaded"] = held_bytes(self.device)
         if resume_from is not None:
-            resuming.restore(self, resume_from)
+            self.progress = resuming.restore(resume_from, self.parts)
+            self.meter.hours_before = self.progress.wall_before / 3600
+            self.say(f"resumed from {resume_from} at step {self.progress.step}")
         stopping.install_handlers(self)
         self.live = assembly.live_run(self)
         if settings.metrics_port is not None and settings.is_main:
             self.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
         self.say(
-            f"training {self.trainable:,} LoRA parameters on {self.device} "
+            f"training {self.parts.trainable:,} LoRA parameters on {self.device} "
             f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
             f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
             f"{compiling})",
@@ -235,7 +235,7 @@ class Recipe:
     def _step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return cast(
             torch.Tensor,
-            self.train_loss(
+            self.parts.train_loss(
                 batch["input_ids"],
                 batch.get("attention_mask"),
                 batch["labels"],
@@ -252,41 +252,44 @@ class Recipe:
         session_start, session_tokens = time.monotonic(), 0
         world = self.settings.world_size
         session_steps = 0
-        if self.val_losses and evaluation.early_stop(self):  # a resumed run that had stopped early
+        # a resumed run that had stopped early
+        if self.progress.val_losses and evaluation.early_stop(self):
             return
         self.meter.mark()
-        while self.step < self.total_steps:
+        while self.progress.step < self.total_steps:
             t0 = time.monotonic()
             batches, n_sup, step_tokens = gradients.step_batches(self)
             loss_on_device = gradients.accumulate(self, batches, n_sup)
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
+                [p for p in self.parts.peft.parameters() if p.requires_grad], cfg.max_grad_norm
             )
-            lr = float(self.scheduler.get_last_lr()[0])
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            lr = float(self.parts.scheduler.get_last_lr()[0])
+            self.parts.optimizer.step()
+            self.parts.scheduler.step()
+            self.parts.optimizer.zero_grad(set_to_none=True)
             step_loss = float(loss_on_device)  # the first wait for the GPU in this step
             self.memory_marks.setdefault("resting", held_bytes(self.device))
-            self.step += 1
-            self.tokens_seen += step_tokens
-            self.supervised_seen += n_sup
+            self.progress.step += 1
+            self.progress.tokens_seen += step_tokens
+            self.progress.supervised_seen += n_sup
             session_tokens += step_tokens
-            self.losses[self.step] = step_loss
+            self.progress.losses[self.progress.step] = step_loss
             dt = time.monotonic() - t0
             session_steps += 1
-            line = self.compiler.after_step(
-                self.peft,
+            line = self.parts.compiler.after_step(
+                self.parts.peft,
                 session_steps,
                 dt,
-                self.total_steps - self.step,
+                self.total_steps - self.progress.step,
                 lambda choice: rank0_decides(choice, world),
             )
             if line:
                 self.say(line)
             if not math.isfinite(step_loss):
-                raise SmokeFailed(f"the loss is {step_loss} at step {self.step}", "lower lr")
-            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                raise SmokeFailed(
+                    f"the loss is {step_loss} at step {self.progress.step}", "lower lr"
+                )
+            if self.progress.step % cfg.log_every == 0 or self.progress.step == self.total_steps:
                 progress.log_step(
                     self,
                     step_loss,
@@ -298,16 +301,16 @@ class Recipe:
                     session_tokens,
                 )
             evaluated = bool(self.val_samples) and (
-                self.step % cfg.eval_every == 0 or self.step == self.total_steps
+                self.progress.step % cfg.eval_every == 0 or self.progress.step == self.total_steps
             )
             if evaluated:
                 evaluation.evaluate(self)
             if self.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
-            new_best = evaluated and evaluation.best_step(self) == self.step
+            new_best = evaluated and evaluation.best_step(self) == self.progress.step
             if (
-                self.step % cfg.checkpoint_every == 0
-                or self.step == self.total_steps
+                self.progress.step % cfg.checkpoint_every == 0
+                or self.progress.step == self.total_steps
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
                 resuming.save_checkpoint(self)
@@ -323,13 +326,19 @@ class Recipe:
         done = publishing.already_finished(self)
         if done is not None:
             return done
-        if self.val_samples and self.step not in self.val_losses and self.step > 0:
+        if (
+            self.val_samples
+            and self.progress.step not in self.progress.val_losses
+            and self.progress.step > 0
+        ):
             evaluation.evaluate(self)
         resuming.checkpoint_unless_saved(self)
         train_series = read_series(self.metrics_dir, "metrics", "loss")
         plot = self.run_dir / "loss.png"
         if self.plotter is not None:
-            self.plotter.plot(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
+            self.plotter.plot(
+                train_series, self.progress.val_losses, plot, f"{cfg.output} ({self.mode})"
+            )
         completion = record_completion(self)
         result = train_result(self, completion)
         result.verdict = modes.verdict(self, train_series)

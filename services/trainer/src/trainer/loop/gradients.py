@@ -27,12 +27,14 @@ if TYPE_CHECKING:
 def step_batches(r: Recipe) -> tuple[list[list[list[Sample]]], int, int]:
     """The micro-batches of this step (all processes), its supervised tokens and its input
     tokens; refuses a step with nothing to learn."""
-    batches = [[[r.train_samples[i] for i in row] for row in mb] for mb in r.plan.step(r.step)]
+    batches = [
+        [[r.train_samples[i] for i in row] for row in mb] for mb in r.plan.step(r.progress.step)
+    ]
     flat = [s for mb in batches for row in mb for s in row]
     n_sup = supervised_count(flat)  # the whole step, all ranks
     if n_sup == 0:
         raise SmokeFailed(
-            f"step {r.step + 1} has no supervised token: every label is masked",
+            f"step {r.progress.step + 1} has no supervised token: every label is masked",
             "check the masking (lorastack data inspect) and loss_on",
         )
     return batches, n_sup, sum(s.length for s in flat)
@@ -43,7 +45,7 @@ def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> torc
     supervised token (all processes), on the device: nothing here waits for the GPU, so
     the host collates and copies the next micro-batch while the last one computes."""
     world = r.settings.world_size
-    compiled = r.compiler.active
+    compiled = r.parts.compiler.active
     pack_to = r.config.max_seq_len if r.config.packing else None
     fixed_rows = r.config.micro_batch if compiled else 0  # few shapes for the compiler
     mine = my_share(batches, r.settings.rank, world)
@@ -54,7 +56,7 @@ def accumulate(r: Recipe, batches: list[list[list[Sample]]], n_sup: int) -> torc
         batch = {k: to_device(v, r.device) for k, v in tensors.items()}
         if compiled:
             (mark_dynamic_width if pack_to is None else mark_dynamic_samples)(batch)
-        with syncing(r.train_loss, j == len(mine) - 1):
+        with syncing(r.parts.train_loss, j == len(mine) - 1):
             # DDP averages gradients over processes: * world gives their sum
             loss = r._step_loss(batch) / n_sup * world
             if weight != 1.0:

@@ -71,7 +71,10 @@ def select_samples(
 
 def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     checks, ok = [], True
-    first, last = r.losses.get(1, float("nan")), r.losses.get(r.step, float("nan"))
+    first, last = (
+        r.progress.losses.get(1, float("nan")),
+        r.progress.losses.get(r.progress.step, float("nan")),
+    )
     down = last < first * (1 - SMOKE_MIN_DROP)
     ok &= down
     checks.append(
@@ -85,7 +88,7 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
         saved = load_file(str(r.last_checkpoint / "adapter" / "adapter_model.safetensors"))
         from peft import get_peft_model_state_dict
 
-        live = get_peft_model_state_dict(r.peft)
+        live = get_peft_model_state_dict(r.parts.peft)
         reload_ok = (
             bool(saved)
             and set(saved) == set(live)
@@ -97,9 +100,9 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     )
     conv = (r.splits.validation or r.splits.train)[0].conv
     ids = torch.tensor([prompt_ids(conv, r.tokenizer)], device=r.device)
-    r.model.eval()
+    r.parts.peft.eval()
     with torch.no_grad():
-        out = r.peft.generate(
+        out = r.parts.peft.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=SMOKE_NEW_TOKENS,
@@ -122,11 +125,11 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
 
 
 def overfit_verdict(r: Recipe) -> dict[str, Any]:
-    last = r.losses.get(r.step, float("inf"))
+    last = r.progress.losses.get(r.progress.step, float("inf"))
     return {
         "passed": last < OVERFIT_LOSS,
         "checks": [
-            f"loss {last:.4f} after {r.step} steps on {len(r.train_samples)} samples "
+            f"loss {last:.4f} after {r.progress.step} steps on {len(r.train_samples)} samples "
             f"(pass below {OVERFIT_LOSS})"
         ],
     }

@@ -43,12 +43,12 @@ def stop_if_asked(r: Recipe) -> None:
     # every process stops after the same step (torchrun passes a signal on to each, not
     # at the same instant): the checkpoint of a sharded model is gathered by all
     r.stop_signal = rank0_decides(r.stop_signal, r.settings.world_size)
-    if r.stop_signal is not None or (over and r.step < r.total_steps):
+    if r.stop_signal is not None or (over and r.progress.step < r.total_steps):
         resuming.checkpoint_unless_saved(r)
         if r.stop_signal is None:
             raise publishing.cap_reached(r, over)
         name = signal.Signals(r.stop_signal).name
         raise TrainingInterrupted(
-            f"{name} received: stopped after step {r.step}; checkpoint {r.last_checkpoint}",
+            f"{name} received: stopped after step {r.progress.step}; checkpoint {r.last_checkpoint}",
             "continue with the same command plus --resume",
         )

@@ -34,8 +34,8 @@ def run_facts(r: Recipe) -> dict[str, Any]:
     """What the support memo says of the run (trainer.metrics.write_support_bundle)."""
     cfg = r.config
     facts: dict[str, Any] = {
-        "step": r.step,
-        "failing_step": r.step + 1,
+        "step": r.progress.step,
+        "failing_step": r.progress.step + 1,
         "max_seq_len": cfg.max_seq_len,
         "micro_batch": cfg.micro_batch,
         "grad_accum": cfg.grad_accum,
@@ -72,12 +72,12 @@ def leave_support_memo(r: Recipe, e: Exception) -> tuple[LorastackError, Manifes
         return e, memo
     if is_oom(e):
         return TrainingOOM(
-            f"out of memory at step {r.step + 1} (micro_batch={r.config.micro_batch}, "
+            f"out of memory at step {r.progress.step + 1} (micro_batch={r.config.micro_batch}, "
             f"max_seq_len={r.config.max_seq_len}); support bundle: {bundle}",
             OOM_HINT,
         ), memo
     return TrainingCrashed(
-        f"training crashed at step {r.step + 1}: {type(e).__name__}: {e}\n"
+        f"training crashed at step {r.progress.step + 1}: {type(e).__name__}: {e}\n"
         f"  support bundle: {bundle}",
         "the bundle holds the traceback, versions and last log lines; attach it to a bug report",
     ), memo

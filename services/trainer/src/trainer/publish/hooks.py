@@ -207,7 +207,7 @@ def _env(
         run_dir=r.run_dir,
         store_url=r.store.url,
         status=status,
-        steps=r.step,
+        steps=r.progress.step,
         hours=r.meter.hours() * r.settings.world_size,
         cost=r.meter.cost(),
         currency=r.config.currency,

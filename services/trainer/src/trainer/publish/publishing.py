@@ -76,13 +76,13 @@ def publish_checkpoint(r: Recipe, folder: Path) -> None:
             kind="checkpoint",
             name=name,
             service="trainer",
-            version=str(r.step),
+            version=str(r.progress.step),
             parents=parents,
             config=r.config.model_dump(mode="json"),
-            metadata={"step": r.step, "total_steps": getattr(r, "total_steps", None)},
+            metadata={"step": r.progress.step, "total_steps": getattr(r, "total_steps", None)},
         )
     except Conflict:
-        log.warning("%s:%d was already published; keeping that version", name, r.step)
+        log.warning("%s:%d was already published; keeping that version", name, r.progress.step)
     versions = sorted(int(v) for v in r.store.versions(name) if v.isdigit())
     keep = kept_best(r)
     for v in versions[: -r.config.keep_checkpoints]:
@@ -92,13 +92,13 @@ def publish_checkpoint(r: Recipe, folder: Path) -> None:
 
 def kept_best(r: Recipe) -> int | None:
     """The checkpoint that keep_checkpoints never deletes: the best evaluation's."""
-    return standing(r.val_losses).best_step if r.config.select == "best_val_loss" else None
+    return standing(r.progress.val_losses).best_step if r.config.select == "best_val_loss" else None
 
 
 def select_adapter(r: Recipe) -> dict[str, Any]:
     """The step `select` picks (trainer.loop.selection), its checkpoint here (publish_adapter
     publishes that checkpoint's adapter: under FSDP the model holds shards)."""
-    step, why = selected_step(r.val_losses, r.config.select, r.step)
+    step, why = selected_step(r.progress.val_losses, r.config.select, r.progress.step)
     folder = checkpoint.step_dir(r.ckpt_root, step)
     if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
         name = f"{r.config.output}/checkpoints"
@@ -111,19 +111,23 @@ def already_finished(r: Recipe) -> TrainResult | None:
     """A --resume of a run that had finished and published: nothing was trained, so the
     published adapter and the run's completion record stay as they are (no new version
     with this no-op session's wall time, memory and an empty final loss)."""
-    if r.mode != "train" or r.resumed_at is None or r.step != r.resumed_at:
+    if (
+        r.mode != "train"
+        or r.progress.resumed_at is None
+        or r.progress.step != r.progress.resumed_at
+    ):
         return None
     path = r.run_dir / "training-complete.json"
     try:
         completion = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if completion.get("steps") != r.step or not completion.get("adapter_digest"):
+    if completion.get("steps") != r.progress.step or not completion.get("adapter_digest"):
         return None
     m = r.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
     if m is None:
         return None
-    r.say(f"the run had already finished at step {r.step}; keeping {m.ref}")
+    r.say(f"the run had already finished at step {r.progress.step}; keeping {m.ref}")
     result = train_result(r, completion)
     result.adapter = m
     return result
@@ -163,7 +167,7 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
         config=cfg.model_dump(mode="json"),
         metadata={
             "test_split": {"ref": r.test_manifest.ref, "digest": r.test_manifest.digest},
-            "steps": r.step,
+            "steps": r.progress.step,
             "selected_step": completion["selected"]["step"],
             "selected_because": completion["selected"]["why"],
             "final_val_loss": completion["final_val_loss"],
@@ -210,9 +214,9 @@ def cap_reached(r: Recipe, over: list[str]) -> CostCapReached:
         r.meter.caps,
         r.meter,
         over,
-        step=r.step,
+        step=r.progress.step,
         total_steps=r.total_steps,
-        checkpoint_ref=f"{r.config.output}/checkpoints:{r.step}",
+        checkpoint_ref=f"{r.config.output}/checkpoints:{r.progress.step}",
         command=r.command,
         setup_hours=r.config.setup_hours,
     )
@@ -234,7 +238,7 @@ def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
             kind="report",
             name=f"{r.config.output}/support",
             service="trainer",
-            metadata={"step": r.step, "mode": r.mode},
+            metadata={"step": r.progress.step, "mode": r.mode},
         )
     except Exception as e:  # the run's own error is the one to raise
         log.warning("the support bundle stays local (%s): the store refused it: %s", bundle, e)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.model import sharding
 from trainer.publish import checkpoint, publishing
+from trainer.state import Components, Progress
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -24,26 +25,26 @@ if TYPE_CHECKING:
 def save_checkpoint(r: Recipe) -> Path | None:
     """Write (rank 0), publish (a "train" run) and prune the checkpoint of this step; every
     process calls it (an FSDP model is gathered by all). Returns the folder on rank 0."""
-    gathered = sharding.gather(r.train_loss, r.optimizer)  # every process, FSDP
+    gathered = sharding.gather(r.parts.train_loss, r.parts.optimizer)  # every process, FSDP
     if not r.settings.is_main:
-        r.last_checkpoint = checkpoint.step_dir(r.ckpt_root, r.step)  # rank 0's
+        r.last_checkpoint = checkpoint.step_dir(r.ckpt_root, r.progress.step)  # rank 0's
         return None
     folder = checkpoint.save(
         r.ckpt_root,
-        r.step,
-        r.peft,
-        r.optimizer,
-        r.scheduler,
-        saved_state(r),
+        r.progress.step,
+        r.parts.peft,
+        r.parts.optimizer,
+        r.parts.scheduler,
+        saved_state(r.progress, r.plan.steps_per_epoch(), r.meter.seconds()),
         r.run_manifest,
         gathered,
     )
     r.last_checkpoint = folder
-    r.say(f"checkpoint step {r.step}: {folder}")
+    r.say(f"checkpoint step {r.progress.step}: {folder}")
     if r.mode == "train":
         publishing.publish_checkpoint(r, folder)
     checkpoint.prune(r.ckpt_root, r.config.keep_checkpoints, publishing.kept_best(r))
-    if r.settings.kill_after_checkpoint == r.step:
+    if r.settings.kill_after_checkpoint == r.progress.step:
         kill_for_drill(r, folder)
     return folder
 
@@ -51,26 +52,27 @@ def save_checkpoint(r: Recipe) -> Path | None:
 def kill_for_drill(r: Recipe, folder: Path) -> None:
     """LORASTACK_KILL_AFTER_CHECKPOINT: die by SIGKILL now, as a lost host would, with no
     cleanup. Only rank 0 saves, so only rank 0 dies; torchrun then ends the others."""
-    r.say(f"kill_after_checkpoint={r.step}: SIGKILL after {folder}")
+    r.say(f"kill_after_checkpoint={r.progress.step}: SIGKILL after {folder}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def checkpoint_unless_saved(r: Recipe) -> None:
     """Save a checkpoint of this step unless the last one is of this step."""
-    if r.last_checkpoint is None or not r.last_checkpoint.name.endswith(f"{r.step:08d}"):
+    if r.last_checkpoint is None or not r.last_checkpoint.name.endswith(f"{r.progress.step:08d}"):
         save_checkpoint(r)
 
 
-def saved_state(r: Recipe) -> dict[str, Any]:
+def saved_state(progress: Progress, steps_per_epoch: int, session_s: float) -> dict[str, Any]:
     """What a checkpoint keeps of the run for a resume, besides the step and the model,
-    optimizer, scheduler and RNG states (trainer.publish.checkpoint.save): the counters, the wall
-    time of all sessions so far and the validation losses."""
+    optimizer, scheduler and RNG states (trainer.publish.checkpoint.save): the counters,
+    the wall time of all sessions so far (`session_s`: this session's billed seconds) and
+    the validation losses."""
     return {
-        "epoch": (r.step - 1) // max(1, r.plan.steps_per_epoch()),
-        "tokens_seen": r.tokens_seen,
-        "supervised_seen": r.supervised_seen,
-        "wall_s": r.wall_before + r.meter.seconds(),
-        "val_losses": {str(k): v for k, v in r.val_losses.items()},
+        "epoch": (progress.step - 1) // max(1, steps_per_epoch),
+        "tokens_seen": progress.tokens_seen,
+        "supervised_seen": progress.supervised_seen,
+        "wall_s": progress.wall_before + session_s,
+        "val_losses": {str(k): v for k, v in progress.val_losses.items()},
     }
 
 
@@ -79,20 +81,24 @@ def publish_unuploaded(r: Recipe, folder: Path) -> None:
     write and the upload)."""
     ckpt_name = f"{r.config.output}/checkpoints"
     if folder.name.removeprefix(checkpoint.PREFIX).lstrip("0") not in r.store.versions(ckpt_name):
-        r.step = int(folder.name.removeprefix(checkpoint.PREFIX))
+        r.progress.step = int(folder.name.removeprefix(checkpoint.PREFIX))
         publishing.publish_checkpoint(r, folder)
 
 
-def restore(r: Recipe, folder: Path) -> None:
-    """Load the checkpoint into the model, optimizer and scheduler; take back its step,
-    counters, wall time, validation losses and RNG states."""
-    state = checkpoint.load_into(folder, r.peft, r.optimizer, r.scheduler, r.train_loss)
-    r.step = int(state["step"])
-    r.tokens_seen = int(state.get("tokens_seen", 0))
-    r.supervised_seen = int(state.get("supervised_seen", 0))
-    r.wall_before = float(state.get("wall_s", 0.0))
-    r.meter.hours_before = r.wall_before / 3600
-    r.val_losses = {int(k): float(v) for k, v in state.get("val_losses", {}).items()}
+def restore(folder: Path, parts: Components) -> Progress:
+    """Load the checkpoint into the model, optimizer and scheduler and set the RNG states;
+    return the progress it kept: step, counters, wall time and validation losses."""
+    state = checkpoint.load_into(
+        folder, parts.peft, parts.optimizer, parts.scheduler, parts.train_loss
+    )
+    step = int(state["step"])
+    progress = Progress(
+        step=step,
+        tokens_seen=int(state.get("tokens_seen", 0)),
+        supervised_seen=int(state.get("supervised_seen", 0)),
+        wall_before=float(state.get("wall_s", 0.0)),
+        resumed_at=step,
+        val_losses={int(k): float(v) for k, v in state.get("val_losses", {}).items()},
+    )
     checkpoint.set_rng_states(checkpoint.load_rng(folder))
-    r.resumed_at = r.step
-    r.say(f"resumed from {folder} at step {r.step}")
+    return progress
