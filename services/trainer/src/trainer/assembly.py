@@ -39,15 +39,15 @@ if TYPE_CHECKING:
 def run_manifest(r: Recipe) -> dict[str, Any]:
     """What makes the run the run: data, base, config, code, libraries, template, device."""
     return {
-        "dataset_digest": r.data_digest,
-        "test_digest": r.test_digest,
-        "base": {"ref": r.base.ref, "digest": r.base.digest},
+        "dataset_digest": r.prep.data_digest,
+        "test_digest": r.prep.test_digest,
+        "base": {"ref": r.prep.base.ref, "digest": r.prep.base.digest},
         "config_hash": r.config.config_hash(),
         "config": r.config.model_dump(mode="json"),
         "code_version": checkpoint.code_version(),
         "git_commit": git_commit(),
         "libraries": library_versions(),
-        "template_hash": template_hash(r.tokenizer),
+        "template_hash": template_hash(r.prep.tokenizer),
         "device_type": r.device.type,
         "world_size": r.settings.world_size,
     }
@@ -57,14 +57,14 @@ def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
     """`<output>/data` and its frozen `<output>/test`, each published once."""
     cfg = r.config
     data = publish_once(
-        r.store,
-        r.data_dir,
+        r.prep.store,
+        r.prep.data_dir,
         f"{cfg.output}/data",
-        {"split": r.splits.counts(), "source": r.splits.source},
+        {"split": r.prep.splits.counts(), "source": r.prep.splits.source},
     )
     test = publish_once(
-        r.store,
-        r.test_dir,
+        r.prep.store,
+        r.prep.test_dir,
         f"{cfg.output}/test",
         {"frozen_test_of": f"{cfg.output}/data"},
     )

@@ -4,22 +4,20 @@
 it). Modes: "train" (publishes `<output>/data`, `<output>/test`, checkpoints and the
 adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothing) and
 "overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing): their
-differences live in trainer.loop.modes. The recipe holds the order of the stages and the
-state they share; each stage's pieces live in their own module:
+differences live in trainer.loop.modes. The recipe holds the order of the stages; the
+state they share is typed: `Prepared` (trainer.data.preparation), and trainer.state's
+`Components` (trainer.assembly.build_model) and `Progress` (trainer.publish.resuming
+restores it). The stages' pieces live in the subpackages:
 
-    setup     trainer.data.preparation (data, tokenizer, base), trainer.assembly (run
-              manifest, published splits, memory estimate, model/optimizer/schedule,
-              live metrics), trainer.publish.resuming (state back from a checkpoint),
-              trainer.model.auto_batch
-    train     trainer.loop.gradients (one step's micro-batches, backward),
-              trainer.loop.progress (the step record and line), trainer.loop.evaluation
-              (validation loss, early stopping), trainer.loop.stopping (signals, cost
-              caps), trainer.model.distributed (DDP), trainer.model.sharding (FSDP)
-    save      trainer.publish.resuming.save_checkpoint (what a resume needs),
-              trainer.publish.checkpoint (the folder), trainer.publish.publishing (the store)
+    setup     trainer.data (splits, samples, preflight), trainer.assembly (run manifest,
+              splits published, memory estimate, components, live metrics),
+              trainer.model (loading, compiling, auto-batch, DDP / FSDP)
+    train     trainer.loop (gradients, progress lines, evaluation and early stopping,
+              stopping on signals and caps)
+    save      trainer.publish (resuming: what a resume needs; checkpoint: the folder;
+              publishing: the store)
     finish    trainer.publish.completion (training-complete.json, the TrainResult),
-              trainer.publish.publishing (the selected adapter), trainer.loop.modes (smoke /
-              overfit verdicts)
+              trainer.publish.publishing (the selected adapter), trainer.loop.modes
     failure   trainer.publish.failure (support memo, on_failure hook, error mapping)
 
 Exact resume: the data position is the step (batch order derives from (seed, epoch));
@@ -35,30 +33,23 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from lorastack.manifest import Manifest
-from lorastack.store import ArtifactStore
 from trainer import assembly
 from trainer.config import RunConfig
-from trainer.data.batching import Plan
-from trainer.data.preflight import PreflightReport, refuse_unless_ok
-from trainer.data.preparation import prepare
+from trainer.data.batching import Plan, total_steps
+from trainer.data.preflight import refuse_unless_ok
+from trainer.data.preparation import Prepared, prepare
 from trainer.data.samples import end_of_turn_id
-from trainer.data.splits import Splits
 from trainer.errors import SmokeFailed
 from trainer.loop import evaluation, gradients, modes, progress, stopping
 from trainer.loop.live import LiveRun
-from trainer.metrics import (
-    LogTail,
-    held_bytes,
-    process_age,
-    read_series,
-    write_json,
-)
+from trainer.metrics import LogTail, held_bytes, process_age, read_series, write_json
 from trainer.model import compile_ahead
 from trainer.model.auto_batch import fit_micro_batch
 from trainer.model.distributed import rank0_decides, shut_down
@@ -69,10 +60,9 @@ from trainer.publish.completion import TrainResult, record_completion, train_res
 from trainer.settings import TrainerSettings
 from trainer.state import Components, Progress
 
-log = logging.getLogger("trainer")
-
 
 class Recipe:
+    prep: Prepared  # data, tokenizer and base: setup (trainer.data.preparation.prepare)
     parts: Components  # built by setup (trainer.assembly.build_model)
 
     def __init__(
@@ -109,14 +99,11 @@ class Recipe:
         self.last_checkpoint: Path | None = None
         self.data_manifest: Manifest | None = None
         self.test_manifest: Manifest | None = None
-        self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
         self.plotter: Plotter | None = None  # rank 0's
         self.memory_marks: dict[str, int] = {}  # trainer.model.memory.against_measured
-        self.ahead: compile_ahead.Ahead | None = (
-            None  # the child compiling ahead (trainer.model.compile_ahead)
-        )
+        self.ahead: compile_ahead.Ahead | None = None  # trainer.model.compile_ahead's child
         self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
     def say(self, line: str, show: bool = True) -> None:
@@ -141,24 +128,21 @@ class Recipe:
             self.plotter = Plotter()
 
         def compile_early(model_config: dict[str, Any]) -> None:
-            self.ahead = compile_ahead.start(self, model_config, auto_batch)
+            self.ahead = compile_ahead.start(
+                cfg, settings, self.mode, self.run_dir, model_config, auto_batch
+            )
 
         # each process prepares the data; only rank 0's folder is published
         staging = "splits" if settings.is_main else f"splits-rank{settings.rank}"
         prep = prepare(cfg, settings, self.run_dir / staging, on_base=compile_early)
-        self.store: ArtifactStore = prep.store
-        self.base, self.base_dir, self.model_config = prep.base, prep.base_dir, prep.model_config
-        self.data_dir, self.test_dir = prep.data_dir, prep.test_dir
-        self.data_digest, self.test_digest = prep.data_digest, prep.test_digest
-        self.tokenizer, self.report, encoded = prep.tokenizer, prep.report, prep.encoded
-        splits = prep.splits
-        self.eot = end_of_turn_id(self.tokenizer)
-        self.pad = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot
-        )
-        self.say(self.report.render())
-        refuse_unless_ok(self.report)
-        self.splits: Splits = splits
+        encoded = prep.encoded  # lives on only in the samples the mode selects
+        self.prep = replace(prep, encoded={})
+        self.model_config = prep.model_config
+        self.eot = end_of_turn_id(prep.tokenizer)
+        pad = prep.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.eot
+        self.say(prep.report.render())
+        refuse_unless_ok(prep.report)
         self.train_samples, self.val_samples = modes.select_samples(
             self, encoded["train"], encoded["validation"]
         )
@@ -167,7 +151,16 @@ class Recipe:
         self.device = resolve_device(cfg.device, settings.local_rank)
         use_expandable_segments(self.device, settings.cuda_alloc_conf)
         if auto_batch:
-            self.config = cfg = fit_micro_batch(self)
+            self.config = cfg = fit_micro_batch(
+                cfg,
+                settings,
+                self.prep.base_dir,
+                self.model_config,
+                self.device,
+                eot=self.eot,
+                seq=self.widest(),
+                say=self.say,
+            )
         self.run_manifest = assembly.run_manifest(self)
         resume_from = publishing.find_resume_point(self, resume)
         if self.mode == "train" and settings.is_main:
@@ -183,7 +176,7 @@ class Recipe:
             cfg.grad_accum,
             cfg.max_seq_len if cfg.packing else None,
         )
-        self.total_steps = self._total_steps()
+        self.total_steps = total_steps(cfg, self.plan.steps_per_epoch())
         if self.mode == "train" and self.meter.caps.any:  # before the model loads
             self.say(publishing.check_budget(self, resume_from))
         self.lap("prepare")
@@ -191,7 +184,7 @@ class Recipe:
         self.parts, compiling = assembly.build_model(
             cfg,
             settings,
-            self.base_dir,
+            self.prep.base_dir,
             self.model_config,
             self.device,
             checkpointed=self.checkpointed,
@@ -220,11 +213,6 @@ class Recipe:
         now = time.monotonic()
         self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._lap_at, 2)
         self._lap_at = now
-
-    def _total_steps(self) -> int:
-        cfg = self.config
-        by_epochs = cfg.epochs * self.plan.steps_per_epoch()
-        return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
 
     def widest(self) -> int:
         """Tokens per row of the widest micro-batch."""
@@ -258,38 +246,38 @@ class Recipe:
         self.meter.mark()
         while self.progress.step < self.total_steps:
             t0 = time.monotonic()
-            batches, n_sup, step_tokens = gradients.step_batches(self)
-            loss_on_device = gradients.accumulate(self, batches, n_sup)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.parts.peft.parameters() if p.requires_grad], cfg.max_grad_norm
+            batches, n_sup, step_tokens = gradients.step_batches(
+                self.plan, self.train_samples, self.progress.step
             )
-            lr = float(self.parts.scheduler.get_last_lr()[0])
-            self.parts.optimizer.step()
-            self.parts.scheduler.step()
-            self.parts.optimizer.zero_grad(set_to_none=True)
+            loss_on_device = gradients.accumulate(
+                cfg,
+                self.settings,
+                self.parts,
+                self.device,
+                self.pad,
+                self._step_loss,
+                batches,
+                n_sup,
+            )
+            grad_norm, lr = gradients.optimizer_step(self.parts, cfg.max_grad_norm)
             step_loss = float(loss_on_device)  # the first wait for the GPU in this step
             self.memory_marks.setdefault("resting", held_bytes(self.device))
-            self.progress.step += 1
-            self.progress.tokens_seen += step_tokens
-            self.progress.supervised_seen += n_sup
+            step = self.progress.advance(step_loss, step_tokens, n_sup)
             session_tokens += step_tokens
-            self.progress.losses[self.progress.step] = step_loss
             dt = time.monotonic() - t0
             session_steps += 1
             line = self.parts.compiler.after_step(
                 self.parts.peft,
                 session_steps,
                 dt,
-                self.total_steps - self.progress.step,
+                self.total_steps - step,
                 lambda choice: rank0_decides(choice, world),
             )
             if line:
                 self.say(line)
             if not math.isfinite(step_loss):
-                raise SmokeFailed(
-                    f"the loss is {step_loss} at step {self.progress.step}", "lower lr"
-                )
-            if self.progress.step % cfg.log_every == 0 or self.progress.step == self.total_steps:
+                raise SmokeFailed(f"the loss is {step_loss} at step {step}", "lower lr")
+            if step % cfg.log_every == 0 or step == self.total_steps:
                 progress.log_step(
                     self,
                     step_loss,
@@ -301,16 +289,16 @@ class Recipe:
                     session_tokens,
                 )
             evaluated = bool(self.val_samples) and (
-                self.progress.step % cfg.eval_every == 0 or self.progress.step == self.total_steps
+                step % cfg.eval_every == 0 or step == self.total_steps
             )
             if evaluated:
                 evaluation.evaluate(self)
             if self.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
-            new_best = evaluated and evaluation.best_step(self) == self.progress.step
+            new_best = evaluated and evaluation.best_step(self) == step
             if (
-                self.progress.step % cfg.checkpoint_every == 0
-                or self.progress.step == self.total_steps
+                step % cfg.checkpoint_every == 0
+                or step == self.total_steps
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
                 resuming.save_checkpoint(self)

@@ -42,3 +42,11 @@ class Progress:
     resumed_at: int | None = None  # the step a resumed run started from
     losses: dict[int, float] = field(default_factory=dict)  # {step: training loss}
     val_losses: dict[int, float] = field(default_factory=dict)  # {step: validation loss}
+
+    def advance(self, loss: float, tokens: int, supervised: int) -> int:
+        """Count one finished optimizer step; its number."""
+        self.step += 1
+        self.tokens_seen += tokens
+        self.supervised_seen += supervised
+        self.losses[self.step] = loss
+        return self.step

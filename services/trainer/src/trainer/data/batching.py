@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from trainer.config import RunConfig
 from trainer.data.masking import IGNORE
 from trainer.data.packing import collate_rows, pack_rows
 from trainer.data.samples import Sample
@@ -71,6 +72,12 @@ class Plan:
         rows, mb = self.rows(epoch), self.micro_batch
         micro = [rows[i : i + mb] for i in range(0, len(rows), mb)]
         return micro[k * self.grad_accum : (k + 1) * self.grad_accum]
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """The run's optimizer steps: its epochs, or `max_steps` when that comes first."""
+    by_epochs = cfg.epochs * steps_per_epoch
+    return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:

@@ -98,8 +98,8 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     checks.append(
         f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {r.last_checkpoint}"
     )
-    conv = (r.splits.validation or r.splits.train)[0].conv
-    ids = torch.tensor([prompt_ids(conv, r.tokenizer)], device=r.device)
+    conv = (r.prep.splits.validation or r.prep.splits.train)[0].conv
+    ids = torch.tensor([prompt_ids(conv, r.prep.tokenizer)], device=r.device)
     r.parts.peft.eval()
     with torch.no_grad():
         out = r.parts.peft.generate(
@@ -113,7 +113,7 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
         )
     new = out[0, ids.shape[1] :].tolist()
     stopped = bool(new) and new[-1] == r.eot
-    text = r.tokenizer.decode(new, skip_special_tokens=True)
+    text = r.prep.tokenizer.decode(new, skip_special_tokens=True)
     gen_ok = bool(text.strip()) and stopped
     ok &= gen_ok
     checks.append(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.config import RunConfig
 
 if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+    from trainer.settings import TrainerSettings
 
 VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
 WAIT_S = 240.0  # the longest a run steps on eagerly for the child before compiling itself
@@ -68,14 +68,21 @@ class Ahead:
             self.proc.wait()
 
 
-def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | None:
-    """Launch the child where it can help (see the module docstring), else None."""
+def start(
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    mode: str,
+    run_dir: Path,
+    model_config: dict[str, Any],
+    auto_batch: bool,
+) -> Ahead | None:
+    """Launch the child where it can help (see the module docstring), else None; it
+    writes its spec and log into `run_dir`."""
     import torch
 
     from trainer.model.compiling import graph_key, is_warm, use_compile
     from trainer.model.modeling import resolve_device
 
-    cfg, settings = r.config, r.settings
     wanted = settings.compile_ahead
     device = resolve_device(cfg.device, settings.local_rank)
     if wanted is None:
@@ -85,7 +92,7 @@ def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | 
         or not cfg.packing
         or auto_batch
         or settings.world_size > 1
-        or r.mode != "train"
+        or mode != "train"
         or cfg.compile_scope == "decoder"
         or not use_compile(cfg, device)
     ):
@@ -94,7 +101,7 @@ def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | 
     key = graph_key(model_config, cfg, "layers")
     if is_warm(cache, key):
         return None
-    r.run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     spec = {
         "model_config": model_config,
         "run": cfg.model_dump(mode="json"),
@@ -103,9 +110,9 @@ def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | 
         "key": key,
         "threads": torch.get_num_threads(),  # inductor's CPU code (and cache key) follow it
     }
-    spec_path = r.run_dir / "compile-ahead.json"
+    spec_path = run_dir / "compile-ahead.json"
     spec_path.write_text(json.dumps(spec))
-    log = r.run_dir / "compile-ahead.log"
+    log = run_dir / "compile-ahead.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.model.compile_ahead", str(spec_path)],

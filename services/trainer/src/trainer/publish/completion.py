@@ -52,7 +52,7 @@ def train_result(r: Recipe, completion: dict[str, Any]) -> TrainResult:
         data=r.data_manifest,
         test=r.test_manifest,
         completion=completion,
-        preflight=r.report,
+        preflight=r.prep.report,
     )
 
 

@@ -46,7 +46,8 @@ def run_facts(r: Recipe) -> dict[str, Any]:
         facts |= device_facts(r.device)
     except Exception:
         facts["device"] = str(r.device)
-    tok = getattr(r, "tokenizer", None)
+    prep = getattr(r, "prep", None)  # None: the run failed before its data was ready
+    tok = prep.tokenizer if prep is not None else None
     if tok is not None:
         facts["template"] = {
             "name": type(tok).__name__,

@@ -36,7 +36,7 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
         return None
     name = f"{r.config.output}/checkpoints"
     local = checkpoint.local_steps(r.ckpt_root)
-    remote = [int(v) for v in r.store.versions(name) if v.isdigit()]
+    remote = [int(v) for v in r.prep.store.versions(name) if v.isdigit()]
     latest = max(local + remote, default=None)
     if not resume:
         if latest is not None:
@@ -52,7 +52,7 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
         )
     folder = checkpoint.step_dir(r.ckpt_root, latest)
     if latest not in local:
-        r.store.get(r.store.manifest(name, str(latest)), folder)
+        r.prep.store.get(r.prep.store.manifest(name, str(latest)), folder)
     old = checkpoint.read_manifest(folder)
     changed = checkpoint.manifest_diff(old, r.run_manifest)
     if changed:
@@ -67,11 +67,11 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
 
 def publish_checkpoint(r: Recipe, folder: Path) -> None:
     name = f"{r.config.output}/checkpoints"
-    parents = [r.base.as_parent("base")]
+    parents = [r.prep.base.as_parent("base")]
     if r.data_manifest is not None:
         parents.append(r.data_manifest.as_parent("dataset"))
     try:
-        r.store.publish(
+        r.prep.store.publish(
             folder,
             kind="checkpoint",
             name=name,
@@ -83,11 +83,11 @@ def publish_checkpoint(r: Recipe, folder: Path) -> None:
         )
     except Conflict:
         log.warning("%s:%d was already published; keeping that version", name, r.progress.step)
-    versions = sorted(int(v) for v in r.store.versions(name) if v.isdigit())
+    versions = sorted(int(v) for v in r.prep.store.versions(name) if v.isdigit())
     keep = kept_best(r)
     for v in versions[: -r.config.keep_checkpoints]:
         if v != keep:
-            r.store.delete(name, str(v))
+            r.prep.store.delete(name, str(v))
 
 
 def kept_best(r: Recipe) -> int | None:
@@ -102,7 +102,7 @@ def select_adapter(r: Recipe) -> dict[str, Any]:
     folder = checkpoint.step_dir(r.ckpt_root, step)
     if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
         name = f"{r.config.output}/checkpoints"
-        r.store.get(r.store.manifest(name, str(step)), folder)
+        r.prep.store.get(r.prep.store.manifest(name, str(step)), folder)
     r.say(f"publishing the adapter of step {step}: {why}")
     return {"step": step, "why": why}
 
@@ -124,7 +124,7 @@ def already_finished(r: Recipe) -> TrainResult | None:
         return None
     if completion.get("steps") != r.progress.step or not completion.get("adapter_digest"):
         return None
-    m = r.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
+    m = r.prep.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
     if m is None:
         return None
     r.say(f"the run had already finished at step {r.progress.step}; keeping {m.ref}")
@@ -142,14 +142,14 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     )
     adapter_cfg = folder / "adapter_config.json"
     data = json.loads(adapter_cfg.read_text())
-    data["base_model_name_or_path"] = r.base.ref  # a store ref, never a hub id or a local path
+    data["base_model_name_or_path"] = r.prep.base.ref  # a store ref, never a hub id or a local path
     adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    r.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
+    r.prep.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
     chat_format = chat_format_record(
         (folder / TEMPLATE_FILE).read_text("utf-8"),
         cfg.chat_template,
         TEMPLATE_FILE,
-        trained_on_tools=any(item.conv.has_tools for item in r.splits.train),
+        trained_on_tools=any(item.conv.has_tools for item in r.prep.splits.train),
     )
     shutil.copytree(r.metrics_dir, folder / "metrics")
     shutil.copy(plot, folder / "loss.png")
@@ -158,12 +158,12 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
     write_json(folder / "training-complete.json", completion)
     assert r.data_manifest is not None and r.test_manifest is not None
-    m = r.store.publish(
+    m = r.prep.store.publish(
         folder,
         kind="adapter",
         name=f"{cfg.output}/adapter",
         service="trainer",
-        parents=[r.base.as_parent("base"), r.data_manifest.as_parent("dataset")],
+        parents=[r.prep.base.as_parent("base"), r.data_manifest.as_parent("dataset")],
         config=cfg.model_dump(mode="json"),
         metadata={
             "test_split": {"ref": r.test_manifest.ref, "digest": r.test_manifest.digest},
@@ -226,7 +226,8 @@ def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
     """The support memo into the store beside the run (`OUTPUT/support`, a report), so it
     outlives the host. A store that cannot take it (it may be the failure) is logged and
     never hides the original error; a failure before the store opened keeps the local file."""
-    store = getattr(r, "store", None)
+    prep = getattr(r, "prep", None)  # None: the run failed before its store opened
+    store = prep.store if prep is not None else None
     if store is None or not r.settings.is_main:
         return None
     folder = bundle.parent / "support"

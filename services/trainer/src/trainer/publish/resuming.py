@@ -80,7 +80,9 @@ def publish_unuploaded(r: Recipe, folder: Path) -> None:
     """Publish the resume checkpoint when the store lacks it (killed between the local
     write and the upload)."""
     ckpt_name = f"{r.config.output}/checkpoints"
-    if folder.name.removeprefix(checkpoint.PREFIX).lstrip("0") not in r.store.versions(ckpt_name):
+    if folder.name.removeprefix(checkpoint.PREFIX).lstrip("0") not in r.prep.store.versions(
+        ckpt_name
+    ):
         r.progress.step = int(folder.name.removeprefix(checkpoint.PREFIX))
         publishing.publish_checkpoint(r, folder)
 
