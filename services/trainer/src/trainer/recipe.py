@@ -143,10 +143,11 @@ class Recipe:
         self.pad = pad if pad is not None else self.eot
         self.say(prep.report.render())
         refuse_unless_ok(prep.report)
-        self.train_samples, self.val_samples = modes.select_samples(
-            self, encoded["train"], encoded["validation"]
+        # smoke and overfit runs adjust steps and schedule
+        self.config, self.train_samples, self.val_samples = modes.select_samples(
+            cfg, self.mode, self.overfit, encoded["train"], encoded["validation"]
         )
-        cfg = self.config  # smoke and overfit runs adjust steps and schedule
+        cfg = self.config
 
         self.device = resolve_device(cfg.device, settings.local_rank)
         use_expandable_segments(self.device, settings.cuda_alloc_conf)

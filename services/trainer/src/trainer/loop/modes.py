@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import with_overrides
+from trainer.config import RunConfig, with_overrides
 from trainer.data.samples import Sample, prompt_ids
 from trainer.errors import SmokeFailed
 
@@ -29,10 +29,11 @@ OVERFIT_MAX_STEPS = 300
 
 
 def select_samples(
-    r: Recipe, train: list[Sample], val: list[Sample]
-) -> tuple[list[Sample], list[Sample]]:
-    cfg = r.config
-    if r.mode == "smoke":
+    cfg: RunConfig, mode: str, overfit: int | None, train: list[Sample], val: list[Sample]
+) -> tuple[RunConfig, list[Sample], list[Sample]]:
+    """The config a mode runs with (smoke and overfit adjust steps and schedule) and the
+    training and validation samples it takes."""
+    if mode == "smoke":
         short = [s for s in train if s.length <= SMOKE_SEQ]
         want = cfg.micro_batch * cfg.grad_accum
         if not short:
@@ -40,7 +41,7 @@ def select_samples(
                 f"no training sample is at most {SMOKE_SEQ} tokens long",
                 "smoke needs short samples",
             )
-        r.config = with_overrides(
+        cfg = with_overrides(
             cfg,
             [
                 f"max_steps={SMOKE_STEPS}",
@@ -52,10 +53,10 @@ def select_samples(
                 "epochs=10000",
             ],
         )
-        return short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
-    if r.mode == "overfit":
-        n = r.overfit or 1
-        r.config = with_overrides(
+        return cfg, short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
+    if mode == "overfit":
+        n = overfit or 1
+        cfg = with_overrides(
             cfg,
             [
                 f"max_steps={cfg.max_steps or OVERFIT_MAX_STEPS}",
@@ -65,8 +66,8 @@ def select_samples(
                 "eval_every=1000000",
             ],
         )
-        return train[:n], train[:n]
-    return train, val
+        return cfg, train[:n], train[:n]
+    return cfg, train, val
 
 
 def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
