@@ -40,7 +40,7 @@ def missing_from(exposed_samples: set[str]) -> dict[str, set[str]]:
 
 
 def trainer_metric_names() -> set[str]:
-    """The trainer's gauges: a training run serves them (trainer.live), not the serving stack."""
-    from trainer.live import GAUGES
+    """The trainer's gauges: a training run serves them (trainer.loop.live), not the serving stack."""
+    from trainer.loop.live import GAUGES
 
     return {f"lorastack_trainer_{name}" for name in GAUGES}

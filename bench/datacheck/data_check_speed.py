@@ -2,7 +2,7 @@
 
 Writes LINES demo conversations (written date -> ISO date, as `lorastack data make-demo`)
 with 1% exact duplicates, 1% near duplicates and 0.1% broken lines, then runs the check
-the CLI runs (`trainer.prepare.check`: every line parsed, encoded with the embedded
+the CLI runs (`trainer.data.preparation.check`: every line parsed, encoded with the embedded
 SmolLM2 tokenizer and its chat template, hashed) and prints one JSON object: lines/s,
 wall time, peak RSS, what it found, and the command, commit and machine.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 
 def write_dataset(path: Path, lines: int, seed: int) -> None:
-    from trainer.demo_data import make_demo
+    from trainer.data.demo_data import make_demo
 
     rng = random.Random(seed)
     pool = [c.model_dump() for c in make_demo(5000, seed=seed)]
@@ -61,7 +61,7 @@ def main() -> None:
     a = p.parse_args()
 
     from trainer.config import RunConfig
-    from trainer.prepare import check
+    from trainer.data.preparation import check
     from trainer.settings import TrainerSettings
 
     commit = subprocess.run(  # the code measured: read before it runs

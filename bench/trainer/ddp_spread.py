@@ -87,7 +87,7 @@ def main() -> None:
 
     from lorastack.base_model import import_folder
     from lorastack.chat_data import write_jsonl
-    from trainer.demo_data import make_demo
+    from trainer.data.demo_data import make_demo
     from trainer.settings import TrainerSettings
 
     tmp = Path(tempfile.mkdtemp(prefix="ddp-spread-"))

@@ -64,7 +64,7 @@ def steps(
     model: Any, batch: int, seq: int, vocab: int, n: int, loss_fn: Any = None
 ) -> dict[str, Any]:
     """Timed optimizer steps on random tokens (all positions supervised)."""
-    from trainer.modeling import loss_sum
+    from trainer.model.modeling import loss_sum
 
     loss_fn = loss_fn or loss_sum
     params = [p for p in model.parameters() if p.requires_grad]
@@ -105,8 +105,8 @@ def set_checkpointing(model: Any, on: bool) -> None:
 
 
 def load(shape: str, seq: int, **fields: Any) -> Any:
-    from trainer.compiling import compile_decoder, use_compile
-    from trainer.modeling import load_model
+    from trainer.model.compiling import compile_decoder, use_compile
+    from trainer.model.modeling import load_model
 
     gc.collect()
     torch.cuda.empty_cache()

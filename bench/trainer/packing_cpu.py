@@ -63,9 +63,9 @@ def run_config(args: argparse.Namespace, data: Path, packing: bool) -> dict[str,
 def batch_plan(cfg: dict[str, Any], env: dict[str, str], staging: Path) -> dict[str, int]:
     """Positions computed and non-padding tokens over the run's micro-batches, from the
     trainer's own split, encoding and batch plan (what `lorastack train` collated)."""
-    from trainer.batching import Plan
     from trainer.config import RunConfig
-    from trainer.prepare import prepare
+    from trainer.data.batching import Plan
+    from trainer.data.preparation import prepare
     from trainer.settings import TrainerSettings
 
     saved = dict(os.environ)

@@ -2,11 +2,11 @@
 transformers+peft path, through SmolLM2-135M-Instruct on the CPU.
 
 Same chats (the demo task's written-date -> ISO-date conversations, assistant-only labels
-from trainer.samples.encode), same batch order, same LoRA init (r=16 on all linear layers)
+from trainer.data.samples.encode), same batch order, same LoRA init (r=16 on all linear layers)
 and the same AdamW steps with gradient clipping. The plain path is what a user writes
 from the peft docs (prepare_model_for_kbit_training for nf4, peft's forward, full
 logits, mean cross-entropy over supervised tokens); the trainer's path is
-trainer.modeling.load_model + loss_sum (fused LoRA linear, chunked cross-entropy over
+trainer.model.modeling.load_model + loss_sum (fused LoRA linear, chunked cross-entropy over
 supervised positions only). Prints one JSON object with both curves.
 
 usage (repo root, the HF folder of SmolLM2, e.g. the one `lorastack model import-default`
@@ -45,7 +45,7 @@ def plain_model(base: Path, quantization: str, seed: int) -> Any:
     model.config.use_cache = False
     if quantization == "nf4":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    torch.manual_seed(seed)  # as trainer.modeling.load_model: the same LoRA A init
+    torch.manual_seed(seed)  # as trainer.model.modeling.load_model: the same LoRA A init
     lora = LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=ALL_LINEAR, task_type="CAUSAL_LM"
     )
@@ -78,11 +78,11 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from trainer.batching import collate, epoch_order
     from trainer.config import RunConfig
-    from trainer.demo_data import make_demo
-    from trainer.modeling import load_model, loss_sum
-    from trainer.samples import encode, end_of_turn_id
+    from trainer.data.batching import collate, epoch_order
+    from trainer.data.demo_data import make_demo
+    from trainer.data.samples import encode, end_of_turn_id
+    from trainer.model.modeling import load_model, loss_sum
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     samples = [encode(c, tokenizer, "all_assistant") for c in make_demo(200, args.seed)]

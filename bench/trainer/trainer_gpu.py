@@ -4,7 +4,7 @@ lorastack trainer's model path, measured in one run on the same machine.
 Random weights of real shapes (Llama-3.1-8B, Llama-3.2-1B): throughput and memory do
 not depend on weight values. The baseline is shared/bench/hf_peft_baseline.py, run as
 its own process (it also writes the random model both sides load). The trainer side
-calls trainer.modeling.load_model and loss_sum, the functions `lorastack train` uses.
+calls trainer.model.modeling.load_model and loss_sum, the functions `lorastack train` uses.
 Prints one JSON object per measurement and a summary line. The model paths, the baseline's
 process and the timed steps are model_paths.py's, beside this script.
 
@@ -87,7 +87,7 @@ def trainer_side(
 
 
 def lora_grads(model: Any, ids: Any) -> dict[str, Any]:
-    from trainer.modeling import loss_sum
+    from trainer.model.modeling import loss_sum
 
     loss = loss_sum(model, ids, torch.ones_like(ids), ids) / (ids.numel() - 1)
     loss.backward()
@@ -103,7 +103,7 @@ def gradient_check(shape: str, seq: int) -> dict[str, Any]:
     rounding, so compiled vs eager alone cannot tell a bug from rounding)."""
     from unittest import mock
 
-    import trainer.modeling
+    import trainer.model.modeling
 
     def prepared(model: Any) -> Any:
         set_checkpointing(model, False)
@@ -115,7 +115,7 @@ def gradient_check(shape: str, seq: int) -> dict[str, Any]:
 
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     ids = torch.randint(0, 1000, (1, seq), device=DEVICE, generator=gen)
-    with mock.patch.object(trainer.modeling, "compute_dtype", lambda d: torch.float32):
+    with mock.patch.object(trainer.model.modeling, "compute_dtype", lambda d: torch.float32):
         model = prepared(load(shape, seq, compile=False))
     grads = {"fp32 eager": lora_grads(model, ids)}
     del model
@@ -145,7 +145,7 @@ def varied_widths(shape: str) -> dict[str, Any]:
     batch, the step time, and how many graphs dynamo compiled in all."""
     from torch._dynamo.utils import counters
 
-    from trainer.modeling import loss_sum
+    from trainer.model.modeling import loss_sum
 
     before = dict(counters["stats"])
     model = load(shape, 2048, compile_scope="layers")

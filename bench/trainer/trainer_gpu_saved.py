@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import model_paths
 
-# (label, trainer config fields, trainer.compiling.DECODER_ACTIVATION_BUDGET)
+# (label, trainer config fields, trainer.model.compiling.DECODER_ACTIVATION_BUDGET)
 VARIANTS: list[tuple[str, dict[str, Any], float]] = [
     ("eager, checkpointing", {"compile": False}, 0.5),
     ("compile_scope=decoder, checkpointing, budget 1.0", {"compile_scope": "decoder"}, 1.0),
@@ -39,7 +39,7 @@ VARIANTS: list[tuple[str, dict[str, Any], float]] = [
 
 def saved(model: Any, vocab: int, seq: int) -> dict[str, Any]:
     """Bytes one forward saves for backward beyond the model's own tensors, by shape."""
-    from trainer.modeling import loss_sum
+    from trainer.model.modeling import loss_sum
 
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, tuple[str, str, int]] = {}
@@ -72,7 +72,7 @@ def main() -> int:
 
     import torch._dynamo
 
-    import trainer.compiling
+    import trainer.model.compiling
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True, help="path of hf_peft_baseline.py")
@@ -86,7 +86,7 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
         start = time.time()
-        with mock.patch.object(trainer.compiling, "DECODER_ACTIVATION_BUDGET", budget):
+        with mock.patch.object(trainer.model.compiling, "DECODER_ACTIVATION_BUDGET", budget):
             model = model_paths.load(args.shape, args.seq, **fields)
             row = model_paths.steps(model, 1, args.seq, config["vocab_size"], 8)
             row.pop("losses")

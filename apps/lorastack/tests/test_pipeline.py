@@ -15,9 +15,9 @@ import pytest
 from lorastack.store import open_store
 from lorastack_app.earlier_run import continue_or_restart
 from lorastack_app.pipeline import RUN, demo_config
-from trainer.checkpoint import code_version
 from trainer.config import load_config
 from trainer.metrics import library_versions
+from trainer.publish.checkpoint import code_version
 from trainer.settings import TrainerSettings
 
 

@@ -53,7 +53,7 @@ def make_lora(model_dir: Path, out: Path, *, seed: int, merge_into: Path | None 
 def tool_template(folder: Path) -> dict[str, Any]:
     """Give a model folder the trainer's chatml-tools template (SmolLM2's ChatML with Hermes
     tool calls; plain chats render as with SmolLM2's own) and return the record the
-    trainer publishes for a model trained on tool calls with it (trainer.chat_templates)."""
+    trainer publishes for a model trained on tool calls with it (trainer.data.chat_templates)."""
     from importlib.resources import files
 
     text = (files("trainer") / "templates" / "chatml-tools.jinja").read_text("utf-8")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from lorastack.chat_data import write_jsonl
-from trainer.demo_data import make_demo
+from trainer.data.demo_data import make_demo
 from trainer.settings import TrainerSettings
 
 BASE = "smollm2-135m-instruct"

@@ -28,9 +28,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer import checkpoint
 from trainer.config import load_config
 from trainer.errors import CheckpointWriteFailed
+from trainer.publish import checkpoint
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 

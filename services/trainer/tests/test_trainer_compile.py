@@ -1,7 +1,7 @@
 """A compiled run compiles once: over chats of varied lengths, `lorastack train` with
 compile=true (inductor, on the CPU here) builds exactly one graph and breaks it nowhere,
 packed or not, per decoder layer or whole; a packed run takes its layer graph from the
-disk cache that a child process filled meanwhile (trainer.compile_ahead); and compile=auto compiles only where the measured eager steps say the
+disk cache that a child process filled meanwhile (trainer.model.compile_ahead); and compile=auto compiles only where the measured eager steps say the
 compile pays back, choosing the scope that saves the most."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lorastack.chat_data import Conversation, write_jsonl
-from trainer.compiling import choose_compile
 from trainer.config import load_config
+from trainer.model.compiling import choose_compile
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 
@@ -161,7 +161,7 @@ def test_compile_auto_compiles_only_where_it_pays() -> None:
 def test_auto_steps_on_eagerly_while_a_child_compiles_ahead(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import trainer.compiling as compiling
+    import trainer.model.compiling as compiling
     from trainer.config import RunConfig
 
     compiled: list[str] = []

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lorastack.errors import ConfigError
-from trainer.batching import Plan, lr_factor
 from trainer.config import load_config, parse_overrides, with_overrides
+from trainer.data.batching import Plan, lr_factor
 
 DEMO = Path(str(files("trainer") / "configs" / "demo.yaml"))  # package data
 
@@ -40,7 +40,7 @@ def test_errors_name_the_field(overrides: list[str], names: str) -> None:
 def test_fsdp_refuses_qlora_and_forced_compile_and_keeps_auto_eager() -> None:
     import torch
 
-    from trainer.compiling import use_compile
+    from trainer.model.compiling import use_compile
 
     with pytest.raises(ConfigError) as e:
         load_config(DEMO, ["distributed=fsdp", "quantization=nf4"])
@@ -85,7 +85,7 @@ def test_batch_order_is_a_function_of_seed_and_step() -> None:
 
 
 def test_manifest_diff_lists_unsafe_changes_only() -> None:
-    from trainer.checkpoint import manifest_diff
+    from trainer.publish.checkpoint import manifest_diff
 
     old = {
         "dataset_digest": "sha256:a",
@@ -111,7 +111,7 @@ def test_manifest_diff_lists_unsafe_changes_only() -> None:
 def test_a_field_added_at_its_default_is_no_change_on_resume() -> None:
     """A run from before a config field existed (its manifest lacks the field) resumes
     when the field holds its default now; any other value, or a real change, refuses."""
-    from trainer.checkpoint import manifest_diff
+    from trainer.publish.checkpoint import manifest_diff
 
     now = load_config(DEMO, ["dataset.path=demo-dates.jsonl"]).model_dump(mode="json")
     before = {k: v for k, v in now.items() if k != "report_to"}  # written before report_to

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.cross_entropy import IGNORE, linear_cross_entropy_sum, loss_positions
+from trainer.model.cross_entropy import IGNORE, linear_cross_entropy_sum, loss_positions
 
 
 @pytest.mark.parametrize("chunk_elements", [1 << 27, 7 * 50])  # one chunk; many uneven chunks

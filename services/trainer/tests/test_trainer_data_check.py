@@ -13,9 +13,9 @@ from pathlib import Path
 from lorastack.chat_data import load_jsonl
 from lorastack.store import open_store
 from trainer.config import load_config
-from trainer.prepare import check
+from trainer.data.preparation import check
+from trainer.data.splits import make_splits
 from trainer.settings import TrainerSettings
-from trainer.splits import make_splits
 
 CLI = [sys.executable, "-m", "lorastack.cli"]
 
@@ -111,7 +111,7 @@ def test_streamed_split_is_the_split_training_uses(
     trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
 ) -> None:
     from lorastack.chat_data import write_jsonl
-    from trainer.demo_data import make_demo
+    from trainer.data.demo_data import make_demo
 
     data = tmp_path / "many.jsonl"
     convs = make_demo(120, seed=7)

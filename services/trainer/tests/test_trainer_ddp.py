@@ -65,7 +65,7 @@ def test_two_processes_train_as_one_and_resume_exactly(
     trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
 ) -> None:
     from lorastack.chat_data import write_jsonl
-    from trainer.demo_data import make_demo
+    from trainer.data.demo_data import make_demo
 
     data = tmp_path / "ddp.jsonl"
     write_jsonl(data, make_demo(13, seed=3))
@@ -108,7 +108,7 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(
     from safetensors.torch import load_file
 
     from lorastack.chat_data import write_jsonl
-    from trainer.demo_data import make_demo
+    from trainer.data.demo_data import make_demo
 
     data = tmp_path / "fsdp.jsonl"
     write_jsonl(data, make_demo(13, seed=3))

@@ -27,7 +27,7 @@ def _fail_at_step(monkeypatch: pytest.MonkeyPatch, step: int, fail: Callable[[],
     real = Recipe._step_loss
 
     def step_loss(self: Recipe, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.step + 1 == step:
+        if self.progress.step + 1 == step:
             fail()
         return real(self, batch)
 

@@ -1,4 +1,4 @@
-"""The fused LoRA linear (trainer.fast_lora) computes what peft computes: same loss, same
+"""The fused LoRA linear (trainer.model.fast_lora) computes what peft computes: same loss, same
 LoRA gradients, on a dense and on an nf4 base, with dropout and checkpointing; and peft's
 own forward still runs where the fused one does not apply."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lorastack.errors import ConfigError
-from trainer import fast_lora
-from trainer.compiling import compile_decoder, use_compile
 from trainer.config import RunConfig
-from trainer.modeling import load_model, loss_sum
+from trainer.model import fast_lora
+from trainer.model.compiling import compile_decoder, use_compile
+from trainer.model.modeling import load_model, loss_sum
 
 
 def build(path: Path, fused: bool, checkpointed: int | None = None, **fields: Any) -> Any:

@@ -21,9 +21,9 @@ from lorastack.store import ArtifactStore, open_store
 from lorastack.store.backend import blob_key
 from lorastack_testing.net import free_port
 from lorastack_testing.s3 import s3_settings
-from trainer import hooks
 from trainer.config import HookConfig, build_config, load_config
 from trainer.errors import HookNotRun
+from trainer.publish import hooks
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 

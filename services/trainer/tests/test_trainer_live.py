@@ -31,7 +31,7 @@ def scrape(port: int) -> dict[str, float]:
 
 
 class _Linger:
-    """Stands in for `time` in trainer.live, whose one use is the linger's sleep: the linger
+    """Stands in for `time` in trainer.loop.live, whose one use is the linger's sleep: the linger
     lasts until the test ends it, after scraping (a real one can be over before a scrape on
     a loaded machine)."""
 
@@ -62,7 +62,7 @@ def test_a_running_trainer_serves_its_metrics(
     thread = threading.Thread(target=lambda: done.append(run_training(config, settings)))
     # the run's end waits for the test (its linger is the test's to end): polling a run of
     # six tiny steps for a moment after its evaluation raced the run's end on a loaded machine
-    from trainer import live as live_module
+    from trainer.loop import live as live_module
 
     linger = _Linger()
     monkeypatch.setattr(live_module, "time", linger)
@@ -116,8 +116,8 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
 def test_the_final_values_stay_up_for_the_linger_then_the_endpoint_closes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from trainer import live as live_module
-    from trainer.live import LiveRun
+    from trainer.loop import live as live_module
+    from trainer.loop.live import LiveRun
 
     linger = _Linger()
     monkeypatch.setattr(live_module, "time", linger)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from lorastack.chat_data import Conversation, Message
-from trainer.chat_templates import apply_choice
-from trainer.demo_tools import make_tool_demo
-from trainer.masking import (
+from trainer.data.chat_templates import apply_choice
+from trainer.data.demo_tools import make_tool_demo
+from trainer.data.masking import (
     IGNORE,
     MaskingError,
     Span,
@@ -22,7 +22,7 @@ from trainer.masking import (
     supervised_mask,
     targets_end_with,
 )
-from trainer.samples import encode, render
+from trainer.data.samples import encode, render
 
 EOT = 2
 
@@ -185,8 +185,8 @@ def test_encoding_in_worker_processes_equals_one_process(smollm2_tokenizer: Any)
     """`encode_all` cut over forked workers gives what one process gives, sample for
     sample and problem for problem, in the input's order: `encode`'s ids, labels and
     parts, without the text and offsets (only `data inspect` reads them)."""
-    from trainer.encoding import encode_all
-    from trainer.samples import encode, end_of_turn_id
+    from trainer.data.encoding import encode_all
+    from trainer.data.samples import encode, end_of_turn_id
 
     convs = [
         Conversation.model_validate(

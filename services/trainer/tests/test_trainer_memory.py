@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer.config import RunConfig
-from trainer.memory import estimate, plan_checkpointing
+from trainer.model.memory import estimate, plan_checkpointing
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 from lorastack.store import open_store
 from trainer.config import load_config
-from trainer.modes import OVERFIT_LOSS
+from trainer.loop.modes import OVERFIT_LOSS
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 

@@ -1,4 +1,4 @@
-"""Packing (trainer.packing, batching.Plan with pack_to): rows hold whole samples within
+"""Packing (trainer.data.packing, batching.Plan with pack_to): rows hold whole samples within
 the width, every sample once per epoch, the loss and LoRA gradients of a packed batch
 equal those of its samples computed alone, and no token attends across a boundary."""
 
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from lorastack.store import open_store
-from trainer.batching import Plan, collate, collate_micro_batch, supervised_count
 from trainer.config import RunConfig, load_config
-from trainer.masking import IGNORE
-from trainer.modeling import batch_loss, load_model
-from trainer.packing import pack_rows
+from trainer.data.batching import Plan, collate, collate_micro_batch, supervised_count
+from trainer.data.masking import IGNORE
+from trainer.data.packing import pack_rows
+from trainer.data.samples import Sample
+from trainer.model.modeling import batch_loss, load_model
 from trainer.recipe import run_training
-from trainer.samples import Sample
 from trainer.settings import TrainerSettings
 
 VOCAB = 96  # the tiny_llama fixture's vocabulary (conftest)
@@ -185,7 +185,7 @@ def test_variable_length_attention_gives_the_masked_result(
     """Loaded for variable-length attention (CUDA's choice for packed rows), the model
     hands each layer the samples' offsets and gets the loss and gradients of the dense
     block-diagonal mask; calls without offsets (evaluation) take SDPA's path."""
-    from trainer import attention
+    from trainer.model import attention
 
     calls: list[int] = []
     monkeypatch.setattr(attention, "use_varlen", lambda *a: True)
@@ -217,7 +217,7 @@ def test_variable_length_rows_need_no_mask_unless_a_layer_can_fall_back() -> Non
     can fall back to SDPA (sliding windows, dropout), which then needs the real mask."""
     from types import SimpleNamespace
 
-    from trainer import attention
+    from trainer.model import attention
 
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
 
@@ -243,7 +243,7 @@ def test_variable_length_rows_need_no_mask_unless_a_layer_can_fall_back() -> Non
 @pytest.mark.gpu
 def test_flash_varlen_matches_sdpa_on_cuda() -> None:
     """The real kernel (CUDA only) against SDPA with the dense mask, grouped-query heads."""
-    from trainer import attention
+    from trainer.model import attention
 
     torch.manual_seed(0)
     lengths, heads, kv, d = [300, 5, 700, 1043], 8, 2, 64

@@ -12,12 +12,12 @@ import pytest
 from lorastack.chat_data import Conversation, load_jsonl, write_jsonl
 from lorastack.store import open_store
 from trainer.config import load_config
-from trainer.demo_data import make_demo
+from trainer.data.demo_data import make_demo
+from trainer.data.preparation import check
+from trainer.data.splits import Item, make_splits, publish_once, split_items, write_folders
 from trainer.errors import PreflightRefused
-from trainer.prepare import check
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
-from trainer.splits import Item, make_splits, publish_once, split_items, write_folders
 
 
 def _with_long_target(path: Path) -> Path:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lorastack.chat_data import load_jsonl
-from trainer.auto_batch import choose
 from trainer.errors import TrainingOOM
 from trainer.metrics import write_support_bundle
+from trainer.model.auto_batch import choose
 
 
 def test_data_inspect_marks_the_answer_and_its_end_of_turn_only(
@@ -128,9 +128,9 @@ def test_the_memory_estimate_holds_to_what_runs_measured(
     cfg: dict[str, Any], args: dict[str, Any], step: int, total: int
 ) -> None:
     """The estimate stays within 15% of the measured peak, and of the step's part, for the
-    CPU demo and the H200 shapes: a change to trainer.memory that breaks a measured case
+    CPU demo and the H200 shapes: a change to trainer.model.memory that breaks a measured case
     fails here, not in a user's run."""
-    from trainer.memory import against_measured, estimate
+    from trainer.model.memory import against_measured, estimate
 
     est = estimate(cfg, targets=ALL_LINEAR, **args)
     parts = against_measured(est, {"step": step, "total": total})

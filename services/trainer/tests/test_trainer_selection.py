@@ -14,8 +14,8 @@ import torch
 
 from lorastack.store import open_store
 from trainer.config import load_config
+from trainer.loop.selection import selected_step, should_stop, standing
 from trainer.recipe import run_training
-from trainer.selection import selected_step, should_stop, standing
 from trainer.settings import TrainerSettings
 
 

@@ -15,9 +15,14 @@ import pytest
 from lorastack.chat_data import load_jsonl
 from lorastack.cli import main
 from lorastack.errors import NotFound
-from trainer.chat_templates import apply_choice, chat_format_record, supports_tools, template_text
 from trainer.config import load_config
-from trainer.prepare import check
+from trainer.data.chat_templates import (
+    apply_choice,
+    chat_format_record,
+    supports_tools,
+    template_text,
+)
+from trainer.data.preparation import check
 from trainer.settings import TrainerSettings
 
 

@@ -2,7 +2,7 @@
 started afresh when not.
 
 A real user's run that changed is refused by the trainer's resume guard (the run
-manifest of its checkpoint against this run, trainer.checkpoint.manifest_diff), and
+manifest of its checkpoint against this run, trainer.publish.checkpoint.manifest_diff), and
 should be. The demo is a walkthrough on fixed inputs under one output name: a run left
 by an older install (other trainer code, libraries or config) is nothing to keep, so
 `lorastack demo` clears that run's own checkpoints (in the store and its local run
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lorastack.store import ArtifactStore
-from trainer import checkpoint
 from trainer.config import RunConfig
 from trainer.metrics import library_versions
+from trainer.publish import checkpoint
 
 
 def what_changed(old: dict[str, Any], config: RunConfig) -> list[str]:

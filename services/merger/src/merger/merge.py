@@ -309,7 +309,7 @@ def sizes_of(layout: dict[str, dict[str, Any]], dtype: str, adapter_dir: Path) -
 
 
 def chat_format(adapter: Manifest) -> dict[str, Any]:
-    """The adapter's record of its chat template and tool parser (trainer.chat_templates),
+    """The adapter's record of its chat template and tool parser (trainer.data.chat_templates),
     for the merged model, whose folder carries the adapter's tokenizer and template: the
     inference service reads it to turn vLLM's tool parser on."""
     record = adapter.metadata.get("chat_format")

@@ -2,46 +2,52 @@
 --resume compares), the data and test splits published, the memory estimate, the model
 with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped or
 FSDP-sharded on several processes), and the live metrics. Preparing the data is
-trainer.prepare; the order of the steps, and the resume in between, stay in
+trainer.data.preparation; the order of the steps, and the resume in between, stay in
 trainer.recipe.Recipe.setup.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from lorastack.manifest import Manifest, git_commit
-from trainer import checkpoint
-from trainer.batching import lr_factor
-from trainer.compiling import CompileRun
-from trainer.distributed import wrap
-from trainer.live import LiveRun
-from trainer.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
+from trainer.config import RunConfig
+from trainer.data.batching import lr_factor
+from trainer.data.samples import template_hash
+from trainer.data.splits import publish_once
+from trainer.loop.live import LiveRun
 from trainer.metrics import library_versions, write_json
-from trainer.modeling import LossModule, compute_dtype, load_model
-from trainer.samples import template_hash
-from trainer.splits import publish_once
+from trainer.model.compiling import CompileRun
+from trainer.model.distributed import wrap_for_processes
+from trainer.model.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
+from trainer.model.modeling import LossModule, compute_dtype, load_model
+from trainer.publish import checkpoint
+from trainer.settings import TrainerSettings
+from trainer.state import Components
 
 if TYPE_CHECKING:
+    from trainer.model.compile_ahead import Ahead
     from trainer.recipe import Recipe
 
 
 def run_manifest(r: Recipe) -> dict[str, Any]:
     """What makes the run the run: data, base, config, code, libraries, template, device."""
     return {
-        "dataset_digest": r.data_digest,
-        "test_digest": r.test_digest,
-        "base": {"ref": r.base.ref, "digest": r.base.digest},
+        "dataset_digest": r.prep.data_digest,
+        "test_digest": r.prep.test_digest,
+        "base": {"ref": r.prep.base.ref, "digest": r.prep.base.digest},
         "config_hash": r.config.config_hash(),
         "config": r.config.model_dump(mode="json"),
         "code_version": checkpoint.code_version(),
         "git_commit": git_commit(),
         "libraries": library_versions(),
-        "template_hash": template_hash(r.tokenizer),
+        "template_hash": template_hash(r.prep.tokenizer),
         "device_type": r.device.type,
         "world_size": r.settings.world_size,
     }
@@ -51,14 +57,14 @@ def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
     """`<output>/data` and its frozen `<output>/test`, each published once."""
     cfg = r.config
     data = publish_once(
-        r.store,
-        r.data_dir,
+        r.prep.store,
+        r.prep.data_dir,
         f"{cfg.output}/data",
-        {"split": r.splits.counts(), "source": r.splits.source},
+        {"split": r.prep.splits.counts(), "source": r.prep.splits.source},
     )
     test = publish_once(
-        r.store,
-        r.test_dir,
+        r.prep.store,
+        r.prep.test_dir,
         f"{cfg.output}/test",
         {"frozen_test_of": f"{cfg.output}/data"},
     )
@@ -66,7 +72,7 @@ def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
 
 
 def estimate_memory(r: Recipe) -> dict[str, int]:
-    """The memory estimate (trainer.memory), written as memory-estimate.json and said;
+    """The memory estimate (trainer.model.memory), written as memory-estimate.json and said;
     sets how many decoder layers recompute their activations (gradient_checkpointing)."""
     cfg = r.config
     args: dict[str, Any] = {
@@ -105,40 +111,57 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(r: Recipe) -> str:
+def build_model(
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    base_dir: Path,
+    model_config: dict[str, Any],
+    device: torch.device,
+    *,
+    checkpointed: int,
+    ahead: Ahead | None,
+    mode: str,
+    total_steps: int,
+    lap: Callable[[str], None],
+) -> tuple[Components, str]:
     """Seed, load the model (maybe compiled), wrap its loss for training (DDP or FSDP on
-    several processes), and make the optimizer and schedule; returns the compile note for
-    the start line."""
-    cfg, settings = r.config, r.settings
+    several processes), and make the optimizer and schedule; returns them with the compile
+    note for the start line. `lap` times the load (with the compile's start)."""
     seed_everything(cfg.seed)
     sharded = cfg.distributed == "fsdp" and settings.world_size > 1
     # left on the host under FSDP: fully_shard moves it
-    r.model = load_model(r.base_dir, cfg, r.device, on_host=sharded, checkpointed=r.checkpointed)
-    r.peft = r.model
-    r.compiler = CompileRun(
+    peft = load_model(base_dir, cfg, device, on_host=sharded, checkpointed=checkpointed)
+    compiler = CompileRun(
         cfg,
-        r.device,
-        r.model_config,
+        device,
+        model_config,
         settings.resolved_cache_dir / "torch-compile",
-        r.ahead,
-        all_checkpointed=r.checkpointed == int(r.model_config["num_hidden_layers"]),
+        ahead,
+        all_checkpointed=checkpointed == int(model_config["num_hidden_layers"]),
     )
-    compiling = r.compiler.begin(r.peft)
-    r.lap("load_model")
+    compiling = compiler.begin(peft)
+    lap("load_model")
     # training calls the loss through one module; DDP wraps (FSDP shards) it on several
     # processes
-    r.train_loss = LossModule(r.peft)
+    train_loss: Any = LossModule(peft)
     if settings.world_size > 1:
-        r.train_loss = wrap(r.train_loss, cfg, settings.world_size, r.device, r.mode)
-    r.model.train()
-    params = [p for p in r.peft.parameters() if p.requires_grad]
-    r.trainable = sum(p.numel() for p in params)
-    r.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total, warmup, schedule = r.total_steps, cfg.warmup_steps, cfg.schedule
-    r.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        r.optimizer, lambda s: lr_factor(s, total, warmup, schedule)
+        train_loss = wrap_for_processes(train_loss, cfg, settings.world_size, device, mode)
+    peft.train()
+    params = [p for p in peft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup, schedule = cfg.warmup_steps, cfg.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, warmup, schedule)
     )
-    return compiling
+    parts = Components(
+        peft=peft,
+        compiler=compiler,
+        train_loss=train_loss,
+        trainable=sum(p.numel() for p in params),
+        optimizer=optimizer,
+        scheduler=scheduler,
+    )
+    return parts, compiling
 
 
 def live_run(r: Recipe) -> LiveRun:
@@ -153,5 +176,5 @@ def live_run(r: Recipe) -> LiveRun:
         tensorboard=r.run_dir / "tensorboard"
         if "tensorboard" in cfg.report_to and settings.is_main
         else None,
-        resumed_at=r.resumed_at,
+        resumed_at=r.progress.resumed_at,
     )

@@ -28,8 +28,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 def cmd_make_demo(args: argparse.Namespace) -> int:
     from lorastack.chat_data import write_jsonl
-    from trainer.demo_data import make_demo
-    from trainer.demo_tools import make_tool_demo
+    from trainer.data.demo_data import make_demo
+    from trainer.data.demo_tools import make_tool_demo
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Exit 0: ok; 1: trainable, with warnings; 3: refused (the lines say why)."""
     import sys
 
-    from trainer.prepare import check
+    from trainer.data.preparation import check
 
     report = check(_config(args), TrainerSettings(), progress=sys.stderr.isatty())
     print(report.to_json() if args.json else report.render())
@@ -60,9 +60,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import shutil
 
-    from trainer.masking import IGNORE
-    from trainer.prepare import prepare
-    from trainer.samples import encode
+    from trainer.data.masking import IGNORE
+    from trainer.data.preparation import prepare
+    from trainer.data.samples import encode
 
     config, settings = _config(args), TrainerSettings()
     staging = settings.resolved_runs_dir / config.output / "inspect"
@@ -155,7 +155,7 @@ def _resume(args: argparse.Namespace, config: RunConfig, settings: TrainerSettin
     if args.resume != "auto":
         return bool(args.resume)
     from lorastack.store.artifacts import open_store
-    from trainer import checkpoint
+    from trainer.publish import checkpoint
 
     root = settings.resolved_runs_dir / config.output / "checkpoints"
     remote = open_store(settings).versions(f"{config.output}/checkpoints")
@@ -163,7 +163,7 @@ def _resume(args: argparse.Namespace, config: RunConfig, settings: TrainerSettin
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from trainer.memory import human
+    from trainer.model.memory import human
     from trainer.recipe import run_training
 
     if not args.overrides:

@@ -122,7 +122,7 @@ class RunConfig(_Strict):
     packing: bool = Field(
         False,
         description="pack several samples into each row of max_seq_len tokens (no attention "
-        "across samples; trainer.packing); micro_batch then counts rows, not samples",
+        "across samples; trainer.data.packing); micro_batch then counts rows, not samples",
     )
     micro_batch: int = Field(4, ge=1, le=4096, description="rows (samples) per forward pass")
     grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per optimizer step")
@@ -140,35 +140,36 @@ class RunConfig(_Strict):
         description="what renders the chats: unset = the base model's own template; "
         "'chatml-tools' = ChatML with Hermes-style tool calls, shipped with the trainer (for "
         "tool-calling data when the model's template has no tool support); or a .jinja file. "
-        "The adapter carries it, so serving renders the same way (trainer.chat_templates)",
+        "The adapter carries it, so serving renders the same way (trainer.data.chat_templates)",
     )
     gradient_checkpointing: bool | Literal["auto"] = Field(
         "auto",
         description="recompute decoder layers' activations in backward instead of keeping "
         "them: true = every layer (least memory), false = none (fastest); auto = on CUDA as "
         "few layers as the memory estimate needs to fit the GPU's free memory, none on the "
-        "CPU (trainer.memory.plan_checkpointing)",
+        "CPU (trainer.model.memory.plan_checkpointing)",
     )
     compile: bool | Literal["auto"] = Field(
         "auto",
         description="torch.compile the decoder for training; auto = on CUDA with a C "
         "compiler (Triton needs one), when the first eager steps' time says the compile pays "
-        "back over the steps left (trainer.compiling.choose_compile)",
+        "back over the steps left (trainer.model.compiling.choose_compile)",
     )
     compile_scope: Literal["auto", "layers", "decoder"] = Field(
         "auto",
         description="what one compiled graph holds: one decoder layer (seconds to compile) "
         "or the whole decoder (faster steps, minutes to compile); auto = the one that saves "
-        "the most time in this run (compile=true: layers); trainer.compiling.compile_decoder",
+        "the most time in this run (compile=true: layers); trainer.model.compiling.compile_decoder",
     )
     fused_lora: bool = Field(
-        True, description="one autograd node per LoRA linear (trainer.fast_lora); false = peft's"
+        True,
+        description="one autograd node per LoRA linear (trainer.model.fast_lora); false = peft's",
     )
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="under torchrun with several processes: ddp = every GPU holds the whole "
         "model (fastest while it fits); fsdp = each decoder layer's weights sharded over the "
-        "processes (FSDP2 fully_shard) for a model that does not fit one GPU (trainer.sharding); "
+        "processes (FSDP2 fully_shard) for a model that does not fit one GPU (trainer.model.sharding); "
         "one process trains unsharded either way",
     )
     select: Literal["best_val_loss", "last"] = Field(

@@ -4,22 +4,21 @@
 it). Modes: "train" (publishes `<output>/data`, `<output>/test`, checkpoints and the
 adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothing) and
 "overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing): their
-differences live in trainer.modes. The recipe holds the order of the stages and the
-state they share; each stage's pieces live in their own module:
+differences live in trainer.loop.modes. The recipe holds the order of the stages; the
+state they share is typed: `Prepared` (trainer.data.preparation), and trainer.state's
+`Components` (trainer.assembly.build_model) and `Progress` (trainer.publish.resuming
+restores it). The stages' pieces live in the subpackages:
 
-    setup     trainer.prepare (data, tokenizer, base), trainer.assembly (run manifest,
-              published splits, memory estimate, model/optimizer/schedule, live metrics),
-              trainer.resuming (state back from a checkpoint), trainer.auto_batch
-    train     trainer.gradients (one step's micro-batches, backward), trainer.progress
-              (the step record and line), trainer.validation (eval, early stopping),
-              trainer.stopping (signals, cost caps), trainer.distributed (DDP),
-              trainer.sharding (FSDP)
-    save      trainer.resuming.save_checkpoint (what a resume needs), trainer.checkpoint
-              (the folder), trainer.publishing (the store)
-    finish    trainer.completion (training-complete.json, the TrainResult),
-              trainer.publishing (the selected adapter), trainer.modes (smoke / overfit
-              verdicts)
-    failure   trainer.failure (support memo, on_failure hook, error mapping)
+    setup     trainer.data (splits, samples, preflight), trainer.assembly (run manifest,
+              splits published, memory estimate, components, live metrics),
+              trainer.model (loading, compiling, auto-batch, DDP / FSDP)
+    train     trainer.loop (gradients, progress lines, evaluation and early stopping,
+              stopping on signals and caps)
+    save      trainer.publish (resuming: what a resume needs; checkpoint: the folder;
+              publishing: the store)
+    finish    trainer.publish.completion (training-complete.json, the TrainResult),
+              trainer.publish.publishing (the selected adapter), trainer.loop.modes
+    failure   trainer.publish.failure (support memo, on_failure hook, error mapping)
 
 Exact resume: the data position is the step (batch order derives from (seed, epoch));
 a checkpoint restores adapter, AdamW, scheduler and RNG states; `--resume` first
@@ -34,62 +33,37 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from lorastack.manifest import Manifest
-from lorastack.store import ArtifactStore
-from trainer import (
-    assembly,
-    budget,
-    compile_ahead,
-    failure,
-    gradients,
-    hooks,
-    modes,
-    progress,
-    publishing,
-    resuming,
-    stopping,
-    validation,
-)
-from trainer.auto_batch import fit as fit_micro_batch
-from trainer.batching import Plan
-from trainer.compiling import CompileRun
-from trainer.completion import TrainResult, train_result
-from trainer.completion import record as record_completion
+from trainer import assembly
 from trainer.config import RunConfig
-from trainer.distributed import rank0_decides, shut_down
+from trainer.data.batching import Plan, total_steps
+from trainer.data.preflight import refuse_unless_ok
+from trainer.data.preparation import Prepared, prepare
+from trainer.data.samples import end_of_turn_id
 from trainer.errors import SmokeFailed
-from trainer.live import LiveRun
-from trainer.metrics import (
-    LogTail,
-    held_bytes,
-    process_age,
-    read_series,
-    write_json,
-)
-from trainer.modeling import resolve_device, use_expandable_segments
+from trainer.loop import evaluation, gradients, modes, progress, stopping
+from trainer.loop.live import LiveRun
+from trainer.metrics import LogTail, held_bytes, process_age, read_series, write_json
+from trainer.model import compile_ahead
+from trainer.model.auto_batch import fit_micro_batch
+from trainer.model.distributed import rank0_decides, shut_down
+from trainer.model.modeling import resolve_device, use_expandable_segments
 from trainer.plotting import Plotter
-from trainer.preflight import PreflightReport, refuse_unless_ok
-from trainer.prepare import prepare
-from trainer.samples import end_of_turn_id
+from trainer.publish import budget, failure, hooks, publishing, resuming
+from trainer.publish.completion import TrainResult, record_completion, train_result
 from trainer.settings import TrainerSettings
-from trainer.splits import Splits
-
-log = logging.getLogger("trainer")
+from trainer.state import Components, Progress
 
 
 class Recipe:
-    # built by setup (trainer.assembly.build_model)
-    peft: Any  # the PEFT model (the LoRA weights train, save and load through it)
-    compiler: CompileRun
-    train_loss: Any  # LossModule, DDP-wrapped on several processes
-    trainable: int  # LoRA parameters
-    optimizer: torch.optim.AdamW
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    prep: Prepared  # data, tokenizer and base: setup (trainer.data.preparation.prepare)
+    parts: Components  # built by setup (trainer.assembly.build_model)
 
     def __init__(
         self,
@@ -111,16 +85,10 @@ class Recipe:
         self.run_dir = base_dir if mode == "train" else base_dir / mode
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics_dir = self.run_dir / "metrics"
-        self.step = 0
+        self.progress = Progress()  # replaced by a resumed run's (trainer.publish.resuming)
         self.stop_signal: int | None = None
-        self.old_handlers: dict[int, Any] = {}  # trainer.stopping
+        self.old_handlers: dict[int, Any] = {}  # trainer.loop.stopping
         self.device = torch.device("cpu")
-        self.losses: dict[int, float] = {}
-        self.val_losses: dict[int, float] = {}
-        self.tokens_seen = 0  # input tokens (not padding) in finished steps
-        self.supervised_seen = 0  # of those, tokens the loss counted
-        self.wall_before = 0.0  # seconds spent in earlier sessions of a resumed run
-        self.resumed_at: int | None = None  # the step a resumed run started from
         self.start_time = time.monotonic()
         caps = budget.Caps.of(config, settings.world_size)
         self.meter = budget.Meter(caps, clock=clock)  # billed time, all sessions
@@ -131,15 +99,11 @@ class Recipe:
         self.last_checkpoint: Path | None = None
         self.data_manifest: Manifest | None = None
         self.test_manifest: Manifest | None = None
-        self.report: PreflightReport | None = None
         self.memory_estimate: dict[str, int] = {}
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
         self.plotter: Plotter | None = None  # rank 0's
-        self.memory_marks: dict[str, int] = {}  # trainer.memory.against_measured
-        self.model: Any = None
-        self.ahead: compile_ahead.Ahead | None = (
-            None  # the child compiling ahead (trainer.compile_ahead)
-        )
+        self.memory_marks: dict[str, int] = {}  # trainer.model.memory.against_measured
+        self.ahead: compile_ahead.Ahead | None = None  # trainer.model.compile_ahead's child
         self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
     def say(self, line: str, show: bool = True) -> None:
@@ -164,33 +128,40 @@ class Recipe:
             self.plotter = Plotter()
 
         def compile_early(model_config: dict[str, Any]) -> None:
-            self.ahead = compile_ahead.start(self, model_config, auto_batch)
+            self.ahead = compile_ahead.start(
+                cfg, settings, self.mode, self.run_dir, model_config, auto_batch
+            )
 
         # each process prepares the data; only rank 0's folder is published
         staging = "splits" if settings.is_main else f"splits-rank{settings.rank}"
         prep = prepare(cfg, settings, self.run_dir / staging, on_base=compile_early)
-        self.store: ArtifactStore = prep.store
-        self.base, self.base_dir, self.model_config = prep.base, prep.base_dir, prep.model_config
-        self.data_dir, self.test_dir = prep.data_dir, prep.test_dir
-        self.data_digest, self.test_digest = prep.data_digest, prep.test_digest
-        self.tokenizer, self.report, encoded = prep.tokenizer, prep.report, prep.encoded
-        splits = prep.splits
-        self.eot = end_of_turn_id(self.tokenizer)
-        self.pad = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot
+        encoded = prep.encoded  # lives on only in the samples the mode selects
+        self.prep = replace(prep, encoded={})
+        self.model_config = prep.model_config
+        self.eot = end_of_turn_id(prep.tokenizer)
+        pad = prep.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.eot
+        self.say(prep.report.render())
+        refuse_unless_ok(prep.report)
+        # smoke and overfit runs adjust steps and schedule
+        self.config, self.train_samples, self.val_samples = modes.select_samples(
+            cfg, self.mode, self.overfit, encoded["train"], encoded["validation"]
         )
-        self.say(self.report.render())
-        refuse_unless_ok(self.report)
-        self.splits: Splits = splits
-        self.train_samples, self.val_samples = modes.select_samples(
-            self, encoded["train"], encoded["validation"]
-        )
-        cfg = self.config  # smoke and overfit runs adjust steps and schedule
+        cfg = self.config
 
         self.device = resolve_device(cfg.device, settings.local_rank)
         use_expandable_segments(self.device, settings.cuda_alloc_conf)
         if auto_batch:
-            self.config = cfg = fit_micro_batch(self)
+            self.config = cfg = fit_micro_batch(
+                cfg,
+                settings,
+                self.prep.base_dir,
+                self.model_config,
+                self.device,
+                eot=self.eot,
+                seq=self.widest(),
+                say=self.say,
+            )
         self.run_manifest = assembly.run_manifest(self)
         resume_from = publishing.find_resume_point(self, resume)
         if self.mode == "train" and settings.is_main:
@@ -206,21 +177,34 @@ class Recipe:
             cfg.grad_accum,
             cfg.max_seq_len if cfg.packing else None,
         )
-        self.total_steps = self._total_steps()
+        self.total_steps = total_steps(cfg, self.plan.steps_per_epoch())
         if self.mode == "train" and self.meter.caps.any:  # before the model loads
             self.say(publishing.check_budget(self, resume_from))
         self.lap("prepare")
         self.memory_marks["start"] = held_bytes(self.device)
-        compiling = assembly.build_model(self)
+        self.parts, compiling = assembly.build_model(
+            cfg,
+            settings,
+            self.prep.base_dir,
+            self.model_config,
+            self.device,
+            checkpointed=self.checkpointed,
+            ahead=self.ahead,
+            mode=self.mode,
+            total_steps=self.total_steps,
+            lap=self.lap,
+        )
         self.memory_marks["loaded"] = held_bytes(self.device)
         if resume_from is not None:
-            resuming.restore(self, resume_from)
+            self.progress = resuming.restore(resume_from, self.parts)
+            self.meter.hours_before = self.progress.wall_before / 3600
+            self.say(f"resumed from {resume_from} at step {self.progress.step}")
         stopping.install_handlers(self)
         self.live = assembly.live_run(self)
         if settings.metrics_port is not None and settings.is_main:
             self.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
         self.say(
-            f"training {self.trainable:,} LoRA parameters on {self.device} "
+            f"training {self.parts.trainable:,} LoRA parameters on {self.device} "
             f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
             f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
             f"{compiling})",
@@ -231,11 +215,6 @@ class Recipe:
         self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._lap_at, 2)
         self._lap_at = now
 
-    def _total_steps(self) -> int:
-        cfg = self.config
-        by_epochs = cfg.epochs * self.plan.steps_per_epoch()
-        return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
-
     def widest(self) -> int:
         """Tokens per row of the widest micro-batch."""
         if self.config.packing:
@@ -245,7 +224,7 @@ class Recipe:
     def _step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return cast(
             torch.Tensor,
-            self.train_loss(
+            self.parts.train_loss(
                 batch["input_ids"],
                 batch.get("attention_mask"),
                 batch["labels"],
@@ -262,41 +241,44 @@ class Recipe:
         session_start, session_tokens = time.monotonic(), 0
         world = self.settings.world_size
         session_steps = 0
-        if self.val_losses and validation.early_stop(self):  # a resumed run that had stopped early
+        # a resumed run that had stopped early
+        if self.progress.val_losses and evaluation.early_stop(self):
             return
         self.meter.mark()
-        while self.step < self.total_steps:
+        while self.progress.step < self.total_steps:
             t0 = time.monotonic()
-            batches, n_sup, step_tokens = gradients.step_batches(self)
-            loss_on_device = gradients.accumulate(self, batches, n_sup)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.peft.parameters() if p.requires_grad], cfg.max_grad_norm
+            batches, n_sup, step_tokens = gradients.step_batches(
+                self.plan, self.train_samples, self.progress.step
             )
-            lr = float(self.scheduler.get_last_lr()[0])
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss_on_device = gradients.accumulate(
+                cfg,
+                self.settings,
+                self.parts,
+                self.device,
+                self.pad,
+                self._step_loss,
+                batches,
+                n_sup,
+            )
+            grad_norm, lr = gradients.optimizer_step(self.parts, cfg.max_grad_norm)
             step_loss = float(loss_on_device)  # the first wait for the GPU in this step
             self.memory_marks.setdefault("resting", held_bytes(self.device))
-            self.step += 1
-            self.tokens_seen += step_tokens
-            self.supervised_seen += n_sup
+            step = self.progress.advance(step_loss, step_tokens, n_sup)
             session_tokens += step_tokens
-            self.losses[self.step] = step_loss
             dt = time.monotonic() - t0
             session_steps += 1
-            line = self.compiler.after_step(
-                self.peft,
+            line = self.parts.compiler.after_step(
+                self.parts.peft,
                 session_steps,
                 dt,
-                self.total_steps - self.step,
+                self.total_steps - step,
                 lambda choice: rank0_decides(choice, world),
             )
             if line:
                 self.say(line)
             if not math.isfinite(step_loss):
-                raise SmokeFailed(f"the loss is {step_loss} at step {self.step}", "lower lr")
-            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                raise SmokeFailed(f"the loss is {step_loss} at step {step}", "lower lr")
+            if step % cfg.log_every == 0 or step == self.total_steps:
                 progress.log_step(
                     self,
                     step_loss,
@@ -308,20 +290,20 @@ class Recipe:
                     session_tokens,
                 )
             evaluated = bool(self.val_samples) and (
-                self.step % cfg.eval_every == 0 or self.step == self.total_steps
+                step % cfg.eval_every == 0 or step == self.total_steps
             )
             if evaluated:
-                validation.evaluate(self)
+                evaluation.evaluate(self)
             if self.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
-            new_best = evaluated and validation.best_step(self) == self.step
+            new_best = evaluated and evaluation.best_step(self) == step
             if (
-                self.step % cfg.checkpoint_every == 0
-                or self.step == self.total_steps
+                step % cfg.checkpoint_every == 0
+                or step == self.total_steps
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
                 resuming.save_checkpoint(self)
-            if evaluated and validation.early_stop(self):
+            if evaluated and evaluation.early_stop(self):
                 break
             stopping.stop_if_asked(self)
 
@@ -333,13 +315,19 @@ class Recipe:
         done = publishing.already_finished(self)
         if done is not None:
             return done
-        if self.val_samples and self.step not in self.val_losses and self.step > 0:
-            validation.evaluate(self)
+        if (
+            self.val_samples
+            and self.progress.step not in self.progress.val_losses
+            and self.progress.step > 0
+        ):
+            evaluation.evaluate(self)
         resuming.checkpoint_unless_saved(self)
         train_series = read_series(self.metrics_dir, "metrics", "loss")
         plot = self.run_dir / "loss.png"
         if self.plotter is not None:
-            self.plotter.plot(train_series, self.val_losses, plot, f"{cfg.output} ({self.mode})")
+            self.plotter.plot(
+                train_series, self.progress.val_losses, plot, f"{cfg.output} ({self.mode})"
+            )
         completion = record_completion(self)
         result = train_result(self, completion)
         result.verdict = modes.verdict(self, train_series)
@@ -396,7 +384,7 @@ def run_training(
         recipe.train()
         result = recipe.finish()
     except Exception as e:
-        error = failure.handle(recipe, e)
+        error = failure.report_failure(recipe, e)
         if error is e:
             raise
         raise error from e

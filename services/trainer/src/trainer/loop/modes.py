@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import with_overrides
+from trainer.config import RunConfig, with_overrides
+from trainer.data.samples import Sample, prompt_ids
 from trainer.errors import SmokeFailed
-from trainer.samples import Sample, prompt_ids
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -29,10 +29,11 @@ OVERFIT_MAX_STEPS = 300
 
 
 def select_samples(
-    r: Recipe, train: list[Sample], val: list[Sample]
-) -> tuple[list[Sample], list[Sample]]:
-    cfg = r.config
-    if r.mode == "smoke":
+    cfg: RunConfig, mode: str, overfit: int | None, train: list[Sample], val: list[Sample]
+) -> tuple[RunConfig, list[Sample], list[Sample]]:
+    """The config a mode runs with (smoke and overfit adjust steps and schedule) and the
+    training and validation samples it takes."""
+    if mode == "smoke":
         short = [s for s in train if s.length <= SMOKE_SEQ]
         want = cfg.micro_batch * cfg.grad_accum
         if not short:
@@ -40,7 +41,7 @@ def select_samples(
                 f"no training sample is at most {SMOKE_SEQ} tokens long",
                 "smoke needs short samples",
             )
-        r.config = with_overrides(
+        cfg = with_overrides(
             cfg,
             [
                 f"max_steps={SMOKE_STEPS}",
@@ -52,10 +53,10 @@ def select_samples(
                 "epochs=10000",
             ],
         )
-        return short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
-    if r.mode == "overfit":
-        n = r.overfit or 1
-        r.config = with_overrides(
+        return cfg, short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
+    if mode == "overfit":
+        n = overfit or 1
+        cfg = with_overrides(
             cfg,
             [
                 f"max_steps={cfg.max_steps or OVERFIT_MAX_STEPS}",
@@ -65,13 +66,16 @@ def select_samples(
                 "eval_every=1000000",
             ],
         )
-        return train[:n], train[:n]
-    return train, val
+        return cfg, train[:n], train[:n]
+    return cfg, train, val
 
 
 def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     checks, ok = [], True
-    first, last = r.losses.get(1, float("nan")), r.losses.get(r.step, float("nan"))
+    first, last = (
+        r.progress.losses.get(1, float("nan")),
+        r.progress.losses.get(r.progress.step, float("nan")),
+    )
     down = last < first * (1 - SMOKE_MIN_DROP)
     ok &= down
     checks.append(
@@ -85,7 +89,7 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
         saved = load_file(str(r.last_checkpoint / "adapter" / "adapter_model.safetensors"))
         from peft import get_peft_model_state_dict
 
-        live = get_peft_model_state_dict(r.peft)
+        live = get_peft_model_state_dict(r.parts.peft)
         reload_ok = (
             bool(saved)
             and set(saved) == set(live)
@@ -95,11 +99,11 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     checks.append(
         f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {r.last_checkpoint}"
     )
-    conv = (r.splits.validation or r.splits.train)[0].conv
-    ids = torch.tensor([prompt_ids(conv, r.tokenizer)], device=r.device)
-    r.model.eval()
+    conv = (r.prep.splits.validation or r.prep.splits.train)[0].conv
+    ids = torch.tensor([prompt_ids(conv, r.prep.tokenizer)], device=r.device)
+    r.parts.peft.eval()
     with torch.no_grad():
-        out = r.peft.generate(
+        out = r.parts.peft.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=SMOKE_NEW_TOKENS,
@@ -110,7 +114,7 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
         )
     new = out[0, ids.shape[1] :].tolist()
     stopped = bool(new) and new[-1] == r.eot
-    text = r.tokenizer.decode(new, skip_special_tokens=True)
+    text = r.prep.tokenizer.decode(new, skip_special_tokens=True)
     gen_ok = bool(text.strip()) and stopped
     ok &= gen_ok
     checks.append(
@@ -122,11 +126,11 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
 
 
 def overfit_verdict(r: Recipe) -> dict[str, Any]:
-    last = r.losses.get(r.step, float("inf"))
+    last = r.progress.losses.get(r.progress.step, float("inf"))
     return {
         "passed": last < OVERFIT_LOSS,
         "checks": [
-            f"loss {last:.4f} after {r.step} steps on {len(r.train_samples)} samples "
+            f"loss {last:.4f} after {r.progress.step} steps on {len(r.train_samples)} samples "
             f"(pass below {OVERFIT_LOSS})"
         ],
     }

@@ -17,8 +17,8 @@ import bisect
 
 import torch
 
-from trainer.masking import IGNORE
-from trainer.samples import Sample
+from trainer.data.masking import IGNORE
+from trainer.data.samples import Sample
 
 
 def pack_rows(order: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
@@ -53,7 +53,7 @@ def collate_rows(rows: list[list[Sample]], pad_id: int, width: int) -> dict[str,
 
     Returns input_ids, position_ids (restarting at 0 at each sample, and for the padding
     after the last one), labels (IGNORE at each sample's first token and on padding) and
-    cu_seq_lens (sample_offsets: what variable-length attention takes, trainer.attention).
+    cu_seq_lens (sample_offsets: what variable-length attention takes, trainer.model.attention).
     No attention_mask: transformers builds the block-diagonal causal mask from the
     position ids."""
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

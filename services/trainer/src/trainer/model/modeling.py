@@ -12,10 +12,10 @@ bench/trainer/gpu_e2e.py the whole `lorastack train` against TRL):
 - LoRA weights stay fp32 (the optimizer's master copy) but compute in the compute dtype
   under autocast, instead of peft casting every adapter input up to fp32 (on CUDA that
   cast doubled the saved activations);
-- each LoRA linear is one autograd node (trainer.fast_lora): at batch 1 on a GPU the
+- each LoRA linear is one autograd node (trainer.model.fast_lora): at batch 1 on a GPU the
   step was bound by peft's and bitsandbytes' per-op Python, not by the GPU;
 - gradient checkpointing is non-reentrant, per decoder layer;
-- the cross-entropy never materialises the full logits (trainer.cross_entropy): only
+- the cross-entropy never materialises the full logits (trainer.model.cross_entropy): only
   supervised positions go through lm_head, in recomputed chunks.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from lorastack.errors import ConfigError
-from trainer import attention, fast_lora
 from trainer.config import RunConfig
-from trainer.cross_entropy import linear_cross_entropy_sum
+from trainer.model import attention, fast_lora
+from trainer.model.cross_entropy import linear_cross_entropy_sum
 
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
@@ -186,7 +186,7 @@ def loss_sum(
 
     `labels` is aligned with `input_ids` (IGNORE where not supervised); position t's
     hidden state predicts token t+1. Divide by the step's supervised-token count outside.
-    Packed rows (trainer.packing) come with `position_ids`, `cu_seq_lens` and no
+    Packed rows (trainer.data.packing) come with `position_ids`, `cu_seq_lens` and no
     `attention_mask`. `loss_positions` (cross_entropy.loss_positions, computed on the
     host) spares the device a boolean mask and its host syncs.
     """
@@ -203,7 +203,7 @@ def loss_sum(
 
 
 def batch_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """loss_sum of a collated batch (trainer.batching: padded rows or packed rows)."""
+    """loss_sum of a collated batch (trainer.data.batching: padded rows or packed rows)."""
     return loss_sum(
         model,
         batch["input_ids"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.cross_entropy import CHUNK_ELEMENTS
+from trainer.model.cross_entropy import CHUNK_ELEMENTS
 
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4 bits + double-quantised absmax (~0.127 bits)
 # cuBLAS and cuBLASLt workspaces, taken from torch's allocator at the first matmul
@@ -80,7 +80,7 @@ def estimate(
     """Bytes per part and the total, for one device. `checkpointed`: how many decoder
     layers recompute their activations in backward (the rest keep theirs; a recomputed
     layer holds its own while its backward runs). `shards`: the processes FSDP shards
-    the weights, LoRA weights and AdamW state over (trainer.sharding); each device then
+    the weights, LoRA weights and AdamW state over (trainer.model.sharding); each device then
     also holds two layers gathered whole (the one running and the next, prefetched) and
     the root's own weights (embeddings, final norm, lm_head) whole while it runs."""
     linear, other = base_params(cfg)
@@ -107,7 +107,7 @@ def estimate(
     if not cuda:
         activations = int(activations * CPU_RSS_FACTOR)
     # the loss sends at most CHUNK_ELEMENTS logits through lm_head at a time
-    # (trainer.cross_entropy): fp32 logits, softmax and gradient of one chunk
+    # (trainer.model.cross_entropy): fp32 logits, softmax and gradient of one chunk
     logits = min(tokens * int(cfg["vocab_size"]), CHUNK_ELEMENTS) * 4 * 3
     parts = {
         "weights": weights,

@@ -3,9 +3,9 @@
 Owns the `compile` / `compile_scope` settings' meaning (use_compile, compile_decoder),
 the decision of `compile: auto` by expected benefit (choose_compile), the on-disk compile
 cache that lets a resumed or repeated run skip most of the compile (use_cache_dir; a
-first run fills it from a child process meanwhile: trainer.compile_ahead), the
-shapes the compiler sees (mark_dynamic_width; trainer.batching keeps them few), and the
-compile report (compile_report). It never loads a model (trainer.modeling does).
+first run fills it from a child process meanwhile: trainer.model.compile_ahead), the
+shapes the compiler sees (mark_dynamic_width; trainer.data.batching keeps them few), and the
+compile report (compile_report). It never loads a model (trainer.model.modeling does).
 
 Why one compile per run matters: each micro-batch padded to its own width gave three
 compiles of minutes each on an H200 (a static graph, a dynamic one after the first size
@@ -30,7 +30,7 @@ from lorastack.errors import ConfigError
 from trainer.config import RunConfig
 
 if TYPE_CHECKING:
-    from trainer.compile_ahead import Ahead
+    from trainer.model.compile_ahead import Ahead
 
 # AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
 # (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
@@ -118,7 +118,7 @@ def compile_decoder(model: Any, scope: str, dynamic_width: bool = False) -> None
 
     # dropout through torch's own RNG ops: the eager masks, replayed by checkpointing
     torch._inductor.config.fallback_random = True
-    # the LoRA layers' autograd.Functions (trainer.fast_lora, bitsandbytes' 4-bit matmul)
+    # the LoRA layers' autograd.Functions (trainer.model.fast_lora, bitsandbytes' 4-bit matmul)
     # made AOT autograd bypass its disk cache, so a warm run still traced every graph;
     # their forward and backward are traced into the graph, so its cache key covers them
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
@@ -158,7 +158,7 @@ def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, tuple[str]]:
     """Pickle a memory format through a fixed module. The compile caches' keys pickle
     the inputs' metadata, and pickle names a memory format by the first module in
     sys.modules that holds `torch`: the key moved with import order, so a graph another
-    kind of process compiled (trainer.compile_ahead, a test) never hit."""
+    kind of process compiled (trainer.model.compile_ahead, a test) never hit."""
     return _memory_format, (str(fmt),)
 
 
@@ -195,7 +195,7 @@ def mark_dynamic_width(batch: dict[str, torch.Tensor]) -> None:
 
 def mark_dynamic_samples(batch: dict[str, torch.Tensor]) -> None:
     """Packed rows hold a different number of samples each micro-batch: their offsets
-    (variable-length attention's input, trainer.attention) are marked dynamic before the
+    (variable-length attention's input, trainer.model.attention) are marked dynamic before the
     first call, or the first graph is static and the second micro-batch compiles again."""
     if "cu_seq_lens" in batch:
         torch._dynamo.maybe_mark_dynamic(batch["cu_seq_lens"], 0)
@@ -269,7 +269,7 @@ class CompileRun:
         all_checkpointed: bool = True,
     ) -> None:
         self.allowed = use_compile(config, device)
-        self.ahead = ahead  # the child compiling the layer graph (trainer.compile_ahead)
+        self.ahead = ahead  # the child compiling the layer graph (trainer.model.compile_ahead)
         self.ahead_said = ""
         self.deferred: str | None = None  # the scope to compile once the child is done
         self.packed = config.packing  # packed rows have one width: a static graph

@@ -5,7 +5,7 @@ here by name, or a .jinja file), setting it on the tokenizer (which the adapter 
 then carries, so the merged model and vLLM render the same way), and the tool-support
 check: a template that never mentions `tools` and `tool_calls` would silently drop the
 functions and the calls, and the model would be trained on answers to calls it never
-saw. Does not own: rendering and masking (`trainer.samples`).
+saw. Does not own: rendering and masking (`trainer.data.samples`).
 
 Shipped: `chatml-tools` (templates/chatml-tools.jinja), SmolLM2-Instruct's ChatML with
 the same default system prompt (a chat without tools renders byte for byte as SmolLM2's

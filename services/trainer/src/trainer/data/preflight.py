@@ -18,11 +18,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from trainer.config import RunConfig
-from trainer.encoding import encode_all
+from trainer.data.encoding import encode_all
+from trainer.data.samples import Sample, end_of_turn_id
+from trainer.data.splits import Splits, normalise, prompt_key
 from trainer.errors import PreflightRefused
-from trainer.memory import checkpoint_bytes, human, lora_params
-from trainer.samples import Sample, end_of_turn_id
-from trainer.splits import Splits, normalise, prompt_key
+from trainer.model.memory import checkpoint_bytes, human, lora_params
 
 LOG_BUDGET = 64 << 20  # bytes kept for metrics, logs and plots
 

@@ -32,7 +32,7 @@ from trainer.config import HookConfig, RunConfig
 from trainer.errors import CostCapReached, HookNotRun, TrainingInterrupted
 
 if TYPE_CHECKING:
-    from trainer.completion import TrainResult
+    from trainer.publish.completion import TrainResult
     from trainer.recipe import Recipe
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
@@ -194,8 +194,8 @@ def with_suppressed_kill(pgid: int) -> None:
 
 def _last_checkpoint(r: Recipe) -> Manifest | None:
     name = f"{r.config.output}/checkpoints"
-    steps = [int(v) for v in r.store.versions(name) if v.isdigit()]
-    return r.store.manifest(name, str(max(steps))) if steps else None
+    steps = [int(v) for v in r.prep.store.versions(name) if v.isdigit()]
+    return r.prep.store.manifest(name, str(max(steps))) if steps else None
 
 
 def _env(
@@ -205,9 +205,9 @@ def _env(
         event,
         run=r.config.output,
         run_dir=r.run_dir,
-        store_url=r.store.url,
+        store_url=r.prep.store.url,
         status=status,
-        steps=r.step,
+        steps=r.progress.step,
         hours=r.meter.hours() * r.settings.world_size,
         cost=r.meter.cost(),
         currency=r.config.currency,
@@ -226,14 +226,16 @@ def after_success(r: Recipe, result: TrainResult, base_env: dict[str, str]) -> H
     try:
         ckpt = _last_checkpoint(r)
     except LorastackError as e:
-        raise not_run("on_complete", f"the checkpoints in {r.store.url} cannot be read: {e}") from e
+        raise not_run(
+            "on_complete", f"the checkpoints in {r.prep.store.url} cannot be read: {e}"
+        ) from e
     if ckpt is None:
-        raise not_run("on_complete", f"no checkpoint of {r.config.output} in {r.store.url}")
+        raise not_run("on_complete", f"no checkpoint of {r.config.output} in {r.prep.store.url}")
     refs["checkpoint"] = ckpt
-    warning = store_warning(r.store.url, r.settings.s3_endpoint_url)
+    warning = store_warning(r.prep.store.url, r.settings.s3_endpoint_url)
     if warning:
         r.say(warning)
-    verify_all(r.store, refs, "on_complete", r.say)
+    verify_all(r.prep.store, refs, "on_complete", r.say)
     outcome = run_hook(
         "on_complete",
         hook,
@@ -251,7 +253,7 @@ def after_success(r: Recipe, result: TrainResult, base_env: dict[str, str]) -> H
 def after_failure(
     r: Recipe, error: LorastackError, memo: Manifest | None, base_env: dict[str, str]
 ) -> None:
-    """Verify the support memo (published by trainer.failure.failed) and the last
+    """Verify the support memo (published by trainer.publish.failure.failed) and the last
     checkpoint off the host, then run on_failure; a memo that is not there means no hook,
     said why."""
     cfg = r.config
@@ -276,7 +278,7 @@ def after_failure(
         ckpt = _last_checkpoint(r)
         if ckpt is not None:
             refs["checkpoint"] = ckpt
-        verify_all(r.store, refs, "on_failure", r.say)
+        verify_all(r.prep.store, refs, "on_failure", r.say)
     except LorastackError as e:
         r.say(f"on_failure hook not run: the support memo is not verified off this host: {e}")
         return

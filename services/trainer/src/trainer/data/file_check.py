@@ -29,15 +29,15 @@ import numpy as np
 
 from lorastack.chat_data import Conversation, parse_line
 from trainer.config import RunConfig
-from trainer.encoding import CHUNK, default_workers, encode_all
-from trainer.preflight import (
+from trainer.data.encoding import CHUNK, default_workers, encode_all
+from trainer.data.preflight import (
     Lengths,
     LineProblem,
     PreflightReport,
     judge_lengths,
 )
-from trainer.samples import end_of_turn_id
-from trainer.splits import TEST, TRAIN, normalise, prompt_key, split_groups
+from trainer.data.samples import end_of_turn_id
+from trainer.data.splits import TEST, TRAIN, normalise, prompt_key, split_groups
 
 SPLIT_NAMES = ("train", "validation", "test")
 MAX_LINE_PROBLEMS = 100_000  # kept in the report; beyond, only counted

@@ -21,8 +21,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from lorastack.chat_data import Conversation
-from trainer.masking import MaskingError, targets_end_with
-from trainer.samples import LossOn, Pretokenized, Sample, encode
+from trainer.data.masking import MaskingError, targets_end_with
+from trainer.data.samples import LossOn, Pretokenized, Sample, encode
 
 Result = tuple[Sample | None, list[tuple[str, str]]]
 

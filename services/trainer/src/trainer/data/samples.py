@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lorastack.chat_data import Conversation
-from trainer.chat_templates import NoToolSupport, require_tool_support
-from trainer.masking import (
+from trainer.data.chat_templates import NoToolSupport, require_tool_support
+from trainer.data.masking import (
     MaskingError,
     Span,
     check_tools_rendered,

@@ -1,6 +1,6 @@
 """What a run reports while it trains: the step record (metrics-step-N.json), the step
-line or progress bar (with the cost so far) and the live metrics (trainer.live). A failed
-run's support memo is trainer.failure.
+line or progress bar (with the cost so far) and the live metrics (trainer.loop.live). A failed
+run's support memo is trainer.publish.failure.
 """
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from trainer.live import gpu_reading
-from trainer.memory import human
+from trainer.loop.live import gpu_reading
 from trainer.metrics import (
     memory_now,
     write_json,
 )
+from trainer.model.memory import human
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -32,37 +32,37 @@ def log_step(
     """Write the step record, show the step (line or bar), publish the live metrics."""
     elapsed = time.monotonic() - session_start
     tps = session_tokens / elapsed if elapsed > 0 else 0.0
-    steps_done = max(1, len(r.losses))
-    eta = (r.total_steps - r.step) * elapsed / steps_done
+    steps_done = max(1, len(r.progress.losses))
+    eta = (r.total_steps - r.progress.step) * elapsed / steps_done
     mem = memory_now(r.device)
     record = {
-        "step": r.step,
+        "step": r.progress.step,
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": tokens,
-        "tokens_total": r.tokens_seen,
+        "tokens_total": r.progress.tokens_seen,
         "tokens_per_s": tps,
         "step_time_s": dt,
         **mem,
     }
     if r.settings.is_main:
-        write_json(r.metrics_dir / f"metrics-step-{r.step}.json", record)
+        write_json(r.metrics_dir / f"metrics-step-{r.progress.step}.json", record)
     shown = mem.get("peak_allocated", mem.get("rss", 0))
     cost = r.meter.cost()
     line = (
-        f"step {r.step}/{r.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
+        f"step {r.progress.step}/{r.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
         f"tok/s {tps:.0f} step {dt:.2f}s eta {duration(eta)} mem {human(shown)}"
         + (f" cost {cost:.2f}" if r.config.price_per_gpu_hour else "")
         + (f"/{r.config.max_cost:g}" if r.config.max_cost else "")
     )
     values = {
-        "step": r.step,
+        "step": r.progress.step,
         "loss": loss,
         "learning_rate": lr,
         "tokens_per_second": tps,
-        "tokens": r.tokens_seen,
-        "supervised_tokens": r.supervised_seen,
+        "tokens": r.progress.tokens_seen,
+        "supervised_tokens": r.progress.supervised_seen,
         "gpu_memory_allocated_bytes": mem.get("peak_allocated", 0),
         "gpu_memory_reserved_bytes": mem.get("peak_reserved", 0),
         "eta_seconds": eta,

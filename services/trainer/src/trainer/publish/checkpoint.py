@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import sharding
 from trainer.config import SAFE_TO_CHANGE, is_default
 from trainer.errors import CheckpointWriteFailed
-from trainer.sharding import Gathered
+from trainer.model import sharding
+from trainer.model.sharding import Gathered
 
 PREFIX = "step-"
 NOT_COMPARED = frozenset({"git_commit"})  # informational: other services' commits move HEAD
@@ -46,10 +46,12 @@ def code_version() -> str:
     from trainer import __version__
 
     h = hashlib.sha256()
-    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
-        if f.name == "cli.py":
+    package = Path(__file__).resolve().parents[1]  # trainer/, every subpackage included
+    for f in sorted(package.rglob("*.py")):
+        name = f.relative_to(package).as_posix()
+        if name == "cli.py":
             continue
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+        h.update(name.encode() + b"\0" + f.read_bytes())
     return f"trainer {__version__} src:{h.hexdigest()[:16]}"
 
 
@@ -144,7 +146,7 @@ def save(
     gathered: Gathered | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically under `root`; returns its folder. `gathered`:
-    the adapter and optimizer state of a sharded model, gathered whole (trainer.sharding).
+    the adapter and optimizer state of a sharded model, gathered whole (trainer.model.sharding).
     Raises CheckpointWriteFailed (nothing written, the previous checkpoints untouched) when
     the disk is full or another OS error stops the write."""
     root.mkdir(parents=True, exist_ok=True)
@@ -226,7 +228,7 @@ def load_into(
     folder: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, root: Any = None
 ) -> dict[str, Any]:
     """Restore adapter, optimizer and scheduler from `folder`; returns trainer-state.
-    `root`: the module training calls, sharded by FSDP or not (trainer.sharding).
+    `root`: the module training calls, sharded by FSDP or not (trainer.model.sharding).
     Call `set_rng_states(load_rng(folder))` last, after everything that draws numbers."""
     optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
     if sharding.is_sharded(root):

@@ -1,7 +1,7 @@
 """How a run stops before its last step, at a checkpoint it can resume from: SIGTERM or
-SIGINT (TrainingInterrupted) and a cost or time cap (CostCapReached, trainer.budget; rank
+SIGINT (TrainingInterrupted) and a cost or time cap (CostCapReached, trainer.publish.budget; rank
 0's clock and rank 0's signal decide for all processes). Early stopping on the validation loss is
-trainer.validation.
+trainer.loop.evaluation.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING, Any
 
-from trainer import publishing, resuming
-from trainer.distributed import rank0_decides
 from trainer.errors import TrainingInterrupted
+from trainer.model.distributed import rank0_decides
+from trainer.publish import publishing, resuming
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -43,12 +43,12 @@ def stop_if_asked(r: Recipe) -> None:
     # every process stops after the same step (torchrun passes a signal on to each, not
     # at the same instant): the checkpoint of a sharded model is gathered by all
     r.stop_signal = rank0_decides(r.stop_signal, r.settings.world_size)
-    if r.stop_signal is not None or (over and r.step < r.total_steps):
+    if r.stop_signal is not None or (over and r.progress.step < r.total_steps):
         resuming.checkpoint_unless_saved(r)
         if r.stop_signal is None:
             raise publishing.cap_reached(r, over)
         name = signal.Signals(r.stop_signal).name
         raise TrainingInterrupted(
-            f"{name} received: stopped after step {r.step}; checkpoint {r.last_checkpoint}",
+            f"{name} received: stopped after step {r.progress.step}; checkpoint {r.last_checkpoint}",
             "continue with the same command plus --resume",
         )

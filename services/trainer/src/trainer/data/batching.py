@@ -12,9 +12,10 @@ import math
 import numpy as np
 import torch
 
-from trainer.masking import IGNORE
-from trainer.packing import collate_rows, pack_rows
-from trainer.samples import Sample
+from trainer.config import RunConfig
+from trainer.data.masking import IGNORE
+from trainer.data.packing import collate_rows, pack_rows
+from trainer.data.samples import Sample
 
 WIDTH_MULTIPLE = 64  # tokens: unpacked batch widths of a compiled run round up to this
 
@@ -29,7 +30,7 @@ class Plan:
 
     A micro-batch is a list of rows and a row a list of sample indices: one sample per
     row, or, with `pack_to` (packing), as many as fit in `pack_to` tokens
-    (trainer.packing). Rows follow the (seed, epoch) permutation; packed rows are then
+    (trainer.data.packing). Rows follow the (seed, epoch) permutation; packed rows are then
     shuffled by (seed, epoch) too, so a row's position says nothing of its lengths.
     The last step of an epoch may hold fewer micro-batches, its last micro-batch fewer
     rows.
@@ -71,6 +72,12 @@ class Plan:
         rows, mb = self.rows(epoch), self.micro_batch
         micro = [rows[i : i + mb] for i in range(0, len(rows), mb)]
         return micro[k * self.grad_accum : (k + 1) * self.grad_accum]
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """The run's optimizer steps: its epochs, or `max_steps` when that comes first."""
+    by_epochs = cfg.epochs * steps_per_epoch
+    return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:

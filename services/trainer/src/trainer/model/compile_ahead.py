@@ -3,14 +3,14 @@ layer graph while the run itself prepares its data and loads its base.
 
 On an H200 a cold compile of one decoder layer's graph held the first compiled step for
 13-20 s (inductor and Triton); from a warm on-disk cache it took 2 s. `start` launches
-`python -m trainer.compile_ahead SPEC` at the beginning of a run that may compile its
+`python -m trainer.model.compile_ahead SPEC` at the beginning of a run that may compile its
 layers (packed rows: one shape for the whole run) when the cache has not seen that graph
 yet. The child builds a one-layer copy of the base (its widths, random weights, a
 256-token vocabulary: the embeddings and the head are not in the layer's graph), loads
 it with the run's own `load_model`, compiles it with `compile_decoder` and runs one step
 on packed rows of the run's shape, so its graphs land in the FX, AOT autograd and Triton
 caches under the run's cache folder. The run steps on eagerly until the child is done
-(trainer.compiling.CompileRun), then compiles, taking the graphs from the cache. The
+(trainer.model.compiling.CompileRun), then compiles, taking the graphs from the cache. The
 child is best-effort: if it fails or takes too long, the run compiles them itself, and
 says why.
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.config import RunConfig
 
 if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+    from trainer.settings import TrainerSettings
 
 VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
 WAIT_S = 240.0  # the longest a run steps on eagerly for the child before compiling itself
@@ -68,14 +68,21 @@ class Ahead:
             self.proc.wait()
 
 
-def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | None:
-    """Launch the child where it can help (see the module docstring), else None."""
+def start(
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    mode: str,
+    run_dir: Path,
+    model_config: dict[str, Any],
+    auto_batch: bool,
+) -> Ahead | None:
+    """Launch the child where it can help (see the module docstring), else None; it
+    writes its spec and log into `run_dir`."""
     import torch
 
-    from trainer.compiling import graph_key, is_warm, use_compile
-    from trainer.modeling import resolve_device
+    from trainer.model.compiling import graph_key, is_warm, use_compile
+    from trainer.model.modeling import resolve_device
 
-    cfg, settings = r.config, r.settings
     wanted = settings.compile_ahead
     device = resolve_device(cfg.device, settings.local_rank)
     if wanted is None:
@@ -85,7 +92,7 @@ def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | 
         or not cfg.packing
         or auto_batch
         or settings.world_size > 1
-        or r.mode != "train"
+        or mode != "train"
         or cfg.compile_scope == "decoder"
         or not use_compile(cfg, device)
     ):
@@ -94,7 +101,7 @@ def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | 
     key = graph_key(model_config, cfg, "layers")
     if is_warm(cache, key):
         return None
-    r.run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     spec = {
         "model_config": model_config,
         "run": cfg.model_dump(mode="json"),
@@ -103,12 +110,12 @@ def start(r: Recipe, model_config: dict[str, Any], auto_batch: bool) -> Ahead | 
         "key": key,
         "threads": torch.get_num_threads(),  # inductor's CPU code (and cache key) follow it
     }
-    spec_path = r.run_dir / "compile-ahead.json"
+    spec_path = run_dir / "compile-ahead.json"
     spec_path.write_text(json.dumps(spec))
-    log = r.run_dir / "compile-ahead.log"
+    log = run_dir / "compile-ahead.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.compile_ahead", str(spec_path)],
+            [sys.executable, "-m", "trainer.model.compile_ahead", str(spec_path)],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -120,7 +127,7 @@ def one_layer_copy(model_config: dict[str, Any], folder: Path, device: Any) -> N
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.modeling import compute_dtype
+    from trainer.model.modeling import compute_dtype
 
     small = dict(model_config, num_hidden_layers=1, vocab_size=VOCAB)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config"):
@@ -139,8 +146,8 @@ def packed_rows(micro_batch: int, width: int) -> dict[str, Any]:
     """A micro-batch as the run collates its packed rows: two samples a row."""
     import torch
 
-    from trainer.packing import collate_rows
-    from trainer.samples import Sample
+    from trainer.data.packing import collate_rows
+    from trainer.data.samples import Sample
 
     half = width // 2
     ids = torch.randint(0, VOCAB, (half,)).tolist()
@@ -151,8 +158,13 @@ def packed_rows(micro_batch: int, width: int) -> dict[str, Any]:
 def main(spec_path: str) -> int:
     import torch
 
-    from trainer.compiling import compile_decoder, mark_dynamic_samples, mark_warm, use_cache_dir
-    from trainer.modeling import load_model, loss_sum
+    from trainer.model.compiling import (
+        compile_decoder,
+        mark_dynamic_samples,
+        mark_warm,
+        use_cache_dir,
+    )
+    from trainer.model.modeling import load_model, loss_sum
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])

@@ -1,7 +1,7 @@
 """Where a run meets the artifact store: the checkpoint a resumed run continues from
 (refused when the run changed), checkpoints and the adapter published, the best
 checkpoint kept, the adapter `select` picks, a finished run left as it was, and the
-stop at a cost cap (at a published checkpoint; the arithmetic is trainer.budget).
+stop at a cost cap (at a published checkpoint; the arithmetic is trainer.publish.budget).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
-from trainer import budget, checkpoint
-from trainer.chat_templates import chat_format_record
-from trainer.completion import train_result
 from trainer.config import SAFE_TO_CHANGE
+from trainer.data.chat_templates import chat_format_record
 from trainer.errors import CostCapReached, ResumeRefused
+from trainer.loop.selection import selected_step, standing
 from trainer.metrics import write_json
-from trainer.selection import selected_step, standing
+from trainer.publish import budget, checkpoint
+from trainer.publish.completion import train_result
 
 if TYPE_CHECKING:
-    from trainer.completion import TrainResult
+    from trainer.publish.completion import TrainResult
     from trainer.recipe import Recipe
 
 log = logging.getLogger("trainer")
@@ -36,7 +36,7 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
         return None
     name = f"{r.config.output}/checkpoints"
     local = checkpoint.local_steps(r.ckpt_root)
-    remote = [int(v) for v in r.store.versions(name) if v.isdigit()]
+    remote = [int(v) for v in r.prep.store.versions(name) if v.isdigit()]
     latest = max(local + remote, default=None)
     if not resume:
         if latest is not None:
@@ -52,7 +52,7 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
         )
     folder = checkpoint.step_dir(r.ckpt_root, latest)
     if latest not in local:
-        r.store.get(r.store.manifest(name, str(latest)), folder)
+        r.prep.store.get(r.prep.store.manifest(name, str(latest)), folder)
     old = checkpoint.read_manifest(folder)
     changed = checkpoint.manifest_diff(old, r.run_manifest)
     if changed:
@@ -67,42 +67,42 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
 
 def publish_checkpoint(r: Recipe, folder: Path) -> None:
     name = f"{r.config.output}/checkpoints"
-    parents = [r.base.as_parent("base")]
+    parents = [r.prep.base.as_parent("base")]
     if r.data_manifest is not None:
         parents.append(r.data_manifest.as_parent("dataset"))
     try:
-        r.store.publish(
+        r.prep.store.publish(
             folder,
             kind="checkpoint",
             name=name,
             service="trainer",
-            version=str(r.step),
+            version=str(r.progress.step),
             parents=parents,
             config=r.config.model_dump(mode="json"),
-            metadata={"step": r.step, "total_steps": getattr(r, "total_steps", None)},
+            metadata={"step": r.progress.step, "total_steps": getattr(r, "total_steps", None)},
         )
     except Conflict:
-        log.warning("%s:%d was already published; keeping that version", name, r.step)
-    versions = sorted(int(v) for v in r.store.versions(name) if v.isdigit())
+        log.warning("%s:%d was already published; keeping that version", name, r.progress.step)
+    versions = sorted(int(v) for v in r.prep.store.versions(name) if v.isdigit())
     keep = kept_best(r)
     for v in versions[: -r.config.keep_checkpoints]:
         if v != keep:
-            r.store.delete(name, str(v))
+            r.prep.store.delete(name, str(v))
 
 
 def kept_best(r: Recipe) -> int | None:
     """The checkpoint that keep_checkpoints never deletes: the best evaluation's."""
-    return standing(r.val_losses).best_step if r.config.select == "best_val_loss" else None
+    return standing(r.progress.val_losses).best_step if r.config.select == "best_val_loss" else None
 
 
 def select_adapter(r: Recipe) -> dict[str, Any]:
-    """The step `select` picks (trainer.selection), its checkpoint here (publish_adapter
+    """The step `select` picks (trainer.loop.selection), its checkpoint here (publish_adapter
     publishes that checkpoint's adapter: under FSDP the model holds shards)."""
-    step, why = selected_step(r.val_losses, r.config.select, r.step)
+    step, why = selected_step(r.progress.val_losses, r.config.select, r.progress.step)
     folder = checkpoint.step_dir(r.ckpt_root, step)
     if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
         name = f"{r.config.output}/checkpoints"
-        r.store.get(r.store.manifest(name, str(step)), folder)
+        r.prep.store.get(r.prep.store.manifest(name, str(step)), folder)
     r.say(f"publishing the adapter of step {step}: {why}")
     return {"step": step, "why": why}
 
@@ -111,19 +111,23 @@ def already_finished(r: Recipe) -> TrainResult | None:
     """A --resume of a run that had finished and published: nothing was trained, so the
     published adapter and the run's completion record stay as they are (no new version
     with this no-op session's wall time, memory and an empty final loss)."""
-    if r.mode != "train" or r.resumed_at is None or r.step != r.resumed_at:
+    if (
+        r.mode != "train"
+        or r.progress.resumed_at is None
+        or r.progress.step != r.progress.resumed_at
+    ):
         return None
     path = r.run_dir / "training-complete.json"
     try:
         completion = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if completion.get("steps") != r.step or not completion.get("adapter_digest"):
+    if completion.get("steps") != r.progress.step or not completion.get("adapter_digest"):
         return None
-    m = r.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
+    m = r.prep.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
     if m is None:
         return None
-    r.say(f"the run had already finished at step {r.step}; keeping {m.ref}")
+    r.say(f"the run had already finished at step {r.progress.step}; keeping {m.ref}")
     result = train_result(r, completion)
     result.adapter = m
     return result
@@ -138,14 +142,14 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     )
     adapter_cfg = folder / "adapter_config.json"
     data = json.loads(adapter_cfg.read_text())
-    data["base_model_name_or_path"] = r.base.ref  # a store ref, never a hub id or a local path
+    data["base_model_name_or_path"] = r.prep.base.ref  # a store ref, never a hub id or a local path
     adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    r.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
+    r.prep.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
     chat_format = chat_format_record(
         (folder / TEMPLATE_FILE).read_text("utf-8"),
         cfg.chat_template,
         TEMPLATE_FILE,
-        trained_on_tools=any(item.conv.has_tools for item in r.splits.train),
+        trained_on_tools=any(item.conv.has_tools for item in r.prep.splits.train),
     )
     shutil.copytree(r.metrics_dir, folder / "metrics")
     shutil.copy(plot, folder / "loss.png")
@@ -154,16 +158,16 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
     completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
     write_json(folder / "training-complete.json", completion)
     assert r.data_manifest is not None and r.test_manifest is not None
-    m = r.store.publish(
+    m = r.prep.store.publish(
         folder,
         kind="adapter",
         name=f"{cfg.output}/adapter",
         service="trainer",
-        parents=[r.base.as_parent("base"), r.data_manifest.as_parent("dataset")],
+        parents=[r.prep.base.as_parent("base"), r.data_manifest.as_parent("dataset")],
         config=cfg.model_dump(mode="json"),
         metadata={
             "test_split": {"ref": r.test_manifest.ref, "digest": r.test_manifest.digest},
-            "steps": r.step,
+            "steps": r.progress.step,
             "selected_step": completion["selected"]["step"],
             "selected_because": completion["selected"]["why"],
             "final_val_loss": completion["final_val_loss"],
@@ -178,7 +182,7 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
 
 
 def check_budget(r: Recipe, resume_from: Path | None) -> str:
-    """The preflight of a capped run (trainer.budget): its line, or PreflightRefused. A
+    """The preflight of a capped run (trainer.publish.budget): its line, or PreflightRefused. A
     resumed run counts the steps and hours of its checkpoint (trainer-state.json)."""
     state: dict[str, Any] = {}
     if resume_from is not None:
@@ -210,9 +214,9 @@ def cap_reached(r: Recipe, over: list[str]) -> CostCapReached:
         r.meter.caps,
         r.meter,
         over,
-        step=r.step,
+        step=r.progress.step,
         total_steps=r.total_steps,
-        checkpoint_ref=f"{r.config.output}/checkpoints:{r.step}",
+        checkpoint_ref=f"{r.config.output}/checkpoints:{r.progress.step}",
         command=r.command,
         setup_hours=r.config.setup_hours,
     )
@@ -222,7 +226,8 @@ def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
     """The support memo into the store beside the run (`OUTPUT/support`, a report), so it
     outlives the host. A store that cannot take it (it may be the failure) is logged and
     never hides the original error; a failure before the store opened keeps the local file."""
-    store = getattr(r, "store", None)
+    prep = getattr(r, "prep", None)  # None: the run failed before its store opened
+    store = prep.store if prep is not None else None
     if store is None or not r.settings.is_main:
         return None
     folder = bundle.parent / "support"
@@ -234,7 +239,7 @@ def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
             kind="report",
             name=f"{r.config.output}/support",
             service="trainer",
-            metadata={"step": r.step, "mode": r.mode},
+            metadata={"step": r.progress.step, "mode": r.mode},
         )
     except Exception as e:  # the run's own error is the one to raise
         log.warning("the support bundle stays local (%s): the store refused it: %s", bundle, e)

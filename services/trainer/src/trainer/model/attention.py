@@ -1,11 +1,11 @@
 """How a decoder layer attends over packed rows: each sample on its own, at the cost of
 its own length.
 
-Packed rows (trainer.packing) hold several samples; with transformers' SDPA path a row
+Packed rows (trainer.data.packing) hold several samples; with transformers' SDPA path a row
 attends through a dense block-diagonal causal mask, so every row costs a full
 max_seq_len x max_seq_len attention whatever its samples' lengths. On CUDA the run
 loads its model with VARLEN instead: the rows are one variable-length batch of samples
-(`cu_seq_lens`, the samples' offsets, which trainer.packing collates) for
+(`cu_seq_lens`, the samples' offsets, which trainer.data.packing collates) for
 FlashAttention's variable-length kernel, which computes only within each sample. On
 the long-tailed chat mix (bench/trainer/chat_mix.py) that is a third of the dense
 work: an attention forward and backward of 4 rows x 2,048 tokens at the 8B widths took

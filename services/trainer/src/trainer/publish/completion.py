@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lorastack.manifest import Manifest
-from trainer.compiling import compile_report
-from trainer.hooks import HookOutcome
-from trainer.memory import against_measured, human
+from trainer.data.preflight import PreflightReport
 from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
-from trainer.preflight import PreflightReport
+from trainer.model.compiling import compile_report
+from trainer.model.memory import against_measured, human
+from trainer.publish.hooks import HookOutcome
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -46,18 +46,18 @@ def train_result(r: Recipe, completion: dict[str, Any]) -> TrainResult:
     return TrainResult(
         r.mode,
         r.run_dir,
-        r.step,
-        dict(r.losses),
-        dict(r.val_losses),
+        r.progress.step,
+        dict(r.progress.losses),
+        dict(r.progress.val_losses),
         data=r.data_manifest,
         test=r.test_manifest,
         completion=completion,
-        preflight=r.report,
+        preflight=r.prep.report,
     )
 
 
 def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
-    """The parts of trainer.memory.PARTS as measured. `r.memory_marks` holds bytes held
+    """The parts of trainer.model.memory.PARTS as measured. `r.memory_marks` holds bytes held
     (torch's allocations on a GPU, RSS on the CPU) before the model loads (`start`), after
     it loads (`loaded`) and after the first optimizer step freed its gradients
     (`resting`). On a GPU each part is a difference of those. On the CPU the weights and
@@ -77,9 +77,9 @@ def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
             "step": step,
             "total": total,
         }
-    held = sum(t.nbytes for t in (*r.peft.parameters(), *r.peft.buffers()))
+    held = sum(t.nbytes for t in (*r.parts.peft.parameters(), *r.parts.peft.buffers()))
     state = sum(
-        v.nbytes for s in r.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        v.nbytes for s in r.parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     return {
         "weights_and_adapter": held,
@@ -89,11 +89,11 @@ def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
     }
 
 
-def record(r: Recipe) -> dict[str, Any]:
+def record_completion(r: Recipe) -> dict[str, Any]:
     """The record of the run as it ends (all sessions of a resumed run); says the memory
     estimate against the measured peak."""
     cfg = r.config
-    wall = r.wall_before + r.meter.seconds()
+    wall = r.progress.wall_before + r.meter.seconds()
     billed_h = wall / 3600 * r.settings.world_size
     peak = peak_bytes(r.device)
     measured = memory_now(r.device)
@@ -101,26 +101,28 @@ def record(r: Recipe) -> dict[str, Any]:
     completion = {
         "mode": r.mode,
         "wall_s": round(wall, 3),
-        "steps": r.step,
-        "tokens": r.tokens_seen,
-        "supervised_tokens": r.supervised_seen,
+        "steps": r.progress.step,
+        "tokens": r.progress.tokens_seen,
+        "supervised_tokens": r.progress.supervised_seen,
         # over the whole wall time, set-up included: what the bill pays for
-        "tokens_per_s": round(r.tokens_seen / wall, 1) if wall > 0 else None,
-        "supervised_tokens_per_s": round(r.supervised_seen / wall, 1) if wall > 0 else None,
+        "tokens_per_s": round(r.progress.tokens_seen / wall, 1) if wall > 0 else None,
+        "supervised_tokens_per_s": round(r.progress.supervised_seen / wall, 1)
+        if wall > 0
+        else None,
         "peak_memory": peak,
         "peak_reserved": measured.get("peak_reserved"),
         "memory_estimate": r.memory_estimate.get("total", 0),
         "memory_parts": parts,
-        "final_val_loss": r.val_losses.get(r.step),
-        "best_val_loss": min(r.val_losses.values()) if r.val_losses else None,
-        "final_train_loss": r.losses.get(r.step),
-        "trainable_params": r.trainable,
+        "final_val_loss": r.progress.val_losses.get(r.progress.step),
+        "best_val_loss": min(r.progress.val_losses.values()) if r.progress.val_losses else None,
+        "final_train_loss": r.progress.losses.get(r.progress.step),
+        "trainable_params": r.parts.trainable,
         "billed_hours": billed_h,
         "price_per_gpu_hour": cfg.price_per_gpu_hour,
         "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
         "device": device_facts(r.device),
         "nvml": nvml_reading(r.device) or None,  # the nvidia-smi reading at the end
-        "compile": compile_report() if r.compiler.active else None,
+        "compile": compile_report() if r.parts.compiler.active else None,
     }
     r.say(
         f"memory: estimated {human(r.memory_estimate.get('total', 0))}, measured peak "

@@ -17,10 +17,12 @@ import torch
 from trainer.config import RunConfig, with_overrides
 from trainer.errors import TrainingOOM
 from trainer.metrics import OOM_HINT
-from trainer.modeling import load_model, loss_sum
+from trainer.model.modeling import load_model, loss_sum
 
 if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+    from pathlib import Path
+
+    from trainer.settings import TrainerSettings
 
 
 def choose(effective: int, fits: Callable[[int], bool], seq: int) -> tuple[int, int]:
@@ -54,28 +56,37 @@ def probe(model: Any, seq: int, token: int, device: torch.device) -> Callable[[i
     return fits
 
 
-def fit(r: Recipe) -> RunConfig:
-    """The run's config with the micro-batch the GPU fits (CUDA only; else unchanged)."""
-    cfg = r.config
+def fit_micro_batch(
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    base_dir: Path,
+    model_config: dict[str, Any],
+    device: torch.device,
+    *,
+    eot: int,
+    seq: int,
+    say: Callable[[str], None],
+) -> RunConfig:
+    """The run's config with the micro-batch the GPU fits (CUDA only; else unchanged):
+    probed with rows of `seq` tokens (the widest micro-batch's) of the token `eot`."""
     effective = cfg.micro_batch * cfg.grad_accum
     keeping = f"keeping micro_batch={cfg.micro_batch}, grad_accum={cfg.grad_accum}"
-    if r.device.type != "cuda":
-        r.say(f"auto-batch: probing needs a CUDA device; {keeping}")
+    if device.type != "cuda":
+        say(f"auto-batch: probing needs a CUDA device; {keeping}")
         return cfg
-    if cfg.distributed == "fsdp" and r.settings.world_size > 1:
-        r.say(f"auto-batch: the probe loads the whole model on one GPU, not under FSDP; {keeping}")
+    if cfg.distributed == "fsdp" and settings.world_size > 1:
+        say(f"auto-batch: the probe loads the whole model on one GPU, not under FSDP; {keeping}")
         return cfg
     # gradient_checkpointing auto probes with every layer recomputed (the least memory);
     # the plan then recomputes as few as the chosen micro-batch allows
-    every = int(r.model_config["num_hidden_layers"])
+    every = int(model_config["num_hidden_layers"])
     model = load_model(
-        r.base_dir, cfg, r.device, checkpointed=every if cfg.gradient_checkpointing else 0
+        base_dir, cfg, device, checkpointed=every if cfg.gradient_checkpointing else 0
     )
-    seq = r.widest()
     try:
-        best, accum = choose(effective, probe(model, seq, r.eot, r.device), seq)
+        best, accum = choose(effective, probe(model, seq, eot, device), seq)
     finally:
         del model
         torch.cuda.empty_cache()
-    r.say(f"auto-batch: micro_batch={best}, grad_accum={accum} (effective {effective})")
+    say(f"auto-batch: micro_batch={best}, grad_accum={accum} (effective {effective})")
     return with_overrides(cfg, [f"micro_batch={best}", f"grad_accum={accum}"])

@@ -16,13 +16,13 @@ from typing import Any
 from lorastack.errors import NotFound
 from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore, open_store
-from trainer.chat_templates import apply_choice
 from trainer.config import RunConfig
-from trainer.modeling import check_target_modules, read_model_config
-from trainer.preflight import PreflightReport, check_dataset, check_disk
-from trainer.samples import Sample
+from trainer.data.chat_templates import apply_choice
+from trainer.data.preflight import PreflightReport, check_dataset, check_disk
+from trainer.data.samples import Sample
+from trainer.data.splits import Splits, folder_digest, make_splits, source_file, write_folders
+from trainer.model.modeling import check_target_modules, read_model_config
 from trainer.settings import TrainerSettings
-from trainer.splits import Splits, folder_digest, make_splits, source_file, write_folders
 
 
 @dataclass
@@ -104,7 +104,7 @@ def check(
     """The dataset check alone (what `lorastack data check` prints): every line of the
     source file in one pass (`scan.scan_file`), then the disk budget. Unlike `prepare`,
     nothing is split into folders and the file is never held in memory."""
-    from trainer.scan import quiet_transformers, scan_file
+    from trainer.data.file_check import quiet_transformers, scan_file
 
     store = open_store(settings)
     base = _resolve_base(store, config)

@@ -1,5 +1,5 @@
 """Several processes under torchrun: DistributedDataParallel (or FSDP2, `distributed: fsdp`,
-trainer.sharding) around the loss, gradient sync on a step's last micro-batch only, each
+trainer.model.sharding) around the loss, gradient sync on a step's last micro-batch only, each
 process's share of a step's micro-batches, the few values the processes agree on, and the
 process group's end.
 
@@ -21,7 +21,9 @@ from trainer.config import RunConfig
 T = TypeVar("T")
 
 
-def wrap(module: Any, cfg: RunConfig, world: int, device: torch.device, mode: str) -> Any:
+def wrap_for_processes(
+    module: Any, cfg: RunConfig, world: int, device: torch.device, mode: str
+) -> Any:
     """`module` (the loss module) in DistributedDataParallel, or sharded (distributed: fsdp)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -38,7 +40,7 @@ def wrap(module: Any, cfg: RunConfig, world: int, device: torch.device, mode: st
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.distributed == "fsdp":
-        from trainer.sharding import shard
+        from trainer.model.sharding import shard
 
         return shard(module, module.model, device, mode)
     ids = [device.index] if device.type == "cuda" else None

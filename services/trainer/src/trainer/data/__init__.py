@@ -1,0 +1,1 @@
+"""The data a run trains on: reading and checking dataset files, splits, samples through the chat template, encoding, masking, packing and batch order."""

@@ -1,0 +1,100 @@
+"""One optimizer step's batches and gradients: the step's micro-batches from the plan
+(refused when no token is supervised), this process's share of the step's micro-batches
+(trainer.model.distributed.my_share), each collated, its loss scaled to the step's supervised
+tokens (all processes) and run backward, with the gradient sync (DDP's, FSDP's) only on
+the last one;
+the step's loss, summed over processes. Clipping and the optimizer step stay in
+trainer.recipe.Recipe.train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from trainer.config import RunConfig
+from trainer.data.batching import Plan, collate_micro_batch, supervised_count
+from trainer.data.samples import Sample
+from trainer.errors import SmokeFailed
+from trainer.model.compiling import mark_dynamic_samples, mark_dynamic_width
+from trainer.model.cross_entropy import loss_positions
+from trainer.model.distributed import my_share, sum_over_ranks, syncing
+from trainer.settings import TrainerSettings
+from trainer.state import Components
+
+
+def step_batches(
+    plan: Plan, samples: list[Sample], step: int
+) -> tuple[list[list[list[Sample]]], int, int]:
+    """The micro-batches of the step after `step` (all processes), its supervised tokens and
+    its input tokens; refuses a step with nothing to learn."""
+    batches = [[[samples[i] for i in row] for row in mb] for mb in plan.step(step)]
+    flat = [s for mb in batches for row in mb for s in row]
+    n_sup = supervised_count(flat)  # the whole step, all ranks
+    if n_sup == 0:
+        raise SmokeFailed(
+            f"step {step + 1} has no supervised token: every label is masked",
+            "check the masking (lorastack data inspect) and loss_on",
+        )
+    return batches, n_sup, sum(s.length for s in flat)
+
+
+def accumulate(
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    parts: Components,
+    device: torch.device,
+    pad: int,
+    loss_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    batches: list[list[list[Sample]]],
+    n_sup: int,
+) -> torch.Tensor:
+    """Backward over this process's micro-batches of the step (`loss_of` a batch: the sum
+    over its supervised tokens); the step's loss per supervised token (all processes), on
+    the device: nothing here waits for the GPU, so the host collates and copies the next
+    micro-batch while the last one computes."""
+    world = settings.world_size
+    compiled = parts.compiler.active
+    pack_to = cfg.max_seq_len if cfg.packing else None
+    fixed_rows = cfg.micro_batch if compiled else 0  # few shapes for the compiler
+    mine = my_share(batches, settings.rank, world)
+    step_loss = torch.zeros((), device=device)
+    for j, (b, weight) in enumerate(mine):
+        tensors = collate_micro_batch(b, pad, pack_to, fixed_rows)
+        tensors["loss_positions"] = loss_positions(tensors["labels"])
+        batch = {k: to_device(v, device) for k, v in tensors.items()}
+        if compiled:
+            (mark_dynamic_width if pack_to is None else mark_dynamic_samples)(batch)
+        with syncing(parts.train_loss, j == len(mine) - 1):
+            # DDP averages gradients over processes: * world gives their sum
+            loss = loss_of(batch) / n_sup * world
+            if weight != 1.0:
+                loss = loss * weight
+            loss.backward()
+        step_loss += loss.detach() / world
+    if world > 1:
+        return torch.tensor(sum_over_ranks(step_loss.item(), device))
+    return step_loss
+
+
+def optimizer_step(parts: Components, max_grad_norm: float) -> tuple[torch.Tensor, float]:
+    """Clip the gradients, step the optimizer and the schedule, clear the gradients;
+    the gradient norm before clipping (on the device: reading it waits for the GPU) and
+    the learning rate the step used."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in parts.peft.parameters() if p.requires_grad], max_grad_norm
+    )
+    lr = float(parts.scheduler.get_last_lr()[0])
+    parts.optimizer.step()
+    parts.scheduler.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; from pinned memory to a GPU, so that the copy does not wait for
+    the kernels queued before it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

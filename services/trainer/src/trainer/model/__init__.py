@@ -1,0 +1,1 @@
+"""The model a run trains: loading with LoRA, the fused LoRA layer, attention over packed rows, the loss, compiling, memory estimates and several processes (DDP, FSDP)."""
