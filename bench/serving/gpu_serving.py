@@ -325,8 +325,29 @@ def functional(adapter_name: str) -> dict[str, Any]:
 # --- load ------------------------------------------------------------------------------
 
 
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of one process so far (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def loadtest(
-    url: str, level: int, seed: int, work: Path, env: dict[str, str], requests: int
+    url: str,
+    level: int,
+    seed: int,
+    work: Path,
+    env: dict[str, str],
+    requests: int,
+    gateway_pid: int | None = None,
 ) -> dict[str, Any]:
     out = work / f"lt-{url.rsplit(':', 1)[1]}-{level}-{seed}"
     cmd = [
@@ -336,11 +357,20 @@ def loadtest(
         "--metrics-url", f"http://127.0.0.1:{VLLM}/metrics", "--out", str(out),
     ]  # fmt: skip
     t0 = time.monotonic()
+    client0 = _children_cpu()
+    gateway0 = _cpu_s(gateway_pid)
     run(cmd, env, work / f"{out.name}.log")
+    wall = time.monotonic() - t0
+    cpu = {"client": _children_cpu() - client0}
+    if gateway_pid is not None:
+        cpu["gateway"] = _cpu_s(gateway_pid) - gateway0
     lv = json.loads((out / "report.json").read_text())["levels"][0]
     server = lv.get("server") or {}
     return {
-        "wall_s": round(time.monotonic() - t0, 1),
+        "wall_s": round(wall, 1),
+        # CPU seconds per wall second of the whole loadtest (warm-up included): a process
+        # at ~1.0 is one saturated core, the relay's ceiling in one event loop
+        "cpu_per_wall": {k: round(v / wall, 3) for k, v in cpu.items()},
         "requests": lv["requests"], "completed": lv["completed"], "errors": lv["errors"],
         "error_examples": lv["error_examples"][:3],
         "ttft_ms": lv["ttft_ms"], "tpot_ms": lv["tpot_ms"], "itl_ms": lv["itl_ms"],
@@ -534,12 +564,18 @@ def main() -> int:
                                 and i == 0
                                 and shutil.which("py-spy")
                             ):
+                                # --nonblocking: sampling without pausing the relay
                                 profile = subprocess.Popen(
                                     ["py-spy", "record", "--pid", str(gateway.pid), "--duration", "5",
-                                     "--format", "raw", "--output", str(args.out.parent / "gateway-py-spy-64.txt")],
-                                    stdout=subprocess.DEVNULL, stderr=(work / "py-spy.log").open("wb"),
+                                     "--rate", "250", "--nonblocking", "--format", "raw",
+                                     "--output", str(args.out.parent / "gateway-py-spy-64.txt")],
+                                    stdout=subprocess.DEVNULL,
+                                    stderr=(args.out.parent / "py-spy.log").open("wb"),
                                 )  # fmt: skip
-                            arms[arm] = loadtest(url, level, seed, work, env, REQUESTS[level])
+                            gw_pid = gateway.pid if arm == "gateway" else None
+                            arms[arm] = loadtest(
+                                url, level, seed, work, env, REQUESTS[level], gw_pid
+                            )
                             if profile is not None:
                                 profile.wait(30)
                             tok_s = arms[arm]["output_tokens_per_s"]
