@@ -31,9 +31,10 @@ async def main() -> None:
         async_request_openai_chat_completions,
     )
 
+    from evaluation.loadtest_clients import send_streaming
     from evaluation.loadtest_config import LoadtestConfig
     from evaluation.loadtest_prompts import load_tokenizer, synthetic_prompts
-    from evaluation.loadtest_run import build_payload, send_streaming
+    from evaluation.loadtest_run import build_payload
 
     port, model_dir, pairs, out = (
         int(sys.argv[1]),

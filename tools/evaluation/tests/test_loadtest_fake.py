@@ -154,3 +154,32 @@ def test_cli_bad_levels_name_what_to_give(
         capsys.readouterr().err
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_levels_spread_over_client_processes(fake: FakeServer) -> None:
+    """Two client processes send each level from one start: 3 streams as 2 + 1, the rate
+    level's arrivals alternating; every request once, the figures those of one process."""
+    cfg = _cfg(fake, concurrency=[3], rates=[20.0], requests=6, processes=2)
+    result = run_loadtest(cfg, log=lambda s: None)
+    c3, rate = result.levels
+    for r, records in zip(result.levels, result.records, strict=True):
+        assert r.completed == 6 and r.errors == 0 and r.output_tokens == 6 * OUT
+        assert near(r.ttft_ms.p50, TTFT * 1000, 0.25), r.ttft_ms
+        assert near(r.tpot_ms.p50, ITL * 1000, 0.25), r.tpot_ms
+        assert [rec.index for rec in records] == list(range(6))
+        assert r.client_busy is not None and r.client_busy >= 0
+    assert c3.server is not None and c3.server.peak_kv_cache_usage == pytest.approx(0.3)
+    assert near(c3.output_tokens_per_s, 3 * OUT / E2E, 0.3)  # 3 in flight, never more
+    assert rate.level.label == "20 req/s"
+
+
+def test_a_busy_client_is_named_in_the_notes(fake: FakeServer) -> None:
+    from evaluation.loadtest_run import CLIENT_BUSY, _notes
+    from evaluation.loadtest_stats import Level, summarise_level
+
+    cfg = _cfg(fake, concurrency=[64], processes=2)
+    level = summarise_level(Level(kind="concurrency", value=64), [], 1.0, client_busy=0.97)
+    (note,) = [n for n in _notes(cfg, [level]) if "load generator" in n]
+    assert "busy 97% of a core at level c=64" in note and "--processes 4" in note
+    calm = summarise_level(Level(kind="concurrency", value=1), [], 1.0, client_busy=CLIENT_BUSY / 2)
+    assert not [n for n in _notes(cfg, [calm]) if "load generator" in n]

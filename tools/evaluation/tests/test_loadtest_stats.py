@@ -71,3 +71,28 @@ def test_prometheus_parsing_and_peaks() -> None:
     assert peaks.preemptions == 3.0
     assert summarise_samples([old_style]).peak_kv_cache_usage == 0.9
     assert summarise_samples([]).preemptions is None
+
+
+def test_split_level_cuts_streams_requests_and_arrivals() -> None:
+    from evaluation.loadtest_clients import split_level
+
+    payloads = [{"i": i} for i in range(10)]
+    shares = split_level(Level(kind="concurrency", value=5), payloads, 2)
+    assert [s.in_flight for s in shares] == [3, 2]  # 5 streams as 3 + 2
+    assert [s.indices for s in shares] == [list(range(6)), list(range(6, 10))]  # 10 as 6 + 4
+    assert [p["i"] for s in shares for p in s.payloads] == list(range(10))
+    assert all(s.arrivals is None for s in shares)
+    # more processes than streams: one stream each; fewer requests than streams: no empty share
+    assert [s.in_flight for s in split_level(Level(kind="concurrency", value=2), payloads, 8)] == [
+        1,
+        1,
+    ]
+    few = split_level(Level(kind="concurrency", value=4), payloads[:2], 4)
+    assert [s.indices for s in few] == [[0], [1]]
+    # rate: request i to share i mod p at its own arrival time; the cap split like streams
+    at = [0.1 * i for i in range(10)]
+    rate = split_level(Level(kind="rate", value=10), payloads, 3, arrivals=at, max_concurrency=4)
+    assert [s.indices for s in rate] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert rate[1].arrivals == [at[1], at[4], at[7]] and [s.in_flight for s in rate] == [2, 1, 1]
+    uncapped = split_level(Level(kind="rate", value=10), payloads, 2, arrivals=at)
+    assert [s.in_flight for s in uncapped] == [10, 10]

@@ -33,6 +33,7 @@ class LoadtestConfig(BaseModel):
     temperature: float = Field(0.0, ge=0)
     timeout_s: float = Field(600.0, gt=0)  # seconds per request
     seed: int = 0
+    processes: int = Field(1, ge=1, le=64)  # client processes sharing each level
 
     @model_validator(mode="after")
     def _levels(self) -> LoadtestConfig:

@@ -5,12 +5,15 @@ level (concurrency levels first, then rates) start the /metrics sampler, run the
 stop the sampler and summarise. A concurrency level keeps at most c requests in flight
 (each worker sends its next request when the last one ends); a rate level sends requests
 at seeded Poisson arrival times whatever is in flight (optionally capped). Every loop is
-bounded by the number of requests and `max_duration_s`.
+bounded by the number of requests and `max_duration_s`. With `processes` > 1 each level is
+cut into shares that client processes send from one start (`loadtest_clients`); a note
+says when the busiest sender used most of a core (then the client was the limit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -19,7 +22,13 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, Field
 
-from evaluation.endpoint import EndpointError, api_root, error_text, make_client
+from evaluation.endpoint import EndpointError, api_root, make_client
+from evaluation.loadtest_clients import (
+    ClientProcesses,
+    send_share,
+    send_streaming,
+    split_level,
+)
 from evaluation.loadtest_config import LoadtestConfig
 from evaluation.loadtest_prompts import (
     Prompt,
@@ -36,7 +45,11 @@ from evaluation.loadtest_stats import (
     summarise_level,
 )
 from evaluation.prom import MetricsSampler, ServerPeaks
-from lorastack.sse import BadEvent, EventReader, chunk_text
+
+# CPU seconds per second of a level, busiest sender: above it, the load generator is a
+# suspect (an H200 arm at 100-110% of a core varied 35% between runs; at 5-25% the gateway
+# relaying the same streams kept up, bench/serving/README.md)
+CLIENT_BUSY = 0.8
 
 
 class LoadtestResult(BaseModel):
@@ -68,124 +81,41 @@ def build_payload(config: LoadtestConfig, prompt: Prompt) -> dict[str, Any]:
     return payload
 
 
-async def send_streaming(
-    client: httpx.AsyncClient,
-    url: str,
-    payload: dict[str, Any],
-    *,
-    index: int,
-    level_start: float,
-    chat: bool,
-    tokenizer: Tokenizer | None,
-) -> RequestRecord:
-    """One streamed request; the time of each content chunk is taken as its bytes arrive."""
-    sent = time.perf_counter()
-    rec = RequestRecord(index=index, sent_s=sent - level_start)
-    text_parts: list[str] = []
-    usage_tokens: int | None = None
-    try:
-        # identity encoding: raw bytes are the SSE text, read without httpx's line decoder
-        # (it added ~10 ms per first chunk at 4 streams on a busy 2-core machine)
-        async with client.stream(
-            "POST", url, json=payload, headers={"Accept-Encoding": "identity"}
-        ) as response:
-            if response.status_code != 200:
-                await response.aread()
-                rec.error = f"HTTP {response.status_code}: {error_text(response)}"[:300]
-                return rec
-            reader = EventReader()
-            async for raw in response.aiter_raw():
-                now = time.perf_counter()  # all events of one read arrived now
-                try:
-                    events = reader.feed(raw)
-                except BadEvent as e:
-                    rec.error = str(e)
-                    return rec
-                for data in events:
-                    if "error" in data and not data.get("choices"):
-                        err = data["error"]
-                        rec.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
-                        return rec
-                    if piece := chunk_text(data, chat=chat):
-                        rec.chunk_times_s.append(now - sent)
-                        text_parts.append(piece)
-                    if usage := data.get("usage"):
-                        usage_tokens = usage.get("completion_tokens")
-                        rec.prompt_tokens = usage.get("prompt_tokens")
-                # after [DONE], read on to the end of the body: the connection stays reusable
-    except httpx.HTTPError as e:
-        rec.error = f"{type(e).__name__}: {e}"[:300]
-        return rec
-    if not rec.chunk_times_s:
-        rec.error = "the stream ended without any content"
-        return rec
-    rec.ttft_s = rec.chunk_times_s[0]
-    rec.e2e_s = rec.chunk_times_s[-1]
-    if usage_tokens:
-        rec.output_tokens, rec.token_source = int(usage_tokens), "usage"
-    elif tokenizer is not None:
-        ids = tokenizer.encode("".join(text_parts), add_special_tokens=False)
-        rec.output_tokens, rec.token_source = len(ids), "tokenizer"
-    else:
-        rec.output_tokens, rec.token_source = len(rec.chunk_times_s), "chunks"
-    return rec
-
-
 async def _run_level(
     client: httpx.AsyncClient,
+    procs: ClientProcesses | None,
     url: str,
     config: LoadtestConfig,
     level: Level,
     prompts: list[Prompt],
     tokenizer: Tokenizer | None,
     level_index: int,
-) -> tuple[list[RequestRecord], float]:
-    chat = config.endpoint == "chat"
-    n = config.requests
-    start = time.perf_counter()
-    deadline = start + config.max_duration_s
-    records: list[RequestRecord] = []
-
-    async def one(i: int) -> None:
-        payload = build_payload(config, prompts[i % len(prompts)])
-        records.append(
-            await send_streaming(
-                client, url, payload, index=i, level_start=start, chat=chat, tokenizer=tokenizer
-            )
-        )
-
-    if level.kind == "concurrency":
-        queue = iter(range(n))
-
-        async def worker() -> None:
-            for i in queue:  # shared iterator: each index is taken once
-                if time.perf_counter() > deadline:
-                    return
-                await one(i)
-
-        await asyncio.gather(*(worker() for _ in range(int(level.value))))
-    else:
+) -> tuple[list[RequestRecord], float, float]:
+    """(records in index order, duration, the busiest sender's CPU seconds per second of the
+    level): sent from here with `client`, or by `procs`, one share each."""
+    payloads = [build_payload(config, prompts[i % len(prompts)]) for i in range(config.requests)]
+    arrivals = None
+    if level.kind == "rate":
         rng = np.random.default_rng(config.seed + 1000 * level_index)
-        arrivals = np.cumsum(rng.exponential(1.0 / level.value, size=n))  # seconds
-        arrivals -= arrivals[0]  # the first request goes at once
-        gate = asyncio.Semaphore(config.max_concurrency or n)
-        tasks = []
-
-        async def gated(i: int) -> None:
-            async with gate:
-                await one(i)
-
-        for i, at in enumerate(arrivals):
-            delay = start + float(at) - time.perf_counter()
-            if start + float(at) > deadline:
-                break
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(gated(i)))
-        await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
-    records.sort(key=lambda r: r.index)
-    return records, duration
+        at = np.cumsum(rng.exponential(1.0 / level.value, size=config.requests))  # seconds
+        arrivals = [float(x) for x in at - at[0]]  # the first request goes at once
+    shares = split_level(
+        level, payloads, procs.size if procs else 1, arrivals=arrivals,
+        max_concurrency=config.max_concurrency,
+    )  # fmt: skip
+    if procs is not None:  # a thread waits for them: this loop samples /metrics meanwhile
+        start, done = await asyncio.to_thread(procs.run, shares, config.max_duration_s)
+    else:
+        start = time.perf_counter()
+        done = [
+            await send_share(
+                client, url, shares[0], start=start, deadline=start + config.max_duration_s,
+                chat=config.endpoint == "chat", tokenizer=tokenizer,
+            )
+        ]  # fmt: skip
+    duration = max(d.end for d in done) - start
+    records = sorted((r for d in done for r in d.records), key=lambda r: r.index)
+    return records, duration, max(d.cpu_s for d in done) / max(duration, 1e-9)
 
 
 def make_prompts(
@@ -209,38 +139,10 @@ async def run_loadtest_async(config: LoadtestConfig, *, log: Any = print) -> Loa
     biggest = max([*config.concurrency, config.max_concurrency or 0, config.requests])
     results: list[LevelResult] = []
     all_records: list[list[RequestRecord]] = []
-    async with make_client(key, config.timeout_s, max_connections=biggest + 2) as client:
-        if config.warmup:
-            warm = make_prompts(config, tokenizer, level_index=10_000)
-            for i in range(config.warmup):
-                rec = await send_streaming(
-                    client, url, build_payload(config, warm[i % len(warm)]), index=i,
-                    level_start=time.perf_counter(), chat=config.endpoint == "chat", tokenizer=tokenizer,
-                )  # fmt: skip
-                if rec.error:
-                    raise EndpointError(
-                        f"the warm-up request to {url} failed: {rec.error}",
-                        "check --base-url, --model and the API key",
-                    )
-        for li, level in enumerate(levels):
-            prompts = make_prompts(config, tokenizer, li)
-            sampler = None
-            if config.metrics_url:
-                sampler = MetricsSampler(config.metrics_url, client, config.metrics_interval_s)
-                await sampler.start()
-            log(f"level {level.label}: {config.requests} requests ...")
-            records, duration = await _run_level(client, url, config, level, prompts, tokenizer, li)
-            peaks: ServerPeaks | None = await sampler.stop() if sampler else None
-            result = summarise_level(
-                level, records, duration,
-                slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms, server=peaks,
-            )  # fmt: skip
-            results.append(result)
-            all_records.append(records)
-            log(
-                f"  {result.completed}/{result.requests} ok in {duration:.1f} s, "
-                f"{result.output_tokens_per_s:.1f} output tok/s"
-            )
+    procs = ClientProcesses(config.processes, config, url) if config.processes > 1 else None
+    with procs or contextlib.nullcontext():
+        async with make_client(key, config.timeout_s, max_connections=biggest + 2) as client:
+            await _levels(client, procs, url, config, levels, tokenizer, results, all_records, log)
     return LoadtestResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         endpoint=url,
@@ -249,6 +151,53 @@ async def run_loadtest_async(config: LoadtestConfig, *, log: Any = print) -> Loa
         notes=_notes(config, results),
         records=all_records,
     )
+
+
+async def _levels(
+    client: httpx.AsyncClient,
+    procs: ClientProcesses | None,
+    url: str,
+    config: LoadtestConfig,
+    levels: list[Level],
+    tokenizer: Tokenizer | None,
+    results: list[LevelResult],
+    all_records: list[list[RequestRecord]],
+    log: Any,
+) -> None:
+    """The warm-up, then each level with its /metrics sampler; appends to the lists."""
+    if config.warmup:
+        warm = make_prompts(config, tokenizer, level_index=10_000)
+        for i in range(config.warmup):
+            rec = await send_streaming(
+                client, url, build_payload(config, warm[i % len(warm)]), index=i,
+                level_start=time.perf_counter(), chat=config.endpoint == "chat", tokenizer=tokenizer,
+            )  # fmt: skip
+            if rec.error:
+                raise EndpointError(
+                    f"the warm-up request to {url} failed: {rec.error}",
+                    "check --base-url, --model and the API key",
+                )
+    for li, level in enumerate(levels):
+        prompts = make_prompts(config, tokenizer, li)
+        sampler = None
+        if config.metrics_url:
+            sampler = MetricsSampler(config.metrics_url, client, config.metrics_interval_s)
+            await sampler.start()
+        log(f"level {level.label}: {config.requests} requests ...")
+        records, duration, busy = await _run_level(
+            client, procs, url, config, level, prompts, tokenizer, li
+        )
+        peaks: ServerPeaks | None = await sampler.stop() if sampler else None
+        result = summarise_level(
+            level, records, duration, slo_ttft_ms=config.slo_ttft_ms,
+            slo_tpot_ms=config.slo_tpot_ms, server=peaks, client_busy=busy,
+        )  # fmt: skip
+        results.append(result)
+        all_records.append(records)
+        log(
+            f"  {result.completed}/{result.requests} ok in {duration:.1f} s, "
+            f"{result.output_tokens_per_s:.1f} output tok/s"
+        )
 
 
 def _notes(config: LoadtestConfig, results: list[LevelResult]) -> list[str]:
@@ -264,6 +213,16 @@ def _notes(config: LoadtestConfig, results: list[LevelResult]) -> list[str]:
                 f"synthetic prompts: {config.input_len} words, APPROXIMATELY {config.input_len} "
                 "tokens (no --tokenizer given)"
             )
+    busy = [r for r in results if r.client_busy is not None and r.client_busy >= CLIENT_BUSY]
+    if busy:
+        worst = max(busy, key=lambda r: r.client_busy or 0.0)
+        notes.append(
+            f"the load generator was busy {worst.client_busy:.0%} of a core at level"
+            f" {worst.level.label} ({len(busy)} level(s) over {CLIENT_BUSY:.0%}): there the client"
+            f" may be the limit, not the server; run again with --processes"
+            f" {2 * config.processes} (one Python process streams a few thousand tokens a"
+            " second at most)"
+        )
     sources = {s for r in results for s in r.token_sources}
     if "chunks" in sources:
         notes.append(

@@ -113,6 +113,8 @@ class LevelResult(BaseModel):
     token_sources: dict[str, int]  # how output tokens were counted: usage/tokenizer/chunks
     mean_prompt_tokens: float | None  # from usage (chat template included)
     server: ServerPeaks | None
+    # CPU seconds per second of the level of the busiest client process (1.0: a full core)
+    client_busy: float | None = None
 
 
 def summarise_level(
@@ -123,6 +125,7 @@ def summarise_level(
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     server: ServerPeaks | None = None,
+    client_busy: float | None = None,
 ) -> LevelResult:
     ok = [r for r in records if r.ok]
     errors = [r for r in records if not r.ok]
@@ -163,4 +166,5 @@ def summarise_level(
         token_sources=sources,
         mean_prompt_tokens=(sum(prompt_tokens) / len(prompt_tokens)) if prompt_tokens else None,
         server=server,
+        client_busy=client_busy,
     )
