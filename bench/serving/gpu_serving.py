@@ -496,6 +496,10 @@ def main() -> int:
         "--rounds", type=int, default=3, help="load rounds per level, the first arm alternating"
     )
     ap.add_argument("--only-pressure", action="store_true", help="publish, then step 5 alone")
+    ap.add_argument(
+        "--levels", default=",".join(map(str, LEVELS)), help="streams of step 4, e.g. 16"
+    )
+    ap.add_argument("--requests", type=int, help="requests per arm at every level of step 4")
     args = ap.parse_args()
     work: Path = args.work
     shutil.rmtree(work, ignore_errors=True)
@@ -558,7 +562,7 @@ def main() -> int:
             # 4: direct vs gateway
             if not args.skip_load:
                 levels: dict[int, list[dict[str, Any]]] = {}
-                for level in LEVELS:
+                for level in [int(x) for x in args.levels.split(",")]:
                     levels[level] = []
                     for i in range(args.rounds):
                         order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
@@ -584,7 +588,13 @@ def main() -> int:
                                 )  # fmt: skip
                             gw_pid = gateway.pid if arm == "gateway" else None
                             arms[arm] = loadtest(
-                                url, level, seed, work, env, REQUESTS[level], gw_pid
+                                url,
+                                level,
+                                seed,
+                                work,
+                                env,
+                                args.requests or REQUESTS[level],
+                                gw_pid,
                             )
                             if profile is not None:
                                 profile.wait(30)
