@@ -26,8 +26,7 @@ pipdl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-vers
 # what the device image lacks (GPU-SERVING.md: found by importing vLLM's server, engine core,
 # GPU model runner, Llama, LoRA worker manager and CLI in a venv holding the image's packages);
 # the unpinned names there pinned here to what the CPU venv holds. xgrammar 0.2.6 with
-# apache-tvm-ffi 0.1.10 (xgrammar >= 0.2.8 needs tvm-ffi >= 0.1.11). py-spy to profile the
-# gateway's relay there. No boto3: the check's store is file:// (botocore alone is 17 MB).
+# apache-tvm-ffi 0.1.10 (xgrammar >= 0.2.8 needs tvm-ffi >= 0.1.11). No boto3: the check's store is file:// (botocore alone is 17 MB).
 deps=(fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5
   typing-inspection==0.4.5 annotated-types==0.8.0 typing-extensions==4.16.0
   pydantic-settings==2.16.3 python-dotenv==1.2.4 tenacity==9.2.1 httptools==0.9.0
@@ -39,7 +38,7 @@ deps=(fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydant
   python-json-logger==4.2.0 setproctitle==1.3.8 blake3==1.0.11 ijson==3.6.0 depyf==0.20.0
   astor==0.8.1 dill==0.4.1 compressed-tensors==0.17.0 loguru==0.7.3 opentelemetry-api==1.45.2
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-  redis==8.1.0 py-spy==0.4.1)
+  redis==8.1.0)
 rm -f "$root"/part2/whl/boto3-* "$root"/part2/whl/botocore-* "$root"/part2/whl/s3transfer-*
 pipdl "$root/part2/whl" "${deps[@]}"
 
