@@ -32,7 +32,7 @@ from trainer.settings import TrainerSettings
 from trainer.state import Components
 
 if TYPE_CHECKING:
-    from trainer.model.compile_ahead import Ahead
+    from trainer.model.ahead import Ahead
     from trainer.recipe import Recipe
 
 

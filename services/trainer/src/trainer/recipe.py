@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 
 from lorastack.manifest import Manifest
-from trainer import assembly
+from trainer import assembly, compile_ahead
 from trainer.config import RunConfig
 from trainer.data.batching import Plan, total_steps
 from trainer.data.preflight import refuse_unless_ok
@@ -50,7 +50,6 @@ from trainer.errors import SmokeFailed
 from trainer.loop import evaluation, gradients, modes, progress, stopping
 from trainer.loop.live import LiveRun
 from trainer.metrics import LogTail, held_bytes, process_age, read_series, write_json
-from trainer.model import compile_ahead
 from trainer.model.auto_batch import fit_micro_batch
 from trainer.model.distributed import rank0_decides, shut_down
 from trainer.model.modeling import resolve_device, use_expandable_segments
@@ -103,7 +102,7 @@ class Recipe:
         self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
         self.plotter: Plotter | None = None  # rank 0's
         self.memory_marks: dict[str, int] = {}  # trainer.model.memory.against_measured
-        self.ahead: compile_ahead.Ahead | None = None  # trainer.model.compile_ahead's child
+        self.ahead: compile_ahead.Ahead | None = None  # trainer.compile_ahead's child
         self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
 
     def say(self, line: str, show: bool = True) -> None:
