@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.publish.budget import Meter
+    from trainer.loop.budget import Meter
     from trainer.loop.live import LiveRun
     from trainer.metrics import LogTail
     from trainer.model.ahead import Ahead
