@@ -17,7 +17,7 @@ from lorastack.errors import ConfigError
 from lorastack.store import open_store
 from trainer.config import build_config, load_config
 from trainer.errors import CostCapReached, PreflightRefused
-from trainer.publish import budget
+from trainer.loop import budget
 from trainer.recipe import run_training
 from trainer.settings import TrainerSettings
 

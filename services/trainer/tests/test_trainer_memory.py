@@ -54,30 +54,28 @@ def test_auto_plans_against_the_gpus_free_memory(
     from trainer.assembly import estimate_memory
 
     said: list[str] = []
-    recipe = SimpleNamespace(
+    recipe = SimpleNamespace(  # the run plan, as far as the estimate reads it
         config=RunConfig.model_validate({"dataset": {"path": "x.jsonl"}, "micro_batch": 4}),
         device=torch.device("cuda", 0),
-        model_config=LLAMA_8B,
         settings=SimpleNamespace(world_size=1),
         widest=lambda: 2048,
-        say=said.append,
         run_dir=tmp_path,
         checkpointed=-1,
     )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (140 << 30, 141 << 30))
-    estimate_memory(recipe)  # type: ignore[arg-type]
+    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
     assert recipe.checkpointed == 0
     assert said[0].startswith("gradient checkpointing auto: 0 of 32 layers recomputed")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 << 30, 80 << 30))
-    estimate_memory(recipe)  # type: ignore[arg-type]
+    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
     assert 0 < recipe.checkpointed < 32
     assert json.loads((tmp_path / "memory-estimate.json").read_text())["total"] < 24 << 30
     recipe.config = RunConfig.model_validate(
         {"dataset": {"path": "x.jsonl"}, "gradient_checkpointing": False}
     )
-    estimate_memory(recipe)  # type: ignore[arg-type]
+    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
     assert recipe.checkpointed == 0
     recipe.config = RunConfig.model_validate({"dataset": {"path": "x.jsonl"}})
     recipe.device = torch.device("cpu")
-    estimate_memory(recipe)  # type: ignore[arg-type]
+    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
     assert recipe.checkpointed == 0

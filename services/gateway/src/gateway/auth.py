@@ -17,7 +17,7 @@ at admission, the unused part refunded when the backend reports its usage). A bu
 tokens per calendar period (UTC), reserved and refunded the same way. Where they are
 counted is the limiter's (`limits.py`): in this process (state survives a reload, by
 name, not a restart), or in Redis (`redis_url`: shared by every replica, kept across
-restarts).
+restarts; `limiter_for` picks, and imports `redis_limits` only then).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 from gateway.errors import ModelNotAllowed, RateLimited, Unauthorized
 from gateway.keys import KeyEntry, load_keys
-from gateway.limits import Budget, Limiter, MemoryLimiter, TokenBucket, limiter_for
+from gateway.limits import Budget, Limiter, MemoryLimiter, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings, split_alias
 from lorastack.errors import ConfigError
@@ -241,3 +241,16 @@ class Authenticator:
 
     def rejected(self, key: Key, reason: str) -> None:
         self.metrics.key_rejections.labels(key.name, reason).inc()
+
+
+def limiter_for(
+    redis_url: str | None, timeout_s: float, metrics: GatewayMetrics, memory: MemoryLimiter
+) -> Limiter:
+    """Redis when `redis_url` is set, else this process's own limits."""
+    if not redis_url:
+        return memory
+    from gateway.redis_limits import RedisLimiter  # redis is imported only when configured
+
+    limiter = RedisLimiter.from_url(redis_url, timeout_s, metrics)
+    limiter.fallback = memory
+    return limiter

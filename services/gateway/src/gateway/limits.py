@@ -17,8 +17,9 @@ this process's own buckets instead (fail open to per-replica limits, as LiteLLM'
 does when its Redis cache fails). A request is never refused, nor failed with a 500,
 because Redis is down; `gateway.redis_limits` says how it is logged and counted.
 
-Owns: the arithmetic and where it runs. Does not own: which key a request is, and its
-limits (`auth.py`, `keys.py`).
+Owns: the arithmetic and the in-process limiter. Does not own: which key a request is,
+and its limits (`auth.py`, `keys.py`), nor which limiter runs (`auth.limiter_for` picks
+Redis or this process's: `gateway.redis_limits` builds on this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Protocol
 
 from gateway.errors import BudgetExhausted, RateLimited
 from gateway.keys import Period, period_end
-from gateway.metrics import GatewayMetrics
 
 
 @dataclass
@@ -177,16 +177,3 @@ class MemoryLimiter:
 
     async def aclose(self) -> None:
         pass
-
-
-def limiter_for(
-    redis_url: str | None, timeout_s: float, metrics: GatewayMetrics, memory: MemoryLimiter
-) -> Limiter:
-    """Redis when `redis_url` is set, else this process's own limits."""
-    if not redis_url:
-        return memory
-    from gateway.redis_limits import RedisLimiter  # redis is imported only when configured
-
-    limiter = RedisLimiter.from_url(redis_url, timeout_s, metrics)
-    limiter.fallback = memory
-    return limiter

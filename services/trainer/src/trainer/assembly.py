@@ -1,9 +1,10 @@
 """What the recipe's setup assembles once the data is prepared: the run manifest (what
 --resume compares), the data and test splits published, the memory estimate, the model
 with its loss module, optimizer and schedule (seeded, maybe compiled, DDP-wrapped or
-FSDP-sharded on several processes), and the live metrics. Preparing the data is
-trainer.data.preparation; the order of the steps, and the resume in between, stay in
-trainer.recipe.Recipe.setup.
+FSDP-sharded on several processes), and the live metrics. Each takes the plan as setup
+has decided it so far (trainer.state.RunPlan) and returns what it makes. Preparing the
+data is trainer.data.preparation; the order of the steps, and the resume in between,
+stay in trainer.recipe.Recipe.setup.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from lorastack.manifest import Manifest, git_commit
 from trainer.config import RunConfig
 from trainer.data.batching import lr_factor
+from trainer.data.preparation import Prepared
 from trainer.data.samples import template_hash
 from trainer.data.splits import publish_once
 from trainer.loop.live import LiveRun
@@ -29,80 +31,80 @@ from trainer.model.memory import PLAN_HEADROOM, estimate, human, plan_checkpoint
 from trainer.model.modeling import LossModule, compute_dtype, load_model
 from trainer.publish import checkpoint
 from trainer.settings import TrainerSettings
-from trainer.state import Components
+from trainer.state import Components, RunPlan
 
 if TYPE_CHECKING:
-    from trainer.model.compile_ahead import Ahead
-    from trainer.recipe import Recipe
+    from trainer.model.ahead import Ahead
 
 
-def run_manifest(r: Recipe) -> dict[str, Any]:
+def run_manifest(plan: RunPlan, prep: Prepared) -> dict[str, Any]:
     """What makes the run the run: data, base, config, code, libraries, template, device."""
     return {
-        "dataset_digest": r.prep.data_digest,
-        "test_digest": r.prep.test_digest,
-        "base": {"ref": r.prep.base.ref, "digest": r.prep.base.digest},
-        "config_hash": r.config.config_hash(),
-        "config": r.config.model_dump(mode="json"),
+        "dataset_digest": prep.data_digest,
+        "test_digest": prep.test_digest,
+        "base": {"ref": prep.base.ref, "digest": prep.base.digest},
+        "config_hash": plan.config.config_hash(),
+        "config": plan.config.model_dump(mode="json"),
         "code_version": checkpoint.code_version(),
         "git_commit": git_commit(),
         "libraries": library_versions(),
-        "template_hash": template_hash(r.prep.tokenizer),
-        "device_type": r.device.type,
-        "world_size": r.settings.world_size,
+        "template_hash": template_hash(prep.tokenizer),
+        "device_type": plan.device.type,
+        "world_size": plan.settings.world_size,
     }
 
 
-def publish_splits(r: Recipe) -> tuple[Manifest, Manifest]:
+def publish_splits(cfg: RunConfig, prep: Prepared) -> tuple[Manifest, Manifest]:
     """`<output>/data` and its frozen `<output>/test`, each published once."""
-    cfg = r.config
     data = publish_once(
-        r.prep.store,
-        r.prep.data_dir,
+        prep.store,
+        prep.data_dir,
         f"{cfg.output}/data",
-        {"split": r.prep.splits.counts(), "source": r.prep.splits.source},
+        {"split": prep.splits.counts(), "source": prep.splits.source},
     )
     test = publish_once(
-        r.prep.store,
-        r.prep.test_dir,
+        prep.store,
+        prep.test_dir,
         f"{cfg.output}/test",
         {"frozen_test_of": f"{cfg.output}/data"},
     )
     return data, test
 
 
-def estimate_memory(r: Recipe) -> dict[str, int]:
-    """The memory estimate (trainer.model.memory), written as memory-estimate.json and said;
-    sets how many decoder layers recompute their activations (gradient_checkpointing)."""
-    cfg = r.config
+def estimate_memory(
+    plan: RunPlan, model_config: dict[str, Any], say: Callable[[str], None]
+) -> tuple[dict[str, int], int]:
+    """The memory estimate (trainer.model.memory), written as memory-estimate.json and said,
+    and how many decoder layers recompute their activations (gradient_checkpointing)."""
+    cfg, device = plan.config, plan.device
     args: dict[str, Any] = {
         "r": cfg.lora.r,
         "targets": cfg.lora.target_modules,
         "quantization": cfg.quantization,
-        "compute_bytes": 2 if compute_dtype(r.device) == torch.bfloat16 else 4,
+        "compute_bytes": 2 if compute_dtype(device) == torch.bfloat16 else 4,
         "micro_batch": cfg.micro_batch,
-        "seq_len": r.widest(),
-        "cuda": r.device.type == "cuda",
+        "seq_len": plan.widest(),
+        "cuda": device.type == "cuda",
         "lora_dropout": cfg.lora.dropout,
-        "shards": r.settings.world_size if cfg.distributed == "fsdp" else 1,
+        "shards": plan.settings.world_size if cfg.distributed == "fsdp" else 1,
     }
-    layers = int(r.model_config["num_hidden_layers"])
+    layers = int(model_config["num_hidden_layers"])
     if cfg.gradient_checkpointing != "auto":
-        r.checkpointed = layers if cfg.gradient_checkpointing else 0
-    elif r.device.type != "cuda":
-        r.checkpointed = 0
+        checkpointed = layers if cfg.gradient_checkpointing else 0
+    elif device.type != "cuda":
+        checkpointed = 0
     else:
-        budget = int(torch.cuda.mem_get_info(r.device)[0] * PLAN_HEADROOM)
-        r.checkpointed = plan_checkpointing(r.model_config, budget, **args)
-        r.say(
-            f"gradient checkpointing auto: {r.checkpointed} of {layers} layers recomputed "
+        budget = int(torch.cuda.mem_get_info(device)[0] * PLAN_HEADROOM)
+        checkpointed = plan_checkpointing(model_config, budget, **args)
+        say(
+            f"gradient checkpointing auto: {checkpointed} of {layers} layers recomputed "
             f"in backward (the estimate fits {human(budget)}, {PLAN_HEADROOM:.0%} of the "
             "GPU's free memory)"
         )
-    found = estimate(r.model_config, checkpointed=r.checkpointed, **args)
-    write_json(r.run_dir / "memory-estimate.json", found)
-    r.say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
-    return found
+    found = estimate(model_config, checkpointed=checkpointed, **args)
+    write_json(plan.run_dir / "memory-estimate.json", found)
+    say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
+    return found, checkpointed
 
 
 def seed_everything(seed: int) -> None:
@@ -164,17 +166,17 @@ def build_model(
     return parts, compiling
 
 
-def live_run(r: Recipe) -> LiveRun:
+def live_run(plan: RunPlan, resumed_at: int | None) -> LiveRun:
     """The live metrics (and progress bar, TensorBoard) of rank 0; a quiet one elsewhere."""
-    cfg, settings = r.config, r.settings
+    cfg, settings = plan.config, plan.settings
     return LiveRun(
         cfg.output,
-        r.total_steps,
+        plan.total_steps,
         settings.metrics_port if settings.is_main else None,
         settings.metrics_host,
         bar=None if settings.is_main else False,
-        tensorboard=r.run_dir / "tensorboard"
+        tensorboard=plan.run_dir / "tensorboard"
         if "tensorboard" in cfg.report_to and settings.is_main
         else None,
-        resumed_at=r.progress.resumed_at,
+        resumed_at=resumed_at,
     )

@@ -4,16 +4,21 @@
 it). Modes: "train" (publishes `<output>/data`, `<output>/test`, checkpoints and the
 adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothing) and
 "overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing): their
-differences live in trainer.loop.modes. The recipe holds the order of the stages; the
-state they share is typed: `Prepared` (trainer.data.preparation), and trainer.state's
-`Components` (trainer.assembly.build_model) and `Progress` (trainer.publish.resuming
-restores it). The stages' pieces live in the subpackages:
+differences live in trainer.loop.modes. The recipe holds the order of the stages and
+the state they share, each part typed: the frozen `RunPlan` (trainer.state: what the
+run is and what setup decided, replaced as setup decides), `Prepared`
+(trainer.data.preparation), `Components` (trainer.assembly.build_model), `Progress`
+(trainer.state; trainer.publish.resuming restores it) and the `Session` (trainer.session:
+the log, the meter, the live metrics, the last checkpoint, a stop signal). A stage takes
+the values it reads and returns what it makes, which the recipe keeps; no stage imports
+this module. The stages live in:
 
     setup     trainer.data (splits, samples, preflight), trainer.assembly (run manifest,
               splits published, memory estimate, components, live metrics),
-              trainer.model (loading, compiling, auto-batch, DDP / FSDP)
+              trainer.model (loading, compiling, auto-batch, DDP / FSDP),
+              trainer.compile_ahead (the layer graph compiled in a child meanwhile)
     train     trainer.loop (gradients, progress lines, evaluation and early stopping,
-              stopping on signals and caps)
+              stopping on signals and caps, the meter)
     save      trainer.publish (resuming: what a resume needs; checkpoint: the folder;
               publishing: the store)
     finish    trainer.publish.completion (training-complete.json, the TrainResult),
@@ -34,31 +39,29 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from lorastack.manifest import Manifest
-from trainer import assembly
+from trainer import assembly, compile_ahead
 from trainer.config import RunConfig
 from trainer.data.batching import Plan, total_steps
 from trainer.data.preflight import refuse_unless_ok
 from trainer.data.preparation import Prepared, prepare
 from trainer.data.samples import end_of_turn_id
 from trainer.errors import SmokeFailed
-from trainer.loop import evaluation, gradients, modes, progress, stopping
+from trainer.loop import budget, evaluation, gradients, modes, progress, stopping
 from trainer.loop.live import LiveRun
 from trainer.metrics import LogTail, held_bytes, process_age, read_series, write_json
-from trainer.model import compile_ahead
 from trainer.model.auto_batch import fit_micro_batch
 from trainer.model.distributed import rank0_decides, shut_down
 from trainer.model.modeling import resolve_device, use_expandable_segments
 from trainer.plotting import Plotter
-from trainer.publish import budget, failure, hooks, publishing, resuming
+from trainer.publish import failure, hooks, publishing, resuming
 from trainer.publish.completion import TrainResult, record_completion, train_result
+from trainer.session import Session
 from trainer.settings import TrainerSettings
-from trainer.state import Components, Progress
+from trainer.state import Components, Progress, RunPlan
 
 
 class Recipe:
@@ -75,151 +78,120 @@ class Recipe:
         command: str = "lorastack train CONFIG",
         clock: Callable[[], float] | None = None,
     ) -> None:
-        self.tail = tail
-        self.command = command  # how the run was started: the resume command repeats it
-        self.config = config
-        self.settings = settings
-        self.mode = mode
-        self.overfit = overfit
         base_dir = settings.resolved_runs_dir / config.output
-        self.run_dir = base_dir if mode == "train" else base_dir / mode
-        self.ckpt_root = self.run_dir / "checkpoints"
-        self.metrics_dir = self.run_dir / "metrics"
+        run_dir = base_dir if mode == "train" else base_dir / mode
+        self.plan = RunPlan(config, settings, mode, overfit, command, run_dir)
         self.progress = Progress()  # replaced by a resumed run's (trainer.publish.resuming)
-        self.stop_signal: int | None = None
-        self.old_handlers: dict[int, Any] = {}  # trainer.loop.stopping
-        self.device = torch.device("cpu")
-        self.start_time = time.monotonic()
-        caps = budget.Caps.of(config, settings.world_size)
-        self.meter = budget.Meter(caps, clock=clock)  # billed time, all sessions
-        # seconds per phase of this session (completion record, last line): imports and
-        # set-up before the recipe, data, model, steps, saving and publishing
-        self.phases: dict[str, float] = {"startup": process_age()}
-        self._lap_at = self.start_time
-        self.last_checkpoint: Path | None = None
-        self.data_manifest: Manifest | None = None
-        self.test_manifest: Manifest | None = None
-        self.memory_estimate: dict[str, int] = {}
-        self.checkpointed = 0  # decoder layers recomputed in backward (assembly.estimate_memory)
-        self.plotter: Plotter | None = None  # rank 0's
-        self.memory_marks: dict[str, int] = {}  # trainer.model.memory.against_measured
-        self.ahead: compile_ahead.Ahead | None = None  # trainer.model.compile_ahead's child
-        self.live = LiveRun(config.output, 0, None, "", bar=False)  # replaced in setup
-
-    def say(self, line: str, show: bool = True) -> None:
-        """Print a progress line (above the progress bar, if any) and keep it for the
-        support bundle."""
-        show = show and self.settings.is_main  # one voice under torchrun
-        if show and self.live.bar is not None:
-            self.live.bar.write(line)
-        elif show:
-            print(line, flush=True)
-        self.tail.lines.append(time.strftime("%H:%M:%S ") + line)
+        start = time.monotonic()
+        self.session = Session(
+            tail,
+            budget.Meter(budget.Caps.of(config, settings.world_size), clock=clock),
+            voice=settings.is_main,
+            live=LiveRun(config.output, 0, None, "", bar=False),  # replaced in setup
+            phases={"startup": process_age()},
+            lap_at=start,
+        )
 
     # ---- setup ------------------------------------------------------------------
 
     def setup(self, *, resume: bool, auto_batch: bool) -> None:
-        cfg, settings = self.config, self.settings
+        plan, s = self.plan, self.session
+        settings = plan.settings
         torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
-        if self.mode != "train":
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if plan.mode != "train":
+            shutil.rmtree(plan.run_dir, ignore_errors=True)
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
         if settings.is_main:
-            self.plotter = Plotter()
+            s.plotter = Plotter()
 
         def compile_early(model_config: dict[str, Any]) -> None:
-            self.ahead = compile_ahead.start(
-                cfg, settings, self.mode, self.run_dir, model_config, auto_batch
+            s.ahead = compile_ahead.start(
+                plan.config, settings, plan.mode, plan.run_dir, model_config, auto_batch
             )
 
         # each process prepares the data; only rank 0's folder is published
         staging = "splits" if settings.is_main else f"splits-rank{settings.rank}"
-        prep = prepare(cfg, settings, self.run_dir / staging, on_base=compile_early)
+        prep = prepare(plan.config, settings, plan.run_dir / staging, on_base=compile_early)
         encoded = prep.encoded  # lives on only in the samples the mode selects
-        self.prep = replace(prep, encoded={})
-        self.model_config = prep.model_config
-        self.eot = end_of_turn_id(prep.tokenizer)
-        pad = prep.tokenizer.pad_token_id
-        self.pad = pad if pad is not None else self.eot
-        self.say(prep.report.render())
+        self.prep = prep = replace(prep, encoded={})
+        eot, pad = end_of_turn_id(prep.tokenizer), prep.tokenizer.pad_token_id
+        s.say(prep.report.render())
         refuse_unless_ok(prep.report)
         # smoke and overfit runs adjust steps and schedule
-        self.config, self.train_samples, self.val_samples = modes.select_samples(
-            cfg, self.mode, self.overfit, encoded["train"], encoded["validation"]
+        cfg, train, val = modes.select_samples(
+            plan.config, plan.mode, plan.overfit, encoded["train"], encoded["validation"]
         )
-        cfg = self.config
-
-        self.device = resolve_device(cfg.device, settings.local_rank)
-        use_expandable_segments(self.device, settings.cuda_alloc_conf)
+        self.plan = plan = replace(plan, config=cfg, train_samples=train, val_samples=val)
+        device = resolve_device(cfg.device, settings.local_rank)
+        use_expandable_segments(device, settings.cuda_alloc_conf)
+        pad = pad if pad is not None else eot
+        self.plan = plan = replace(plan, device=device, eot=eot, pad=pad)
         if auto_batch:
-            self.config = cfg = fit_micro_batch(
+            cfg = fit_micro_batch(
                 cfg,
                 settings,
-                self.prep.base_dir,
-                self.model_config,
-                self.device,
-                eot=self.eot,
-                seq=self.widest(),
-                say=self.say,
+                prep.base_dir,
+                prep.model_config,
+                device,
+                eot=eot,
+                seq=plan.widest(),
+                say=s.say,
             )
-        self.run_manifest = assembly.run_manifest(self)
-        resume_from = publishing.find_resume_point(self, resume)
-        if self.mode == "train" and settings.is_main:
-            self.data_manifest, self.test_manifest = assembly.publish_splits(self)
-        write_json(self.run_dir / "run-manifest.json", self.run_manifest)
+            self.plan = plan = replace(plan, config=cfg)
+        self.plan = plan = replace(plan, run_manifest=assembly.run_manifest(plan, prep))
+        resume_from = publishing.find_resume_point(plan, prep.store, resume)
+        if plan.mode == "train" and settings.is_main:
+            data, test = assembly.publish_splits(cfg, prep)
+            self.plan = plan = replace(plan, data_manifest=data, test_manifest=test)
+        write_json(plan.run_dir / "run-manifest.json", plan.run_manifest)
         if resume_from is not None and settings.is_main:
-            resuming.publish_unuploaded(self, resume_from)
-        self.memory_estimate = assembly.estimate_memory(self)
-        self.plan = Plan(
+            resuming.publish_unuploaded(plan, prep, resume_from)
+        found, checkpointed = assembly.estimate_memory(plan, prep.model_config, s.say)
+        self.plan = plan = replace(plan, memory_estimate=found, checkpointed=checkpointed)
+        batches = Plan(
             cfg.seed,
-            [s.length for s in self.train_samples],
+            [sample.length for sample in train],
             cfg.micro_batch,
             cfg.grad_accum,
             cfg.max_seq_len if cfg.packing else None,
         )
-        self.total_steps = total_steps(cfg, self.plan.steps_per_epoch())
-        if self.mode == "train" and self.meter.caps.any:  # before the model loads
-            self.say(publishing.check_budget(self, resume_from))
-        self.lap("prepare")
-        self.memory_marks["start"] = held_bytes(self.device)
+        steps = total_steps(cfg, batches.steps_per_epoch())
+        self.plan = plan = replace(plan, batches=batches, total_steps=steps)
+        if plan.mode == "train" and s.meter.caps.any:  # before the model loads
+            s.say(publishing.check_budget(plan, s.meter, resume_from))
+        s.lap("prepare")
+        s.memory_marks["start"] = held_bytes(device)
         self.parts, compiling = assembly.build_model(
             cfg,
             settings,
-            self.prep.base_dir,
-            self.model_config,
-            self.device,
-            checkpointed=self.checkpointed,
-            ahead=self.ahead,
-            mode=self.mode,
-            total_steps=self.total_steps,
-            lap=self.lap,
+            prep.base_dir,
+            prep.model_config,
+            device,
+            checkpointed=checkpointed,
+            ahead=s.ahead,
+            mode=plan.mode,
+            total_steps=steps,
+            lap=s.lap,
         )
-        self.memory_marks["loaded"] = held_bytes(self.device)
+        s.memory_marks["loaded"] = held_bytes(device)
         if resume_from is not None:
             self.progress = resuming.restore(resume_from, self.parts)
-            self.meter.hours_before = self.progress.wall_before / 3600
-            self.say(f"resumed from {resume_from} at step {self.progress.step}")
-        stopping.install_handlers(self)
-        self.live = assembly.live_run(self)
+            s.meter.hours_before = self.progress.wall_before / 3600
+            s.say(f"resumed from {resume_from} at step {self.progress.step}")
+        s.old_handlers = stopping.install_handlers(self._signalled)
+        s.live = assembly.live_run(plan, self.progress.resumed_at)
         if settings.metrics_port is not None and settings.is_main:
-            self.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
-        self.say(
-            f"training {self.parts.trainable:,} LoRA parameters on {self.device} "
-            f"({len(self.train_samples)} train / {len(self.val_samples)} validation samples, "
-            f"{self.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
+            s.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
+        s.say(
+            f"training {self.parts.trainable:,} LoRA parameters on {device} "
+            f"({len(train)} train / {len(val)} validation samples, "
+            f"{steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
             f"{compiling})",
         )
 
-    def lap(self, phase: str) -> None:
-        now = time.monotonic()
-        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._lap_at, 2)
-        self._lap_at = now
-
-    def widest(self) -> int:
-        """Tokens per row of the widest micro-batch."""
-        if self.config.packing:
-            return self.config.max_seq_len
-        return max(s.length for s in self.train_samples)
+    def _signalled(self, signum: int, frame: Any) -> None:
+        """SIGTERM or SIGINT: the step loop stops after the step (stop_if_asked)."""
+        self.session.stop_signal = signum
 
     def _step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return cast(
@@ -237,32 +209,22 @@ class Recipe:
     # ---- train ------------------------------------------------------------------
 
     def train(self) -> None:
-        cfg = self.config
-        session_start, session_tokens = time.monotonic(), 0
-        world = self.settings.world_size
-        session_steps = 0
+        plan, s = self.plan, self.session
+        cfg, world = plan.config, plan.settings.world_size
+        session_start, session_tokens, session_steps = time.monotonic(), 0, 0
         # a resumed run that had stopped early
-        if self.progress.val_losses and evaluation.early_stop(self):
+        if self.progress.val_losses and evaluation.early_stop(cfg, self.progress, s.say):
             return
-        self.meter.mark()
-        while self.progress.step < self.total_steps:
+        s.meter.mark()
+        while self.progress.step < plan.total_steps:
             t0 = time.monotonic()
             batches, n_sup, step_tokens = gradients.step_batches(
-                self.plan, self.train_samples, self.progress.step
+                plan.batches, plan.train_samples, self.progress.step
             )
-            loss_on_device = gradients.accumulate(
-                cfg,
-                self.settings,
-                self.parts,
-                self.device,
-                self.pad,
-                self._step_loss,
-                batches,
-                n_sup,
-            )
+            loss_on_device = gradients.accumulate(plan, self.parts, self._step_loss, batches, n_sup)
             grad_norm, lr = gradients.optimizer_step(self.parts, cfg.max_grad_norm)
             step_loss = float(loss_on_device)  # the first wait for the GPU in this step
-            self.memory_marks.setdefault("resting", held_bytes(self.device))
+            s.memory_marks.setdefault("resting", held_bytes(plan.device))
             step = self.progress.advance(step_loss, step_tokens, n_sup)
             session_tokens += step_tokens
             dt = time.monotonic() - t0
@@ -271,16 +233,18 @@ class Recipe:
                 self.parts.peft,
                 session_steps,
                 dt,
-                self.total_steps - step,
+                plan.total_steps - step,
                 lambda choice: rank0_decides(choice, world),
             )
             if line:
-                self.say(line)
+                s.say(line)
             if not math.isfinite(step_loss):
                 raise SmokeFailed(f"the loss is {step_loss} at step {step}", "lower lr")
-            if step % cfg.log_every == 0 or step == self.total_steps:
-                progress.log_step(
-                    self,
+            if step % cfg.log_every == 0 or step == plan.total_steps:
+                line, values = progress.log_step(
+                    plan,
+                    self.progress,
+                    s.meter,
                     step_loss,
                     lr,
                     float(grad_norm),
@@ -289,69 +253,102 @@ class Recipe:
                     session_start,
                     session_tokens,
                 )
-            evaluated = bool(self.val_samples) and (
-                step % cfg.eval_every == 0 or step == self.total_steps
+                s.say(line, show=s.live.step(values, line))
+            evaluated = bool(plan.val_samples) and (
+                step % cfg.eval_every == 0 or step == plan.total_steps
             )
             if evaluated:
-                evaluation.evaluate(self)
-            if self.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
+                self.evaluate()
+            if plan.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
-            new_best = evaluated and evaluation.best_step(self) == step
+            new_best = evaluated and evaluation.best_step(self.progress.val_losses) == step
             if (
                 step % cfg.checkpoint_every == 0
-                or step == self.total_steps
+                or step == plan.total_steps
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
-                resuming.save_checkpoint(self)
-            if evaluated and evaluation.early_stop(self):
+                self.save_checkpoint()
+            if evaluated and evaluation.early_stop(cfg, self.progress, s.say):
                 break
-            stopping.stop_if_asked(self)
+            self.stop_if_asked()
+
+    def evaluate(self) -> None:
+        """The validation loss at this step, recorded in the progress."""
+        step, s = self.progress.step, self.session
+        val = evaluation.evaluate(self.plan, self.parts, step, self._step_loss, s.live, s.say)
+        self.progress.val_losses[step] = val
+
+    def stop_if_asked(self) -> None:
+        """After a step: on a signal or a reached cap, checkpoint this step and raise."""
+        s, step = self.session, self.progress.step
+        s.stop_signal, over, stop = stopping.asked(self.plan, s.meter, s.stop_signal, step)
+        if not stop:
+            return
+        self.checkpoint_unless_saved()
+        if s.stop_signal is None:
+            raise publishing.cap_reached(self.plan, s.meter, step, over)
+        raise stopping.interrupted(s.stop_signal, step, s.last_checkpoint)
+
+    # ---- save -------------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        s = self.session
+        s.last_checkpoint = resuming.save_checkpoint(
+            self.plan, self.prep, self.parts, self.progress, s.meter, s.say
+        )
+
+    def checkpoint_unless_saved(self) -> None:
+        if not resuming.is_saved(self.session.last_checkpoint, self.progress.step):
+            self.save_checkpoint()
 
     # ---- finish -------------------------------------------------------------------
 
     def finish(self) -> TrainResult:
-        cfg = self.config
-        self.lap("steps")
-        done = publishing.already_finished(self)
+        plan, prep, s = self.plan, self.prep, self.session
+        s.lap("steps")
+        done = publishing.already_finished(plan, prep, self.progress, s.say)
         if done is not None:
             return done
-        if (
-            self.val_samples
-            and self.progress.step not in self.progress.val_losses
-            and self.progress.step > 0
-        ):
-            evaluation.evaluate(self)
-        resuming.checkpoint_unless_saved(self)
-        train_series = read_series(self.metrics_dir, "metrics", "loss")
-        plot = self.run_dir / "loss.png"
-        if self.plotter is not None:
-            self.plotter.plot(
-                train_series, self.progress.val_losses, plot, f"{cfg.output} ({self.mode})"
+        step = self.progress.step
+        if plan.val_samples and step not in self.progress.val_losses and step > 0:
+            self.evaluate()
+        self.checkpoint_unless_saved()
+        train_series = read_series(plan.metrics_dir, "metrics", "loss")
+        plot = plan.run_dir / "loss.png"
+        if s.plotter is not None:
+            title = f"{plan.config.output} ({plan.mode})"
+            s.plotter.plot(train_series, self.progress.val_losses, plot, title)
+        completion = record_completion(
+            plan, self.parts, self.progress, s.meter, s.memory_marks, s.say
+        )
+        result = train_result(plan, prep, self.progress, completion)
+        result.verdict = modes.verdict(
+            plan, prep, self.parts, self.progress, s.last_checkpoint, train_series
+        )
+        if plan.mode == "train" and plan.settings.is_main:
+            completion["selected"] = publishing.select_adapter(
+                plan, prep.store, self.progress, s.say
             )
-        completion = record_completion(self)
-        result = train_result(self, completion)
-        result.verdict = modes.verdict(self, train_series)
-        if self.mode == "train" and self.settings.is_main:
-            completion["selected"] = publishing.select_adapter(self)
-            result.adapter = publishing.publish_adapter(self, completion, plot)
+            result.adapter = publishing.publish_adapter(plan, prep, step, completion, plot, s.say)
             completion["adapter_digest"] = result.adapter.digest
-        self.lap("finish")
-        completion["phases_s"] = self.phases
-        self.say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()))
-        if self.settings.is_main:
-            write_json(self.run_dir / "training-complete.json", completion)
+        s.lap("finish")
+        completion["phases_s"] = s.phases
+        s.say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in s.phases.items()))
+        if plan.settings.is_main:
+            write_json(plan.run_dir / "training-complete.json", completion)
         if result.verdict is not None:
-            modes.say_verdict(self, result.verdict)
+            modes.say_verdict(plan.mode, result.verdict, s.say)
         return result
 
     def cleanup(self) -> None:
-        if self.plotter is not None:
-            self.plotter.close()
-        if self.ahead is not None:
-            self.ahead.stop()
-        self.live.close(linger_s=self.settings.metrics_linger_s)
-        stopping.restore_handlers(self)
-        shut_down(self.settings.world_size)
+        s, settings = self.session, self.plan.settings
+        if s.plotter is not None:
+            s.plotter.close()
+        if s.ahead is not None:
+            s.ahead.stop()
+        s.live.close(linger_s=settings.metrics_linger_s)
+        stopping.restore_handlers(s.old_handlers)
+        shut_down(settings.world_size)
 
 
 def run_training(
@@ -384,7 +381,9 @@ def run_training(
         recipe.train()
         result = recipe.finish()
     except Exception as e:
-        error = failure.report_failure(recipe, e)
+        prep = getattr(recipe, "prep", None)  # None: the run failed before its data was ready
+        step, s = recipe.progress.step, recipe.session
+        error = failure.report_failure(recipe.plan, prep, step, s.meter, s.tail, s.say, e)
         if error is e:
             raise
         raise error from e
@@ -392,5 +391,9 @@ def run_training(
         recipe.cleanup()
         logging.getLogger().removeHandler(tail)
     modes.refuse_failed(mode, result.verdict)
-    result.hook = hooks.after_success(recipe, result, dict(os.environ))
+    plan, s = recipe.plan, recipe.session
+    published = {"adapter": result.adapter, "data": result.data, "test": result.test}
+    result.hook = hooks.after_success(
+        plan, recipe.prep.store, recipe.progress.step, s.meter, published, dict(os.environ), s.say
+    )
     return result

@@ -40,7 +40,7 @@ class TrainerSettings(CommonSettings):
     compile_ahead: bool | None = Field(
         None,
         description="compile the layer graph in a child process while the run prepares its "
-        "data and loads its base (trainer.model.compile_ahead); unset: on CUDA",
+        "data and loads its base (trainer.compile_ahead); unset: on CUDA",
     )
     kill_after_checkpoint: int | None = Field(
         None,

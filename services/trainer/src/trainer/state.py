@@ -1,21 +1,79 @@
 """The state a run carries between its stages, each part a small typed value.
 
-`Components` is what setup builds once (trainer.assembly.build_model returns it): the
-model with its LoRA weights, the loss module the steps call, the compiler, the optimizer
-and the schedule. `Progress` is what the steps move forward and a checkpoint keeps for a
-resume (trainer.publish.resuming saves it and returns it restored). This module imports
-no other trainer module at run time: every stage may take these types.
+`RunPlan` is what the run is and what setup decided before the first step: the config
+(as the mode and auto-batch left it), the settings, the mode, the folders, the device,
+the samples, the batch plan and its steps, the run manifest, the published splits and
+the memory plan. It is frozen: setup (trainer.recipe.Recipe.setup) builds it anew with
+`dataclasses.replace` as it decides, and every stage reads it. `Components` is what
+setup builds once (trainer.assembly.build_model returns it): the model with its LoRA
+weights, the loss module the steps call, the compiler, the optimizer and the schedule.
+`Progress` is what the steps move forward and a checkpoint keeps for a resume
+(trainer.publish.resuming saves it and returns it restored). What one session changes
+as it goes (the log, the meter, the live metrics, the last checkpoint, a stop signal) is
+trainer.session's, which only the recipe holds. This module imports no other trainer
+module at run time but the batch plan's (trainer.data.batching): every stage may take
+these types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.data.batching import Plan
+
 if TYPE_CHECKING:
+    from lorastack.manifest import Manifest
+    from trainer.config import RunConfig
+    from trainer.data.samples import Sample
     from trainer.model.compiling import CompileRun
+    from trainer.settings import TrainerSettings
+
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the run is, and what setup decided before the first step; nothing changes it
+    after (setup replaces it as it decides)."""
+
+    config: RunConfig  # smoke and overfit runs adjust steps and schedule, auto-batch the batch
+    settings: TrainerSettings
+    mode: str  # train | smoke | overfit (trainer.loop.modes)
+    overfit: int | None  # --overfit N: the samples an overfit run trains on
+    command: str  # how the run was started: the resume command repeats it
+    run_dir: Path
+    device: torch.device = CPU
+    # decided by setup, in this order
+    eot: int = 0  # the end-of-turn token
+    pad: int = 0  # the padding token (the end-of-turn token where the tokenizer has none)
+    train_samples: list[Sample] = field(default_factory=list)  # the ones the mode selected
+    val_samples: list[Sample] = field(default_factory=list)
+    run_manifest: dict[str, Any] = field(default_factory=dict)  # what --resume compares
+    data_manifest: Manifest | None = None  # <output>/data, published by a "train" run
+    test_manifest: Manifest | None = None  # <output>/test
+    memory_estimate: dict[str, int] = field(default_factory=dict)  # trainer.model.memory
+    checkpointed: int = 0  # decoder layers recomputed in backward
+    batches: Plan = field(default_factory=lambda: Plan(0, [], 1, 1))  # none before setup
+    total_steps: int = 0
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.run_dir / "metrics"
+
+    def widest(self) -> int:
+        """Tokens per row of the widest micro-batch."""
+        if self.config.packing:
+            return self.config.max_seq_len
+        return max(s.length for s in self.train_samples)
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""The training loop's parts: one step's gradients, evaluation on the validation split, checkpoint selection and early stopping, stopping on signals and caps, progress lines and live metrics, and the smoke / overfit modes."""
+"""The training loop's parts: one step's gradients, evaluation on the validation split, checkpoint selection and early stopping, stopping on signals and caps (the cost cap and its meter: budget), progress lines and live metrics, and the smoke / overfit modes. Nothing here publishes: trainer.publish builds on this package, never the reverse."""

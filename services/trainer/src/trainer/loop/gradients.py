@@ -3,8 +3,8 @@
 (trainer.model.distributed.my_share), each collated, its loss scaled to the step's supervised
 tokens (all processes) and run backward, with the gradient sync (DDP's, FSDP's) only on
 the last one;
-the step's loss, summed over processes. Clipping and the optimizer step stay in
-trainer.recipe.Recipe.train.
+the step's loss, summed over processes; then clipping and the optimizer step
+(optimizer_step). The order of the step's parts is trainer.recipe.Recipe.train's.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.config import RunConfig
 from trainer.data.batching import Plan, collate_micro_batch, supervised_count
 from trainer.data.samples import Sample
 from trainer.errors import SmokeFailed
 from trainer.model.compiling import mark_dynamic_samples, mark_dynamic_width
 from trainer.model.cross_entropy import loss_positions
 from trainer.model.distributed import my_share, sum_over_ranks, syncing
-from trainer.settings import TrainerSettings
-from trainer.state import Components
+from trainer.state import Components, RunPlan
 
 
 def step_batches(
@@ -41,11 +39,8 @@ def step_batches(
 
 
 def accumulate(
-    cfg: RunConfig,
-    settings: TrainerSettings,
+    run: RunPlan,
     parts: Components,
-    device: torch.device,
-    pad: int,
     loss_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     batches: list[list[list[Sample]]],
     n_sup: int,
@@ -54,11 +49,12 @@ def accumulate(
     over its supervised tokens); the step's loss per supervised token (all processes), on
     the device: nothing here waits for the GPU, so the host collates and copies the next
     micro-batch while the last one computes."""
-    world = settings.world_size
+    cfg, device, pad = run.config, run.device, run.pad
+    world = run.settings.world_size
     compiled = parts.compiler.active
     pack_to = cfg.max_seq_len if cfg.packing else None
     fixed_rows = cfg.micro_batch if compiled else 0  # few shapes for the compiler
-    mine = my_share(batches, settings.rank, world)
+    mine = my_share(batches, run.settings.rank, world)
     step_loss = torch.zeros((), device=device)
     for j, (b, weight) in enumerate(mine):
         tensors = collate_micro_batch(b, pad, pack_to, fixed_rows)

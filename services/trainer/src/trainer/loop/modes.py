@@ -9,16 +9,17 @@ OVERFIT_LOSS (the data and masking can be learned at all).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainer.config import RunConfig, with_overrides
+from trainer.data.preparation import Prepared
 from trainer.data.samples import Sample, prompt_ids
 from trainer.errors import SmokeFailed
-
-if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+from trainer.state import Components, Progress, RunPlan
 
 SMOKE_STEPS = 8  # optimizer steps of a smoke run
 SMOKE_SEQ = 128  # tokens: smoke runs use samples at most this long
@@ -70,11 +71,18 @@ def select_samples(
     return cfg, train, val
 
 
-def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
+def smoke_verdict(
+    plan: RunPlan,
+    prep: Prepared,
+    parts: Components,
+    progress: Progress,
+    last_checkpoint: Path | None,
+    series: dict[int, float],
+) -> dict[str, Any]:
     checks, ok = [], True
     first, last = (
-        r.progress.losses.get(1, float("nan")),
-        r.progress.losses.get(r.progress.step, float("nan")),
+        progress.losses.get(1, float("nan")),
+        progress.losses.get(progress.step, float("nan")),
     )
     down = last < first * (1 - SMOKE_MIN_DROP)
     ok &= down
@@ -83,13 +91,13 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
         f"{first:.4f} -> {last:.4f}"
     )
     reload_ok = False
-    if r.last_checkpoint is not None:
+    if last_checkpoint is not None:
         from safetensors.torch import load_file
 
-        saved = load_file(str(r.last_checkpoint / "adapter" / "adapter_model.safetensors"))
+        saved = load_file(str(last_checkpoint / "adapter" / "adapter_model.safetensors"))
         from peft import get_peft_model_state_dict
 
-        live = get_peft_model_state_dict(r.parts.peft)
+        live = get_peft_model_state_dict(parts.peft)
         reload_ok = (
             bool(saved)
             and set(saved) == set(live)
@@ -97,24 +105,24 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
         )
     ok &= reload_ok
     checks.append(
-        f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {r.last_checkpoint}"
+        f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {last_checkpoint}"
     )
-    conv = (r.prep.splits.validation or r.prep.splits.train)[0].conv
-    ids = torch.tensor([prompt_ids(conv, r.prep.tokenizer)], device=r.device)
-    r.parts.peft.eval()
+    conv = (prep.splits.validation or prep.splits.train)[0].conv
+    ids = torch.tensor([prompt_ids(conv, prep.tokenizer)], device=plan.device)
+    parts.peft.eval()
     with torch.no_grad():
-        out = r.parts.peft.generate(
+        out = parts.peft.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=SMOKE_NEW_TOKENS,
             do_sample=False,
-            eos_token_id=r.eot,
-            pad_token_id=r.pad,
+            eos_token_id=plan.eot,
+            pad_token_id=plan.pad,
             use_cache=True,
         )
     new = out[0, ids.shape[1] :].tolist()
-    stopped = bool(new) and new[-1] == r.eot
-    text = r.prep.tokenizer.decode(new, skip_special_tokens=True)
+    stopped = bool(new) and new[-1] == plan.eot
+    text = prep.tokenizer.decode(new, skip_special_tokens=True)
     gen_ok = bool(text.strip()) and stopped
     ok &= gen_ok
     checks.append(
@@ -125,30 +133,37 @@ def smoke_verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any]:
     return {"passed": bool(ok), "checks": checks, "losses": series}
 
 
-def overfit_verdict(r: Recipe) -> dict[str, Any]:
-    last = r.progress.losses.get(r.progress.step, float("inf"))
+def overfit_verdict(progress: Progress, samples: int) -> dict[str, Any]:
+    last = progress.losses.get(progress.step, float("inf"))
     return {
         "passed": last < OVERFIT_LOSS,
         "checks": [
-            f"loss {last:.4f} after {r.progress.step} steps on {len(r.train_samples)} samples "
+            f"loss {last:.4f} after {progress.step} steps on {samples} samples "
             f"(pass below {OVERFIT_LOSS})"
         ],
     }
 
 
-def verdict(r: Recipe, series: dict[int, float]) -> dict[str, Any] | None:
+def verdict(
+    plan: RunPlan,
+    prep: Prepared,
+    parts: Components,
+    progress: Progress,
+    last_checkpoint: Path | None,
+    series: dict[int, float],
+) -> dict[str, Any] | None:
     """The verdict a smoke or overfit run ends with (None for a training run)."""
-    if r.mode == "smoke":
-        return smoke_verdict(r, series)
-    if r.mode == "overfit":
-        return overfit_verdict(r)
+    if plan.mode == "smoke":
+        return smoke_verdict(plan, prep, parts, progress, last_checkpoint, series)
+    if plan.mode == "overfit":
+        return overfit_verdict(progress, len(plan.train_samples))
     return None
 
 
-def say_verdict(r: Recipe, verdict: dict[str, Any]) -> None:
-    r.say(("PASS" if verdict["passed"] else "FAIL") + f" ({r.mode})")
+def say_verdict(mode: str, verdict: dict[str, Any], say: Callable[[str], None]) -> None:
+    say(("PASS" if verdict["passed"] else "FAIL") + f" ({mode})")
     for c in verdict["checks"]:
-        r.say(f"  {c}")
+        say(f"  {c}")
 
 
 def refuse_failed(mode: str, verdict: dict[str, Any] | None) -> None:

@@ -1,26 +1,27 @@
 """What a run reports while it trains: the step record (metrics-step-N.json), the step
-line or progress bar (with the cost so far) and the live metrics (trainer.loop.live). A failed
-run's support memo is trainer.publish.failure.
+line (with the cost so far) and the values for the live metrics (trainer.loop.live; the
+recipe shows the line or the progress bar). A failed run's support memo is
+trainer.publish.failure.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from trainer.loop.budget import Meter
 from trainer.loop.live import gpu_reading
 from trainer.metrics import (
     memory_now,
     write_json,
 )
 from trainer.model.memory import human
-
-if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+from trainer.state import Progress, RunPlan
 
 
 def log_step(
-    r: Recipe,
+    plan: RunPlan,
+    progress: Progress,
+    meter: Meter,
     loss: float,
     lr: float,
     grad_norm: float,
@@ -28,50 +29,50 @@ def log_step(
     dt: float,
     session_start: float,
     session_tokens: int,
-) -> None:
-    """Write the step record, show the step (line or bar), publish the live metrics."""
+) -> tuple[str, dict[str, float]]:
+    """Write the step record; the step's line and its values for the live metrics."""
     elapsed = time.monotonic() - session_start
     tps = session_tokens / elapsed if elapsed > 0 else 0.0
-    steps_done = max(1, len(r.progress.losses))
-    eta = (r.total_steps - r.progress.step) * elapsed / steps_done
-    mem = memory_now(r.device)
+    steps_done = max(1, len(progress.losses))
+    eta = (plan.total_steps - progress.step) * elapsed / steps_done
+    mem = memory_now(plan.device)
     record = {
-        "step": r.progress.step,
+        "step": progress.step,
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": tokens,
-        "tokens_total": r.progress.tokens_seen,
+        "tokens_total": progress.tokens_seen,
         "tokens_per_s": tps,
         "step_time_s": dt,
         **mem,
     }
-    if r.settings.is_main:
-        write_json(r.metrics_dir / f"metrics-step-{r.progress.step}.json", record)
+    if plan.settings.is_main:
+        write_json(plan.metrics_dir / f"metrics-step-{progress.step}.json", record)
     shown = mem.get("peak_allocated", mem.get("rss", 0))
-    cost = r.meter.cost()
+    cost = meter.cost()
     line = (
-        f"step {r.progress.step}/{r.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
+        f"step {progress.step}/{plan.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
         f"tok/s {tps:.0f} step {dt:.2f}s eta {duration(eta)} mem {human(shown)}"
-        + (f" cost {cost:.2f}" if r.config.price_per_gpu_hour else "")
-        + (f"/{r.config.max_cost:g}" if r.config.max_cost else "")
+        + (f" cost {cost:.2f}" if plan.config.price_per_gpu_hour else "")
+        + (f"/{plan.config.max_cost:g}" if plan.config.max_cost else "")
     )
     values = {
-        "step": r.progress.step,
+        "step": progress.step,
         "loss": loss,
         "learning_rate": lr,
         "tokens_per_second": tps,
-        "tokens": r.progress.tokens_seen,
-        "supervised_tokens": r.progress.supervised_seen,
+        "tokens": progress.tokens_seen,
+        "supervised_tokens": progress.supervised_seen,
         "gpu_memory_allocated_bytes": mem.get("peak_allocated", 0),
         "gpu_memory_reserved_bytes": mem.get("peak_reserved", 0),
         "eta_seconds": eta,
         "cost": cost,
-        "max_cost": r.config.max_cost or 0.0,
-        "elapsed_hours": r.meter.hours(),
-        **gpu_reading(r.device),
+        "max_cost": plan.config.max_cost or 0.0,
+        "elapsed_hours": meter.hours(),
+        **gpu_reading(plan.device),
     }
-    r.say(line, show=r.live.step(values, line))
+    return line, values
 
 
 def duration(seconds: float) -> str:

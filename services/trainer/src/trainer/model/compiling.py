@@ -3,7 +3,7 @@
 Owns the `compile` / `compile_scope` settings' meaning (use_compile, compile_decoder),
 the decision of `compile: auto` by expected benefit (choose_compile), the on-disk compile
 cache that lets a resumed or repeated run skip most of the compile (use_cache_dir; a
-first run fills it from a child process meanwhile: trainer.model.compile_ahead), the
+first run fills it from a child process meanwhile: trainer.compile_ahead), the
 shapes the compiler sees (mark_dynamic_width; trainer.data.batching keeps them few), and the
 compile report (compile_report). It never loads a model (trainer.model.modeling does).
 
@@ -30,7 +30,7 @@ from lorastack.errors import ConfigError
 from trainer.config import RunConfig
 
 if TYPE_CHECKING:
-    from trainer.model.compile_ahead import Ahead
+    from trainer.model.ahead import Ahead
 
 # AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
 # (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
@@ -158,7 +158,7 @@ def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, tuple[str]]:
     """Pickle a memory format through a fixed module. The compile caches' keys pickle
     the inputs' metadata, and pickle names a memory format by the first module in
     sys.modules that holds `torch`: the key moved with import order, so a graph another
-    kind of process compiled (trainer.model.compile_ahead, a test) never hit."""
+    kind of process compiled (trainer.compile_ahead, a test) never hit."""
     return _memory_format, (str(fmt),)
 
 
@@ -269,7 +269,7 @@ class CompileRun:
         all_checkpointed: bool = True,
     ) -> None:
         self.allowed = use_compile(config, device)
-        self.ahead = ahead  # the child compiling the layer graph (trainer.model.compile_ahead)
+        self.ahead = ahead  # the child compiling the layer graph (trainer.compile_ahead)
         self.ahead_said = ""
         self.deferred: str | None = None  # the scope to compile once the child is done
         self.packed = config.packing  # packed rows have one width: a static graph

@@ -1,27 +1,29 @@
 """The end of a run: what `run_training` returns (TrainResult), and the completion record
 (training-complete.json, also inside the published adapter): steps, tokens and throughput
 over the whole wall time, memory (estimated and measured, part by part), losses,
-trainable parameters, billed hours and cost, the device and compile facts. The selected step, adapter digest and phase times are added by
-trainer.recipe.Recipe.finish as they become known.
+trainable parameters, billed hours and cost, the device and compile facts. The selected
+step, adapter digest and phase times are added by trainer.recipe.Recipe.finish as they
+become known.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lorastack.manifest import Manifest
 from trainer.data.preflight import PreflightReport
+from trainer.data.preparation import Prepared
+from trainer.loop.budget import Meter
 from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
 from trainer.model.compiling import compile_report
 from trainer.model.memory import against_measured, human
 from trainer.publish.hooks import HookOutcome
-
-if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+from trainer.state import Components, Progress, RunPlan
 
 
 @dataclass
@@ -40,46 +42,49 @@ class TrainResult:
     hook: HookOutcome | None = None  # on_complete's, when it ran
 
 
-def train_result(r: Recipe, completion: dict[str, Any]) -> TrainResult:
+def train_result(
+    plan: RunPlan, prep: Prepared, progress: Progress, completion: dict[str, Any]
+) -> TrainResult:
     """The result of a run that ended with `completion` (the adapter and verdict are set
     by the caller)."""
     return TrainResult(
-        r.mode,
-        r.run_dir,
-        r.progress.step,
-        dict(r.progress.losses),
-        dict(r.progress.val_losses),
-        data=r.data_manifest,
-        test=r.test_manifest,
+        plan.mode,
+        plan.run_dir,
+        progress.step,
+        dict(progress.losses),
+        dict(progress.val_losses),
+        data=plan.data_manifest,
+        test=plan.test_manifest,
         completion=completion,
-        preflight=r.prep.report,
+        preflight=prep.report,
     )
 
 
-def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
-    """The parts of trainer.model.memory.PARTS as measured. `r.memory_marks` holds bytes held
+def measured_parts(
+    device: torch.device, parts: Components, marks: dict[str, int], peak: int
+) -> dict[str, int | None]:
+    """The parts of trainer.model.memory.PARTS as measured. `marks` holds bytes held
     (torch's allocations on a GPU, RSS on the CPU) before the model loads (`start`), after
     it loads (`loaded`) and after the first optimizer step freed its gradients
     (`resting`). On a GPU each part is a difference of those. On the CPU the weights and
     the optimizer state are their tensors' bytes and the step is what the peak held
     beyond them: the weights are mapped from the file and enter the RSS only as they are
     first read, and memory freed after a step stays with the process."""
-    marks = r.memory_marks
 
     def grown(since: str, until: int | None) -> int | None:
         return None if since not in marks or until is None else until - marks[since]
 
     step, total = grown("resting", peak), grown("start", peak)
-    if r.device.type == "cuda":
+    if device.type == "cuda":
         return {
             "weights_and_adapter": grown("start", marks.get("loaded")),
             "optimizer": grown("loaded", marks.get("resting")),
             "step": step,
             "total": total,
         }
-    held = sum(t.nbytes for t in (*r.parts.peft.parameters(), *r.parts.peft.buffers()))
+    held = sum(t.nbytes for t in (*parts.peft.parameters(), *parts.peft.buffers()))
     state = sum(
-        v.nbytes for s in r.parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        v.nbytes for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     return {
         "weights_and_adapter": held,
@@ -89,48 +94,55 @@ def measured_parts(r: Recipe, peak: int) -> dict[str, int | None]:
     }
 
 
-def record_completion(r: Recipe) -> dict[str, Any]:
+def record_completion(
+    plan: RunPlan,
+    parts: Components,
+    progress: Progress,
+    meter: Meter,
+    memory_marks: dict[str, int],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     """The record of the run as it ends (all sessions of a resumed run); says the memory
-    estimate against the measured peak."""
-    cfg = r.config
-    wall = r.progress.wall_before + r.meter.seconds()
-    billed_h = wall / 3600 * r.settings.world_size
-    peak = peak_bytes(r.device)
-    measured = memory_now(r.device)
-    parts = against_measured(r.memory_estimate, measured_parts(r, peak))
+    estimate against the measured peak. `memory_marks`: see measured_parts."""
+    cfg, device = plan.config, plan.device
+    wall = progress.wall_before + meter.seconds()
+    billed_h = wall / 3600 * plan.settings.world_size
+    peak = peak_bytes(device)
+    measured = memory_now(device)
+    memory = against_measured(
+        plan.memory_estimate, measured_parts(device, parts, memory_marks, peak)
+    )
     completion = {
-        "mode": r.mode,
+        "mode": plan.mode,
         "wall_s": round(wall, 3),
-        "steps": r.progress.step,
-        "tokens": r.progress.tokens_seen,
-        "supervised_tokens": r.progress.supervised_seen,
+        "steps": progress.step,
+        "tokens": progress.tokens_seen,
+        "supervised_tokens": progress.supervised_seen,
         # over the whole wall time, set-up included: what the bill pays for
-        "tokens_per_s": round(r.progress.tokens_seen / wall, 1) if wall > 0 else None,
-        "supervised_tokens_per_s": round(r.progress.supervised_seen / wall, 1)
-        if wall > 0
-        else None,
+        "tokens_per_s": round(progress.tokens_seen / wall, 1) if wall > 0 else None,
+        "supervised_tokens_per_s": round(progress.supervised_seen / wall, 1) if wall > 0 else None,
         "peak_memory": peak,
         "peak_reserved": measured.get("peak_reserved"),
-        "memory_estimate": r.memory_estimate.get("total", 0),
-        "memory_parts": parts,
-        "final_val_loss": r.progress.val_losses.get(r.progress.step),
-        "best_val_loss": min(r.progress.val_losses.values()) if r.progress.val_losses else None,
-        "final_train_loss": r.progress.losses.get(r.progress.step),
-        "trainable_params": r.parts.trainable,
+        "memory_estimate": plan.memory_estimate.get("total", 0),
+        "memory_parts": memory,
+        "final_val_loss": progress.val_losses.get(progress.step),
+        "best_val_loss": min(progress.val_losses.values()) if progress.val_losses else None,
+        "final_train_loss": progress.losses.get(progress.step),
+        "trainable_params": parts.trainable,
         "billed_hours": billed_h,
         "price_per_gpu_hour": cfg.price_per_gpu_hour,
         "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
-        "device": device_facts(r.device),
-        "nvml": nvml_reading(r.device) or None,  # the nvidia-smi reading at the end
-        "compile": compile_report() if r.parts.compiler.active else None,
+        "device": device_facts(device),
+        "nvml": nvml_reading(device) or None,  # the nvidia-smi reading at the end
+        "compile": compile_report() if parts.compiler.active else None,
     }
-    r.say(
-        f"memory: estimated {human(r.memory_estimate.get('total', 0))}, measured peak "
-        f"{human(peak)} ({'torch allocated' if r.device.type == 'cuda' else 'process RSS'}); "
+    say(
+        f"memory: estimated {human(plan.memory_estimate.get('total', 0))}, measured peak "
+        f"{human(peak)} ({'torch allocated' if device.type == 'cuda' else 'process RSS'}); "
         + ", ".join(
             f"{name} {human(int(p['estimate'] or 0))} est / "
             + (human(int(p["measured"])) if p["measured"] is not None else "-")
-            for name, p in parts.items()
+            for name, p in memory.items()
         ),
     )
     return completion

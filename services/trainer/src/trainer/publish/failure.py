@@ -7,35 +7,47 @@ unexpected. The training itself (trainer.recipe) never sees this path.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from lorastack.errors import LorastackError
 from lorastack.manifest import Manifest
+from trainer.data.preparation import Prepared
 from trainer.data.samples import template_hash
 from trainer.errors import TrainingCrashed, TrainingOOM
-from trainer.metrics import OOM_HINT, device_facts, is_oom, write_support_bundle
+from trainer.loop.budget import Meter
+from trainer.metrics import OOM_HINT, LogTail, device_facts, is_oom, write_support_bundle
 from trainer.publish import hooks
+from trainer.publish.publishing import publish_support_bundle
+from trainer.state import RunPlan
 
-if TYPE_CHECKING:
-    from trainer.recipe import Recipe
 
-
-def report_failure(r: Recipe, e: Exception) -> LorastackError:
-    """The support memo, then the on_failure hook; the error to raise for `e`."""
-    error, memo = leave_support_memo(r, e)
+def report_failure(
+    plan: RunPlan,
+    prep: Prepared | None,
+    step: int,
+    meter: Meter,
+    tail: LogTail,
+    say: Callable[[str], None],
+    e: Exception,
+) -> LorastackError:
+    """The support memo, then the on_failure hook; the error to raise for `e`. `prep` is
+    None when the run failed before its data was ready, `step` the last one finished."""
+    error, memo = leave_support_memo(plan, prep, step, tail, e)
+    store = prep.store if prep is not None else None
     try:
-        hooks.after_failure(r, error, memo, dict(os.environ))
+        hooks.after_failure(plan, store, step, meter, error, memo, dict(os.environ), say)
     except Exception as h:  # never hide the run's own error behind the hook's
-        r.say(f"on_failure hook not run: {type(h).__name__}: {h}")
+        say(f"on_failure hook not run: {type(h).__name__}: {h}")
     return error
 
 
-def run_facts(r: Recipe) -> dict[str, Any]:
+def run_facts(plan: RunPlan, prep: Prepared | None, step: int) -> dict[str, Any]:
     """What the support memo says of the run (trainer.metrics.write_support_bundle)."""
-    cfg = r.config
+    cfg = plan.config
     facts: dict[str, Any] = {
-        "step": r.progress.step,
-        "failing_step": r.progress.step + 1,
+        "step": step,
+        "failing_step": step + 1,
         "max_seq_len": cfg.max_seq_len,
         "micro_batch": cfg.micro_batch,
         "grad_accum": cfg.grad_accum,
@@ -43,10 +55,9 @@ def run_facts(r: Recipe) -> dict[str, Any]:
         "config": cfg.model_dump(mode="json"),
     }
     try:
-        facts |= device_facts(r.device)
+        facts |= device_facts(plan.device)
     except Exception:
-        facts["device"] = str(r.device)
-    prep = getattr(r, "prep", None)  # None: the run failed before its data was ready
+        facts["device"] = str(plan.device)
     tok = prep.tokenizer if prep is not None else None
     if tok is not None:
         facts["template"] = {
@@ -57,28 +68,32 @@ def run_facts(r: Recipe) -> dict[str, Any]:
     return facts
 
 
-def leave_support_memo(r: Recipe, e: Exception) -> tuple[LorastackError, Manifest | None]:
+def leave_support_memo(
+    plan: RunPlan, prep: Prepared | None, step: int, tail: LogTail, e: Exception
+) -> tuple[LorastackError, Manifest | None]:
     """A failed run's support memo, written and published beside the run (None: it stays
     local), and the error to raise: `e` itself, or TrainingOOM / TrainingCrashed for an
     unexpected one."""
-    from trainer.publish.publishing import publish_support_bundle
-
-    r.run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = plan.config
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
     bundle = write_support_bundle(
-        r.run_dir / "support-bundle.json", e, run_facts(r), list(r.tail.lines), dict(os.environ)
+        plan.run_dir / "support-bundle.json",
+        e,
+        run_facts(plan, prep, step),
+        list(tail.lines),
+        dict(os.environ),
     )
     print(f"support bundle: {bundle}", flush=True)
-    memo = publish_support_bundle(r, bundle)
+    memo = publish_support_bundle(plan, prep.store if prep is not None else None, step, bundle)
     if isinstance(e, LorastackError):
         return e, memo
     if is_oom(e):
         return TrainingOOM(
-            f"out of memory at step {r.progress.step + 1} (micro_batch={r.config.micro_batch}, "
-            f"max_seq_len={r.config.max_seq_len}); support bundle: {bundle}",
+            f"out of memory at step {step + 1} (micro_batch={cfg.micro_batch}, "
+            f"max_seq_len={cfg.max_seq_len}); support bundle: {bundle}",
             OOM_HINT,
         ), memo
     return TrainingCrashed(
-        f"training crashed at step {r.progress.step + 1}: {type(e).__name__}: {e}\n"
-        f"  support bundle: {bundle}",
+        f"training crashed at step {step + 1}: {type(e).__name__}: {e}\n  support bundle: {bundle}",
         "the bundle holds the traceback, versions and last log lines; attach it to a bug report",
     ), memo

@@ -8,8 +8,8 @@ support memo and the last checkpoint, if any); never with a `file://` store unle
 hook says `allow_local_store: true`. The environment it gets (`hook_env`) names the run,
 the artifact refs and the cost; its output goes to the run log and to
 RUN_DIR/hooks/EVENT.log; a hook that fails or times out is reported and changes nothing
-that was published. The recipe (trainer.recipe) calls `after_success` / `after_failure`;
-this module never trains.
+that was published. The recipe (trainer.recipe) calls `after_success` and
+trainer.publish.failure calls `after_failure`; this module never trains.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from lorastack.errors import ConfigError, LorastackError
@@ -30,10 +29,8 @@ from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore
 from trainer.config import HookConfig, RunConfig
 from trainer.errors import CostCapReached, HookNotRun, TrainingInterrupted
-
-if TYPE_CHECKING:
-    from trainer.publish.completion import TrainResult
-    from trainer.recipe import Recipe
+from trainer.loop.budget import Meter
+from trainer.state import RunPlan
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
@@ -192,82 +189,101 @@ def with_suppressed_kill(pgid: int) -> None:
         pass
 
 
-def _last_checkpoint(r: Recipe) -> Manifest | None:
-    name = f"{r.config.output}/checkpoints"
-    steps = [int(v) for v in r.prep.store.versions(name) if v.isdigit()]
-    return r.prep.store.manifest(name, str(max(steps))) if steps else None
+def _last_checkpoint(output: str, store: ArtifactStore) -> Manifest | None:
+    name = f"{output}/checkpoints"
+    steps = [int(v) for v in store.versions(name) if v.isdigit()]
+    return store.manifest(name, str(max(steps))) if steps else None
 
 
 def _env(
-    r: Recipe, event: str, status: str, refs: dict[str, Manifest], error: str = ""
+    plan: RunPlan,
+    store: ArtifactStore,
+    step: int,
+    meter: Meter,
+    event: str,
+    status: str,
+    refs: dict[str, Manifest],
+    error: str = "",
 ) -> dict[str, str]:
     return hook_env(
         event,
-        run=r.config.output,
-        run_dir=r.run_dir,
-        store_url=r.prep.store.url,
+        run=plan.config.output,
+        run_dir=plan.run_dir,
+        store_url=store.url,
         status=status,
-        steps=r.progress.step,
-        hours=r.meter.hours() * r.settings.world_size,
-        cost=r.meter.cost(),
-        currency=r.config.currency,
+        steps=step,
+        hours=meter.hours() * plan.settings.world_size,
+        cost=meter.cost(),
+        currency=plan.config.currency,
         refs=refs,
         error=error,
     )
 
 
-def after_success(r: Recipe, result: TrainResult, base_env: dict[str, str]) -> HookOutcome | None:
-    """Verify the run's results off the host, then run on_complete (None: no hook)."""
-    hook = r.config.on_complete
-    if hook is None or r.mode != "train" or not r.settings.is_main:
+def after_success(
+    plan: RunPlan,
+    store: ArtifactStore,
+    step: int,
+    meter: Meter,
+    published: dict[str, Manifest | None],
+    base_env: dict[str, str],
+    say: Callable[[str], None],
+) -> HookOutcome | None:
+    """Verify the run's results off the host (`published`: the adapter, data and test
+    manifests of its TrainResult), then run on_complete (None: no hook)."""
+    hook = plan.config.on_complete
+    if hook is None or plan.mode != "train" or not plan.settings.is_main:
         return None
-    assert result.adapter is not None and result.data is not None and result.test is not None
-    refs = {"adapter": result.adapter, "data": result.data, "test": result.test}
+    refs = {what: m for what, m in published.items() if m is not None}
+    assert set(refs) == {"adapter", "data", "test"}, published
     try:
-        ckpt = _last_checkpoint(r)
+        ckpt = _last_checkpoint(plan.config.output, store)
     except LorastackError as e:
-        raise not_run(
-            "on_complete", f"the checkpoints in {r.prep.store.url} cannot be read: {e}"
-        ) from e
+        raise not_run("on_complete", f"the checkpoints in {store.url} cannot be read: {e}") from e
     if ckpt is None:
-        raise not_run("on_complete", f"no checkpoint of {r.config.output} in {r.prep.store.url}")
+        raise not_run("on_complete", f"no checkpoint of {plan.config.output} in {store.url}")
     refs["checkpoint"] = ckpt
-    warning = store_warning(r.prep.store.url, r.settings.s3_endpoint_url)
+    warning = store_warning(store.url, plan.settings.s3_endpoint_url)
     if warning:
-        r.say(warning)
-    verify_all(r.prep.store, refs, "on_complete", r.say)
+        say(warning)
+    verify_all(store, refs, "on_complete", say)
     outcome = run_hook(
         "on_complete",
         hook,
-        {**base_env, **_env(r, "on_complete", "complete", refs)},
-        r.run_dir / "hooks",
-        r.say,
+        {**base_env, **_env(plan, store, step, meter, "on_complete", "complete", refs)},
+        plan.run_dir / "hooks",
+        say,
     )
     if not outcome.ok:
-        r.say(
-            f"WARNING: {outcome.describe()}; the published results are safe: {result.adapter.ref}"
-        )
+        say(f"WARNING: {outcome.describe()}; the published results are safe: {refs['adapter'].ref}")
     return outcome
 
 
 def after_failure(
-    r: Recipe, error: LorastackError, memo: Manifest | None, base_env: dict[str, str]
+    plan: RunPlan,
+    store: ArtifactStore | None,
+    step: int,
+    meter: Meter,
+    error: LorastackError,
+    memo: Manifest | None,
+    base_env: dict[str, str],
+    say: Callable[[str], None],
 ) -> None:
-    """Verify the support memo (published by trainer.publish.failure.failed) and the last
-    checkpoint off the host, then run on_failure; a memo that is not there means no hook,
-    said why."""
-    cfg = r.config
-    if r.mode != "train" or not r.settings.is_main:
+    """Verify the support memo (published by trainer.publish.failure into `store`, None: the
+    run failed before its store opened) and the last checkpoint off the host, then run
+    on_failure; a memo that is not there means no hook, said why."""
+    cfg = plan.config
+    if plan.mode != "train" or not plan.settings.is_main:
         return
     if cfg.on_complete is not None:
-        r.say(f"on_complete hook not run: the run did not complete ({type(error).__name__})")
+        say(f"on_complete hook not run: the run did not complete ({type(error).__name__})")
     if cfg.on_failure is None:
         return
     if isinstance(error, TrainingInterrupted):
-        r.say("on_failure hook not run: the run was stopped by a signal (--resume continues it)")
+        say("on_failure hook not run: the run was stopped by a signal (--resume continues it)")
         return
-    if memo is None:
-        r.say(
+    if memo is None or store is None:
+        say(
             "on_failure hook not run: the support memo is not in a store off this host "
             "(the store was not reached; see the warning above)"
         )
@@ -275,14 +291,14 @@ def after_failure(
     status = "cost_cap" if isinstance(error, CostCapReached) else "failed"
     refs = {"support": memo}
     try:
-        ckpt = _last_checkpoint(r)
+        ckpt = _last_checkpoint(cfg.output, store)
         if ckpt is not None:
             refs["checkpoint"] = ckpt
-        verify_all(r.prep.store, refs, "on_failure", r.say)
+        verify_all(store, refs, "on_failure", say)
     except LorastackError as e:
-        r.say(f"on_failure hook not run: the support memo is not verified off this host: {e}")
+        say(f"on_failure hook not run: the support memo is not verified off this host: {e}")
         return
-    env = {**base_env, **_env(r, "on_failure", status, refs, error.message)}
-    outcome = run_hook("on_failure", cfg.on_failure, env, r.run_dir / "hooks", r.say)
+    env = {**base_env, **_env(plan, store, step, meter, "on_failure", status, refs, error.message)}
+    outcome = run_hook("on_failure", cfg.on_failure, env, plan.run_dir / "hooks", say)
     if not outcome.ok:
-        r.say(f"WARNING: {outcome.describe()}")
+        say(f"WARNING: {outcome.describe()}")

@@ -1,7 +1,7 @@
 """Where a run meets the artifact store: the checkpoint a resumed run continues from
 (refused when the run changed), checkpoints and the adapter published, the best
 checkpoint kept, the adapter `select` picks, a finished run left as it was, and the
-stop at a cost cap (at a published checkpoint; the arithmetic is trainer.publish.budget).
+stop at a cost cap (at a published checkpoint; the arithmetic is trainer.loop.budget).
 """
 
 from __future__ import annotations
@@ -9,52 +9,52 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
-from trainer.config import SAFE_TO_CHANGE
+from lorastack.store import ArtifactStore
+from trainer.config import SAFE_TO_CHANGE, RunConfig
 from trainer.data.chat_templates import chat_format_record
+from trainer.data.preparation import Prepared
 from trainer.errors import CostCapReached, ResumeRefused
+from trainer.loop import budget
 from trainer.loop.selection import selected_step, standing
 from trainer.metrics import write_json
-from trainer.publish import budget, checkpoint
-from trainer.publish.completion import train_result
-
-if TYPE_CHECKING:
-    from trainer.publish.completion import TrainResult
-    from trainer.recipe import Recipe
+from trainer.publish import checkpoint
+from trainer.publish.completion import TrainResult, train_result
+from trainer.state import Progress, RunPlan
 
 log = logging.getLogger("trainer")
 TEMPLATE_FILE = "chat_template.jinja"  # what the tokenizer's save_pretrained writes
 
 
-def find_resume_point(r: Recipe, resume: bool) -> Path | None:
+def find_resume_point(plan: RunPlan, store: ArtifactStore, resume: bool) -> Path | None:
     """The checkpoint to continue from (None for a fresh run); refuses a mismatch."""
-    if r.mode != "train":
+    if plan.mode != "train":
         return None
-    name = f"{r.config.output}/checkpoints"
-    local = checkpoint.local_steps(r.ckpt_root)
-    remote = [int(v) for v in r.prep.store.versions(name) if v.isdigit()]
+    output = plan.config.output
+    name = f"{output}/checkpoints"
+    local = checkpoint.local_steps(plan.ckpt_root)
+    remote = [int(v) for v in store.versions(name) if v.isdigit()]
     latest = max(local + remote, default=None)
     if not resume:
         if latest is not None:
             raise ResumeRefused(
-                f"run {r.config.output!r} already has checkpoints (latest step {latest})",
+                f"run {output!r} already has checkpoints (latest step {latest})",
                 "continue it with --resume, or start a new run with another output name "
                 "(output=NAME)",
             )
         return None
     if latest is None:
-        raise NotFound(
-            f"--resume: run {r.config.output!r} has no checkpoint", "start without --resume"
-        )
-    folder = checkpoint.step_dir(r.ckpt_root, latest)
+        raise NotFound(f"--resume: run {output!r} has no checkpoint", "start without --resume")
+    folder = checkpoint.step_dir(plan.ckpt_root, latest)
     if latest not in local:
-        r.prep.store.get(r.prep.store.manifest(name, str(latest)), folder)
+        store.get(store.manifest(name, str(latest)), folder)
     old = checkpoint.read_manifest(folder)
-    changed = checkpoint.manifest_diff(old, r.run_manifest)
+    changed = checkpoint.manifest_diff(old, plan.run_manifest)
     if changed:
         raise ResumeRefused(
             f"--resume refused: this run differs from checkpoint step {latest}:\n"
@@ -65,109 +65,125 @@ def find_resume_point(r: Recipe, resume: bool) -> Path | None:
     return folder
 
 
-def publish_checkpoint(r: Recipe, folder: Path) -> None:
-    name = f"{r.config.output}/checkpoints"
-    parents = [r.prep.base.as_parent("base")]
-    if r.data_manifest is not None:
-        parents.append(r.data_manifest.as_parent("dataset"))
+def publish_checkpoint(
+    plan: RunPlan,
+    prep: Prepared,
+    step: int,
+    folder: Path,
+    val_losses: dict[int, float],
+    total_steps: int | None,
+) -> None:
+    """Publish the checkpoint of `step` (`total_steps`: None before setup has planned the
+    steps) and delete the versions keep_checkpoints lets go, the best one kept."""
+    name = f"{plan.config.output}/checkpoints"
+    parents = [prep.base.as_parent("base")]
+    if plan.data_manifest is not None:
+        parents.append(plan.data_manifest.as_parent("dataset"))
     try:
-        r.prep.store.publish(
+        prep.store.publish(
             folder,
             kind="checkpoint",
             name=name,
             service="trainer",
-            version=str(r.progress.step),
+            version=str(step),
             parents=parents,
-            config=r.config.model_dump(mode="json"),
-            metadata={"step": r.progress.step, "total_steps": getattr(r, "total_steps", None)},
+            config=plan.config.model_dump(mode="json"),
+            metadata={"step": step, "total_steps": total_steps},
         )
     except Conflict:
-        log.warning("%s:%d was already published; keeping that version", name, r.progress.step)
-    versions = sorted(int(v) for v in r.prep.store.versions(name) if v.isdigit())
-    keep = kept_best(r)
-    for v in versions[: -r.config.keep_checkpoints]:
+        log.warning("%s:%d was already published; keeping that version", name, step)
+    versions = sorted(int(v) for v in prep.store.versions(name) if v.isdigit())
+    keep = kept_best(plan.config, val_losses)
+    for v in versions[: -plan.config.keep_checkpoints]:
         if v != keep:
-            r.prep.store.delete(name, str(v))
+            prep.store.delete(name, str(v))
 
 
-def kept_best(r: Recipe) -> int | None:
+def kept_best(cfg: RunConfig, val_losses: dict[int, float]) -> int | None:
     """The checkpoint that keep_checkpoints never deletes: the best evaluation's."""
-    return standing(r.progress.val_losses).best_step if r.config.select == "best_val_loss" else None
+    return standing(val_losses).best_step if cfg.select == "best_val_loss" else None
 
 
-def select_adapter(r: Recipe) -> dict[str, Any]:
+def select_adapter(
+    plan: RunPlan, store: ArtifactStore, progress: Progress, say: Callable[[str], None]
+) -> dict[str, Any]:
     """The step `select` picks (trainer.loop.selection), its checkpoint here (publish_adapter
     publishes that checkpoint's adapter: under FSDP the model holds shards)."""
-    step, why = selected_step(r.progress.val_losses, r.config.select, r.progress.step)
-    folder = checkpoint.step_dir(r.ckpt_root, step)
-    if not folder.is_dir():  # resumed elsewhere: the store keeps it (_kept_best)
-        name = f"{r.config.output}/checkpoints"
-        r.prep.store.get(r.prep.store.manifest(name, str(step)), folder)
-    r.say(f"publishing the adapter of step {step}: {why}")
+    step, why = selected_step(progress.val_losses, plan.config.select, progress.step)
+    folder = checkpoint.step_dir(plan.ckpt_root, step)
+    if not folder.is_dir():  # resumed elsewhere: the store keeps it (kept_best)
+        name = f"{plan.config.output}/checkpoints"
+        store.get(store.manifest(name, str(step)), folder)
+    say(f"publishing the adapter of step {step}: {why}")
     return {"step": step, "why": why}
 
 
-def already_finished(r: Recipe) -> TrainResult | None:
+def already_finished(
+    plan: RunPlan, prep: Prepared, progress: Progress, say: Callable[[str], None]
+) -> TrainResult | None:
     """A --resume of a run that had finished and published: nothing was trained, so the
     published adapter and the run's completion record stay as they are (no new version
     with this no-op session's wall time, memory and an empty final loss)."""
-    if (
-        r.mode != "train"
-        or r.progress.resumed_at is None
-        or r.progress.step != r.progress.resumed_at
-    ):
+    if plan.mode != "train" or progress.resumed_at is None or progress.step != progress.resumed_at:
         return None
-    path = r.run_dir / "training-complete.json"
+    path = plan.run_dir / "training-complete.json"
     try:
         completion = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if completion.get("steps") != r.progress.step or not completion.get("adapter_digest"):
+    if completion.get("steps") != progress.step or not completion.get("adapter_digest"):
         return None
-    m = r.prep.store.find(f"{r.config.output}/adapter", completion["adapter_digest"])
+    m = prep.store.find(f"{plan.config.output}/adapter", completion["adapter_digest"])
     if m is None:
         return None
-    r.say(f"the run had already finished at step {r.progress.step}; keeping {m.ref}")
-    result = train_result(r, completion)
+    say(f"the run had already finished at step {progress.step}; keeping {m.ref}")
+    result = train_result(plan, prep, progress, completion)
     result.adapter = m
     return result
 
 
-def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manifest:
-    cfg = r.config
-    folder = r.run_dir / "adapter"
+def publish_adapter(
+    plan: RunPlan,
+    prep: Prepared,
+    step: int,
+    completion: dict[str, Any],
+    plot: Path,
+    say: Callable[[str], None],
+) -> Manifest:
+    cfg = plan.config
+    folder = plan.run_dir / "adapter"
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(
-        checkpoint.step_dir(r.ckpt_root, completion["selected"]["step"]) / "adapter", folder
+        checkpoint.step_dir(plan.ckpt_root, completion["selected"]["step"]) / "adapter", folder
     )
     adapter_cfg = folder / "adapter_config.json"
     data = json.loads(adapter_cfg.read_text())
-    data["base_model_name_or_path"] = r.prep.base.ref  # a store ref, never a hub id or a local path
+    data["base_model_name_or_path"] = prep.base.ref  # a store ref, never a hub id or a local path
     adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    r.prep.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
+    prep.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
     chat_format = chat_format_record(
         (folder / TEMPLATE_FILE).read_text("utf-8"),
         cfg.chat_template,
         TEMPLATE_FILE,
-        trained_on_tools=any(item.conv.has_tools for item in r.prep.splits.train),
+        trained_on_tools=any(item.conv.has_tools for item in prep.splits.train),
     )
-    shutil.copytree(r.metrics_dir, folder / "metrics")
+    shutil.copytree(plan.metrics_dir, folder / "metrics")
     shutil.copy(plot, folder / "loss.png")
-    shutil.copy(r.run_dir / "run-manifest.json", folder / "run-manifest.json")
-    shutil.copy(r.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
+    shutil.copy(plan.run_dir / "run-manifest.json", folder / "run-manifest.json")
+    shutil.copy(plan.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
     completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
     write_json(folder / "training-complete.json", completion)
-    assert r.data_manifest is not None and r.test_manifest is not None
-    m = r.prep.store.publish(
+    assert plan.data_manifest is not None and plan.test_manifest is not None
+    m = prep.store.publish(
         folder,
         kind="adapter",
         name=f"{cfg.output}/adapter",
         service="trainer",
-        parents=[r.prep.base.as_parent("base"), r.data_manifest.as_parent("dataset")],
+        parents=[prep.base.as_parent("base"), plan.data_manifest.as_parent("dataset")],
         config=cfg.model_dump(mode="json"),
         metadata={
-            "test_split": {"ref": r.test_manifest.ref, "digest": r.test_manifest.digest},
-            "steps": r.progress.step,
+            "test_split": {"ref": plan.test_manifest.ref, "digest": plan.test_manifest.digest},
+            "steps": step,
             "selected_step": completion["selected"]["step"],
             "selected_because": completion["selected"]["why"],
             "final_val_loss": completion["final_val_loss"],
@@ -177,58 +193,60 @@ def publish_adapter(r: Recipe, completion: dict[str, Any], plot: Path) -> Manife
             "chat_format": chat_format,
         },
     )
-    r.say(f"published {m.ref} ({m.digest[:19]})")
+    say(f"published {m.ref} ({m.digest[:19]})")
     return m
 
 
-def check_budget(r: Recipe, resume_from: Path | None) -> str:
-    """The preflight of a capped run (trainer.publish.budget): its line, or PreflightRefused. A
+def check_budget(plan: RunPlan, meter: budget.Meter, resume_from: Path | None) -> str:
+    """The preflight of a capped run (trainer.loop.budget): its line, or PreflightRefused. A
     resumed run counts the steps and hours of its checkpoint (trainer-state.json)."""
     state: dict[str, Any] = {}
     if resume_from is not None:
         state = json.loads((resume_from / "trainer-state.json").read_text())
     return budget.check_preflight(
-        r.meter.caps,
-        steps_left=r.total_steps - int(state.get("step", 0)),
-        timing=step_time(r),
-        setup_hours=r.config.setup_hours,
-        hours_so_far=float(state.get("wall_s", 0.0)) / 3600 + r.meter.hours(),
+        meter.caps,
+        steps_left=plan.total_steps - int(state.get("step", 0)),
+        timing=step_time(plan),
+        setup_hours=plan.config.setup_hours,
+        hours_so_far=float(state.get("wall_s", 0.0)) / 3600 + meter.hours(),
     )
 
 
-def step_time(r: Recipe) -> tuple[float, str] | None:
+def step_time(plan: RunPlan) -> tuple[float, str] | None:
     """Seconds per step for the cost estimate: the config's, else the steps this run took
     before it was resumed, else this output's smoke run's per token, times the tokens of
     this run's steps (a smoke run trains a short batch of short samples)."""
-    if r.config.seconds_per_step is not None:
-        return r.config.seconds_per_step, "seconds_per_step in the run config"
-    tokens_per_step = sum(r.plan.lengths) / max(1, r.plan.steps_per_epoch())
-    return budget.measured_step_time(r.metrics_dir, "this run") or budget.measured_step_time(
-        r.run_dir / "smoke" / "metrics", "the smoke run", tokens_per_step
+    if plan.config.seconds_per_step is not None:
+        return plan.config.seconds_per_step, "seconds_per_step in the run config"
+    batches = plan.batches
+    tokens_per_step = sum(batches.lengths) / max(1, batches.steps_per_epoch())
+    return budget.measured_step_time(plan.metrics_dir, "this run") or budget.measured_step_time(
+        plan.run_dir / "smoke" / "metrics", "the smoke run", tokens_per_step
     )
 
 
-def cap_reached(r: Recipe, over: list[str]) -> CostCapReached:
+def cap_reached(plan: RunPlan, meter: budget.Meter, step: int, over: list[str]) -> CostCapReached:
     """The stop at a cap, once the checkpoint of this step is published."""
     return budget.stop_error(
-        r.meter.caps,
-        r.meter,
+        meter.caps,
+        meter,
         over,
-        step=r.progress.step,
-        total_steps=r.total_steps,
-        checkpoint_ref=f"{r.config.output}/checkpoints:{r.progress.step}",
-        command=r.command,
-        setup_hours=r.config.setup_hours,
+        step=step,
+        total_steps=plan.total_steps,
+        checkpoint_ref=f"{plan.config.output}/checkpoints:{step}",
+        command=plan.command,
+        setup_hours=plan.config.setup_hours,
     )
 
 
-def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
+def publish_support_bundle(
+    plan: RunPlan, store: ArtifactStore | None, step: int, bundle: Path
+) -> Manifest | None:
     """The support memo into the store beside the run (`OUTPUT/support`, a report), so it
     outlives the host. A store that cannot take it (it may be the failure) is logged and
-    never hides the original error; a failure before the store opened keeps the local file."""
-    prep = getattr(r, "prep", None)  # None: the run failed before its store opened
-    store = prep.store if prep is not None else None
-    if store is None or not r.settings.is_main:
+    never hides the original error; a failure before the store opened (`store` None)
+    keeps the local file."""
+    if store is None or not plan.settings.is_main:
         return None
     folder = bundle.parent / "support"
     folder.mkdir(parents=True, exist_ok=True)
@@ -237,9 +255,9 @@ def publish_support_bundle(r: Recipe, bundle: Path) -> Manifest | None:
         m = store.publish(
             folder,
             kind="report",
-            name=f"{r.config.output}/support",
+            name=f"{plan.config.output}/support",
             service="trainer",
-            metadata={"step": r.progress.step, "mode": r.mode},
+            metadata={"step": step, "mode": plan.mode},
         )
     except Exception as e:  # the run's own error is the one to raise
         log.warning("the support bundle stays local (%s): the store refused it: %s", bundle, e)

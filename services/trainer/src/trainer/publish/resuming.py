@@ -4,62 +4,71 @@ back from it: the step, the token counters, the wall time of earlier sessions,
 the validation losses and the RNG states (the adapter, AdamW and scheduler states load
 through trainer.publish.checkpoint.load_into); and the upload of a checkpoint that a killed run
 wrote locally but never published. Which checkpoint to resume from, and the refusal when
-the run changed, is trainer.publish.publishing.find_resume_point.
+the run changed, is trainer.publish.publishing.find_resume_point. The recipe keeps the
+folder a save returns as its last checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from trainer.data.preparation import Prepared
+from trainer.loop.budget import Meter
 from trainer.model import sharding
 from trainer.publish import checkpoint, publishing
-from trainer.state import Components, Progress
-
-if TYPE_CHECKING:
-    from trainer.recipe import Recipe
+from trainer.state import Components, Progress, RunPlan
 
 
-def save_checkpoint(r: Recipe) -> Path | None:
+def save_checkpoint(
+    plan: RunPlan,
+    prep: Prepared,
+    parts: Components,
+    progress: Progress,
+    meter: Meter,
+    say: Callable[[str], None],
+) -> Path:
     """Write (rank 0), publish (a "train" run) and prune the checkpoint of this step; every
-    process calls it (an FSDP model is gathered by all). Returns the folder on rank 0."""
-    gathered = sharding.gather(r.parts.train_loss, r.parts.optimizer)  # every process, FSDP
-    if not r.settings.is_main:
-        r.last_checkpoint = checkpoint.step_dir(r.ckpt_root, r.progress.step)  # rank 0's
-        return None
+    process calls it (an FSDP model is gathered by all). Returns the folder (rank 0's, on
+    the other processes)."""
+    gathered = sharding.gather(parts.train_loss, parts.optimizer)  # every process, FSDP
+    if not plan.settings.is_main:
+        return checkpoint.step_dir(plan.ckpt_root, progress.step)  # rank 0's
     folder = checkpoint.save(
-        r.ckpt_root,
-        r.progress.step,
-        r.parts.peft,
-        r.parts.optimizer,
-        r.parts.scheduler,
-        saved_state(r.progress, r.plan.steps_per_epoch(), r.meter.seconds()),
-        r.run_manifest,
+        plan.ckpt_root,
+        progress.step,
+        parts.peft,
+        parts.optimizer,
+        parts.scheduler,
+        saved_state(progress, plan.batches.steps_per_epoch(), meter.seconds()),
+        plan.run_manifest,
         gathered,
     )
-    r.last_checkpoint = folder
-    r.say(f"checkpoint step {r.progress.step}: {folder}")
-    if r.mode == "train":
-        publishing.publish_checkpoint(r, folder)
-    checkpoint.prune(r.ckpt_root, r.config.keep_checkpoints, publishing.kept_best(r))
-    if r.settings.kill_after_checkpoint == r.progress.step:
-        kill_for_drill(r, folder)
+    say(f"checkpoint step {progress.step}: {folder}")
+    if plan.mode == "train":
+        publishing.publish_checkpoint(
+            plan, prep, progress.step, folder, progress.val_losses, plan.total_steps
+        )
+    best = publishing.kept_best(plan.config, progress.val_losses)
+    checkpoint.prune(plan.ckpt_root, plan.config.keep_checkpoints, best)
+    if plan.settings.kill_after_checkpoint == progress.step:
+        kill_for_drill(progress.step, folder, say)
     return folder
 
 
-def kill_for_drill(r: Recipe, folder: Path) -> None:
+def kill_for_drill(step: int, folder: Path, say: Callable[[str], None]) -> None:
     """LORASTACK_KILL_AFTER_CHECKPOINT: die by SIGKILL now, as a lost host would, with no
     cleanup. Only rank 0 saves, so only rank 0 dies; torchrun then ends the others."""
-    r.say(f"kill_after_checkpoint={r.progress.step}: SIGKILL after {folder}")
+    say(f"kill_after_checkpoint={step}: SIGKILL after {folder}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def checkpoint_unless_saved(r: Recipe) -> None:
-    """Save a checkpoint of this step unless the last one is of this step."""
-    if r.last_checkpoint is None or not r.last_checkpoint.name.endswith(f"{r.progress.step:08d}"):
-        save_checkpoint(r)
+def is_saved(last_checkpoint: Path | None, step: int) -> bool:
+    """Whether the last checkpoint is of this step."""
+    return last_checkpoint is not None and last_checkpoint.name.endswith(f"{step:08d}")
 
 
 def saved_state(progress: Progress, steps_per_epoch: int, session_s: float) -> dict[str, Any]:
@@ -76,15 +85,16 @@ def saved_state(progress: Progress, steps_per_epoch: int, session_s: float) -> d
     }
 
 
-def publish_unuploaded(r: Recipe, folder: Path) -> None:
+def publish_unuploaded(plan: RunPlan, prep: Prepared, folder: Path) -> None:
     """Publish the resume checkpoint when the store lacks it (killed between the local
     write and the upload)."""
-    ckpt_name = f"{r.config.output}/checkpoints"
-    if folder.name.removeprefix(checkpoint.PREFIX).lstrip("0") not in r.prep.store.versions(
+    ckpt_name = f"{plan.config.output}/checkpoints"
+    if folder.name.removeprefix(checkpoint.PREFIX).lstrip("0") not in prep.store.versions(
         ckpt_name
     ):
-        r.progress.step = int(folder.name.removeprefix(checkpoint.PREFIX))
-        publishing.publish_checkpoint(r, folder)
+        step = int(folder.name.removeprefix(checkpoint.PREFIX))
+        # before the steps are planned and the checkpoint's progress restored
+        publishing.publish_checkpoint(plan, prep, step, folder, {}, None)
 
 
 def restore(folder: Path, parts: Components) -> Progress:

@@ -3,7 +3,7 @@ layer graph while the run itself prepares its data and loads its base.
 
 On an H200 a cold compile of one decoder layer's graph held the first compiled step for
 13-20 s (inductor and Triton); from a warm on-disk cache it took 2 s. `start` launches
-`python -m trainer.model.compile_ahead SPEC` at the beginning of a run that may compile its
+`python -m trainer.compile_ahead SPEC` at the beginning of a run that may compile its
 layers (packed rows: one shape for the whole run) when the cache has not seen that graph
 yet. The child builds a one-layer copy of the base (its widths, random weights, a
 256-token vocabulary: the embeddings and the head are not in the layer's graph), loads
@@ -13,6 +13,11 @@ caches under the run's cache folder. The run steps on eagerly until the child is
 (trainer.model.compiling.CompileRun), then compiles, taking the graphs from the cache. The
 child is best-effort: if it fails or takes too long, the run compiles them itself, and
 says why.
+
+It stands beside trainer.assembly, above trainer.model and trainer.data: the child builds
+a batch the way the data package collates packed rows and compiles it the way the model
+package does. The handle on the child (`Ahead`: done yet, wait, stop) is
+trainer.model.ahead, which the compiler (trainer.model.compiling.CompileRun) waits on.
 
 Not ahead: unpacked batches (their width varies), auto-batch (the child would hold GPU
 memory while the probe measures it), several processes, the whole-decoder scope.
@@ -25,47 +30,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.config import RunConfig
+from trainer.model.ahead import Ahead
 
 if TYPE_CHECKING:
     from trainer.settings import TrainerSettings
 
 VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
-WAIT_S = 240.0  # the longest a run steps on eagerly for the child before compiling itself
-
-
-@dataclass
-class Ahead:
-    """The child compiling ahead, and where it writes its output."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-    started: float
-
-    def finished(self) -> bool:
-        """Done, or past its time (wait then stops it)."""
-        return self.proc.poll() is not None or time.monotonic() - self.started > WAIT_S
-
-    def wait(self) -> str:
-        """Wait for the child (until WAIT_S after its start); a line saying how it went."""
-        try:
-            code = self.proc.wait(timeout=max(0.0, self.started + WAIT_S - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            return f"compile ahead: still running after {WAIT_S:.0f} s; stopped, compiling here"
-        took = time.monotonic() - self.started
-        if code != 0:
-            return f"compile ahead: failed (exit {code}, see {self.log}); compiling here"
-        return f"compile ahead: layer graph compiled in a child process in {took:.0f} s"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def start(
@@ -115,7 +89,7 @@ def start(
     log = run_dir / "compile-ahead.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.model.compile_ahead", str(spec_path)],
+            [sys.executable, "-m", "trainer.compile_ahead", str(spec_path)],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
