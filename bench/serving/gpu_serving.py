@@ -10,7 +10,8 @@ would. Writes one JSON of everything it measured (bench/serving/README.md):
      over max_model_len refused with the clear 400;
   4. `lorastack loadtest` at 1, 16, 64 and 256 streams, direct to vLLM and through the
      gateway, order alternated per level, each arm its own seed (no prompt shared, so no
-     prefix-cache hit crosses arms): the gateway's added TTFT and its throughput ratio;
+     prefix-cache hit crosses arms): the gateway's added TTFT and its throughput ratio
+     (`--paired`: both arms at once, half the streams each, in the same vLLM batches);
   5. pressure: vLLM again with --num-gpu-blocks-override 512 (8,192 tokens of KV), 64
      streams of 512 + 128 tokens (41k tokens wanted): direct, then through the gateway
      (a client that honours 429 + Retry-After, as the openai SDK does): preemptions,
@@ -348,6 +349,35 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _loadtest_cmd(url: str, streams: int, seed: int, requests: int, out: Path) -> list[str]:
+    return [
+        "lorastack", "loadtest", "--base-url", url, "--model", SERVED,
+        "--concurrency", str(streams), "--requests", str(requests), "--warmup", "2",
+        "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--seed", str(seed),
+        "--metrics-url", f"http://127.0.0.1:{VLLM}/metrics", "--out", str(out),
+        "--processes", str(client_processes(streams)),
+    ]  # fmt: skip
+
+
+def _arm(out: Path, streams: int, wall: float, cpu: dict[str, float]) -> dict[str, Any]:
+    """One arm's figures from its loadtest report."""
+    lv = json.loads((out / "report.json").read_text())["levels"][0]
+    server = lv.get("server") or {}
+    return {
+        "wall_s": round(wall, 1),
+        # CPU seconds per wall second of the whole loadtest (warm-up included): a process
+        # at ~1.0 is one saturated core, the relay's ceiling in one event loop
+        "cpu_per_wall": {k: round(v / wall, 3) for k, v in cpu.items()},
+        "streams": streams,
+        "requests": lv["requests"], "completed": lv["completed"], "errors": lv["errors"],
+        "error_examples": lv["error_examples"][:3],
+        "ttft_ms": lv["ttft_ms"], "tpot_ms": lv["tpot_ms"], "itl_ms": lv["itl_ms"],
+        "output_tokens_per_s": lv["output_tokens_per_s"], "duration_s": lv["duration_s"],
+        "preemptions": server.get("preemptions"), "kv_peak": server.get("peak_kv_cache_usage"),
+        "client_busy": lv.get("client_busy"), "client_processes": client_processes(streams),
+    }  # fmt: skip
+
+
 def loadtest(
     url: str,
     level: int,
@@ -358,35 +388,44 @@ def loadtest(
     gateway_pid: int | None = None,
 ) -> dict[str, Any]:
     out = work / f"lt-{url.rsplit(':', 1)[1]}-{level}-{seed}"
-    cmd = [
-        "lorastack", "loadtest", "--base-url", url, "--model", SERVED,
-        "--concurrency", str(level), "--requests", str(requests), "--warmup", "2",
-        "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--seed", str(seed),
-        "--metrics-url", f"http://127.0.0.1:{VLLM}/metrics", "--out", str(out),
-        "--processes", str(client_processes(level)),
-    ]  # fmt: skip
     t0 = time.monotonic()
     client0 = _children_cpu()
     gateway0 = _cpu_s(gateway_pid)
-    run(cmd, env, work / f"{out.name}.log")
+    run(_loadtest_cmd(url, level, seed, requests, out), env, work / f"{out.name}.log")
     wall = time.monotonic() - t0
     cpu = {"client": _children_cpu() - client0}
     if gateway_pid is not None:
         cpu["gateway"] = _cpu_s(gateway_pid) - gateway0
-    lv = json.loads((out / "report.json").read_text())["levels"][0]
-    server = lv.get("server") or {}
+    return _arm(out, level, wall, cpu)
+
+
+def loadtest_paired(
+    level: int, seeds: tuple[int, int], work: Path, env: dict[str, str], requests: int,
+    gateway_pid: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Both arms at once, each with half the level's streams (1 stream each at level 1), so
+    they share vLLM's batches and whatever the engine's speed does meanwhile: between arms run
+    one after the other vLLM's own speed moved by up to 40% (c5de625), more than the relay's
+    cost; side by side only the relay's cost stays between them."""
+    streams = max(1, level // 2)
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    t0 = time.monotonic()
+    gateway0 = _cpu_s(gateway_pid)
+    for arm, port, seed in (("direct", VLLM, seeds[0]), ("gateway", GW, seeds[1])):
+        out = work / f"lt-paired-{arm}-{level}-{seed}"
+        logf = (work / f"{out.name}.log").open("w")
+        cmd = _loadtest_cmd(f"http://127.0.0.1:{port}", streams, seed, requests, out)
+        procs[arm] = (subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT), out)
+    walls: dict[str, float] = {}
+    for arm, (proc, out) in procs.items():
+        if proc.wait():
+            raise SystemExit(f"paired loadtest {arm} failed: see {out.name}.log")
+        walls[arm] = time.monotonic() - t0
+    gateway_cpu = _cpu_s(gateway_pid) - gateway0
     return {
-        "wall_s": round(wall, 1),
-        # CPU seconds per wall second of the whole loadtest (warm-up included): a process
-        # at ~1.0 is one saturated core, the relay's ceiling in one event loop
-        "cpu_per_wall": {k: round(v / wall, 3) for k, v in cpu.items()},
-        "requests": lv["requests"], "completed": lv["completed"], "errors": lv["errors"],
-        "error_examples": lv["error_examples"][:3],
-        "ttft_ms": lv["ttft_ms"], "tpot_ms": lv["tpot_ms"], "itl_ms": lv["itl_ms"],
-        "output_tokens_per_s": lv["output_tokens_per_s"], "duration_s": lv["duration_s"],
-        "preemptions": server.get("preemptions"), "kv_peak": server.get("peak_kv_cache_usage"),
-        "client_busy": lv.get("client_busy"), "client_processes": client_processes(level),
-    }  # fmt: skip
+        "direct": _arm(procs["direct"][1], streams, walls["direct"], {}),
+        "gateway": _arm(procs["gateway"][1], streams, walls["gateway"], {"gateway": gateway_cpu}),
+    }
 
 
 def compare(levels: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -500,6 +539,10 @@ def main() -> int:
         "--levels", default=",".join(map(str, LEVELS)), help="streams of step 4, e.g. 16"
     )
     ap.add_argument("--requests", type=int, help="requests per arm at every level of step 4")
+    ap.add_argument(
+        "--paired", action="store_true",
+        help="step 4 runs both arms at once, half the streams each (loadtest_paired)",
+    )  # fmt: skip
     args = ap.parse_args()
     work: Path = args.work
     shutil.rmtree(work, ignore_errors=True)
@@ -565,22 +608,31 @@ def main() -> int:
                 for level in [int(x) for x in args.levels.split(",")]:
                     levels[level] = []
                     for i in range(args.rounds):
+                        requests = args.requests or REQUESTS[level]
+                        if args.paired:
+                            seeds = (1000 + 10 * level + i, 2000 + 10 * level + i)
+                            arms = {"first": "both"} | loadtest_paired(
+                                level, seeds, work, env, requests, gateway.pid
+                            )
+                            log(
+                                f"{level} streams paired, round {i + 1}: direct "
+                                f"{arms['direct']['output_tokens_per_s']:.0f}, gateway "
+                                f"{arms['gateway']['output_tokens_per_s']:.0f} tok/s"
+                            )
+                            levels[level].append(arms)
+                            result["load"] = {
+                                "paired": True, "levels": levels, "comparison": compare(levels)
+                            }  # fmt: skip
+                            save()
+                            continue
                         order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
-                        arms: dict[str, Any] = {"first": order[0]}
+                        arms = {"first": order[0]}
                         for arm in order:
                             url = f"http://127.0.0.1:{VLLM if arm == 'direct' else GW}"
                             # no prompt shared between arms or rounds: prefix caching favours none
                             seed = (1000 if arm == "direct" else 2000) + 10 * level + i
                             gw_pid = gateway.pid if arm == "gateway" else None
-                            arms[arm] = loadtest(
-                                url,
-                                level,
-                                seed,
-                                work,
-                                env,
-                                args.requests or REQUESTS[level],
-                                gw_pid,
-                            )
+                            arms[arm] = loadtest(url, level, seed, work, env, requests, gw_pid)
                             tok_s = arms[arm]["output_tokens_per_s"]
                             log(f"{level} streams, round {i + 1}, {arm}: {tok_s:.0f} tok/s")
                         levels[level].append(arms)
