@@ -530,6 +530,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/serve-bench"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--skip-functional", action="store_true", help="no step 3")
     ap.add_argument("--skip-pressure", action="store_true", help="end after step 4")
     ap.add_argument(
         "--rounds", type=int, default=3, help="load rounds per level, the first arm alternating"
@@ -598,9 +599,10 @@ def main() -> int:
             result["gateway_ready_s"] = wait_gateway()
 
             # 3: what a client does
-            result["functional"] = functional(adapter_name)
-            log("functional checks done")
-            save()
+            if not args.skip_functional:
+                result["functional"] = functional(adapter_name)
+                log("functional checks done")
+                save()
 
             # 4: direct vs gateway
             if not args.skip_load:
