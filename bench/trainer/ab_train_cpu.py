@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--home", type=Path, default=Path("/tmp/ab-home"))
     ap.add_argument("--threads", type=int, help="torch threads of every run (OMP_NUM_THREADS)")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. max_steps=6")
     args = ap.parse_args()
     env = dict(os.environ, LORASTACK_HOME=str(args.home), HF_HUB_OFFLINE="1")
     if args.threads:
@@ -63,6 +64,7 @@ def main() -> int:
                 config,
                 f"dataset.path={data}",
                 f"output=ab-{arm}-{i}",
+                *args.overrides,
             ]
             arm_env = dict(env)
             if arm == "b" and args.b_pythonpath:
@@ -76,7 +78,7 @@ def main() -> int:
     med = {arm: statistics.median(s) for arm, s in seconds.items()}
     med_cpu = {arm: statistics.median(s) for arm, s in cpu.items()}
     print(json.dumps({"a": args.a, "b": args.b, "b_pythonpath": args.b_pythonpath,
-                      "threads": args.threads, "seconds": seconds, "median_s": med,
+                      "threads": args.threads, "overrides": args.overrides, "seconds": seconds, "median_s": med,
                       "b_over_a": round(med["b"] / med["a"], 4), "cpu_s": cpu,
                       "median_cpu_s": med_cpu, "cpu_b_over_a": round(med_cpu["b"] / med_cpu["a"], 4),
                       "load": os.getloadavg()}, indent=1))  # fmt: skip
