@@ -17,6 +17,9 @@ other:
   trl-wrapped      SFTTrainer, packing "wrapped" (no padding-free) and Liger kernels
   trl-default      SFTTrainer defaults: no packing, micro-batches padded per batch
   trl-X:nogc       that TRL arm without gradient checkpointing
+  lorastack...@DIR that lorastack arm with the packages installed in DIR ahead of the rest
+                   (PYTHONPATH and DIR/bin ahead on PATH): two versions of the trainer in
+                   one call (with --cold each arm compiles from empty caches)
 Prints one JSON object per arm (wall seconds from the command's start to the adapter on
 disk or in the store, non-padding and supervised tokens per second of that wall time,
 peak memory, losses) and a summary with each arm's ratio to the lorastack run.
@@ -120,8 +123,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def lorastack_arm(
     args: argparse.Namespace, name: str, env: dict[str, str], n: int
 ) -> dict[str, Any]:
-    run = f"e2e-{n}-{name.replace(':', '-')}"
-    fields = VARIANTS[name.partition(":")[2]] | json.loads(args.lorastack_fields)
+    kind, _, site = name.partition("@")
+    run = f"e2e-{n}-{kind.replace(':', '-')}"
+    fields = VARIANTS[kind.partition(":")[2]] | json.loads(args.lorastack_fields)
+    if site:
+        env = env | {
+            "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]),
+            "PATH": os.pathsep.join([f"{site}/bin", env["PATH"]]),
+        }
+    if args.cold:
+        # a cold compile whatever ran before: lorastack's own compile cache emptied, and
+        # inductor's and Triton's folders of this arm's own
+        shutil.rmtree(Path(env["LORASTACK_HOME"]) / "cache" / "torch-compile", ignore_errors=True)
+        env = env | {"TORCHINDUCTOR_CACHE_DIR": f"/tmp/{run}-inductor",
+                     "TRITON_CACHE_DIR": f"/tmp/{run}-triton"}  # fmt: skip
     cfg = Path(f"/tmp/{run}.yaml")
     cfg.write_text(
         json.dumps(
@@ -218,6 +233,11 @@ def main() -> int:
     ap.add_argument("--chats", type=int, default=4000)
     ap.add_argument("--arms", default="lorastack,trl-best,trl-default")
     ap.add_argument("--lorastack-fields", default="{}", help="JSON: extra run-config fields")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="each lorastack arm compiles with empty caches (lorastack's, inductor's, Triton's)",
+    )
     ap.add_argument("--limit", type=float, default=400.0, help="seconds per arm")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/e2e-logs"))
     args = ap.parse_args()
