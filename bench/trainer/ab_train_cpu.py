@@ -16,6 +16,16 @@ CPU seconds (user + system of the run's processes), their medians and B/A.
 what the code costs, nearly independent of what else the machine runs (wall time on a shared
 2-core VM varied by 25% between runs of one arm; a single thread does not spin waiting for a
 sibling that the scheduler has put aside).
+
+`--pairs N` (a machine with 2 x N x threads cores): each round runs N runs of A and N of B at
+once, every run pinned to `--threads` cores of its own (A and B swap cores from round to
+round), so both arms share whatever the machine does meanwhile. `--base DIR` imports that
+model folder under the demo's base name instead of `model import-default` (a machine without
+the embedded model: random weights of SmolLM2-135M's shape with its tokenizer, for example):
+
+    python3 bench/trainer/ab_train_cpu.py --a /tmp/site/bin/lorastack \
+        --b /tmp/site-old/bin/lorastack --b-pythonpath /tmp/site-old:/tmp/site \
+        --base /tmp/smol-random --threads 2 --pairs 4 --runs 2
 """
 
 from __future__ import annotations
@@ -23,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,56 +48,78 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--home", type=Path, default=Path("/tmp/ab-home"))
     ap.add_argument("--threads", type=int, help="torch threads of every run (OMP_NUM_THREADS)")
+    ap.add_argument("--pairs", type=int, default=0, help="N runs of each arm at once, pinned")
+    ap.add_argument("--base", type=Path, help="model folder to import as the demo's base")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. max_steps=6")
     args = ap.parse_args()
     env = dict(os.environ, LORASTACK_HOME=str(args.home), HF_HUB_OFFLINE="1")
     if args.threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     data = args.home / "demo-dates.jsonl"
-    subprocess.run([args.a, "model", "import-default"], env=env, check=True, capture_output=True)
+    if args.base:
+        imp = [args.a, "model", "import", str(args.base), "--name", "smollm2-135m-instruct"]
+    else:
+        imp = [args.a, "model", "import-default"]
+    subprocess.run(imp, env=env, check=True, capture_output=True)
     subprocess.run(
         [args.a, "data", "make-demo", str(data)], env=env, check=True, capture_output=True
     )
+    python = Path(args.a).parent / "python"
     config = subprocess.run(
-        [str(Path(args.a).parent / "python"), "-c",
+        [str(python) if python.exists() else sys.executable, "-c",
          "from importlib.resources import files; print(files('trainer') / 'configs' / 'demo.yaml')"],
-        check=True, capture_output=True, text=True,
+        env=env, check=True, capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
+
+    def start(arm: str, name: str, cores: str | None) -> int:
+        cmd = [getattr(args, arm), "train", config, f"dataset.path={data}", f"output={name}"]
+        arm_env = dict(env)
+        if arm == "b" and args.b_pythonpath:
+            arm_env["PYTHONPATH"] = args.b_pythonpath
+        pin = ["taskset", "-c", cores] if cores else []
+        with (args.home / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [*pin, *cmd, *args.overrides], env=arm_env, stdout=log, stderr=log
+            )
+        proc.returncode = 0  # reaped below with os.wait4, for each run's own rusage
+        return proc.pid
+
     seconds: dict[str, list[float]] = {"a": [], "b": []}
     cpu: dict[str, list[float]] = {"a": [], "b": []}
     for i in range(args.runs):
-        for arm in ("a", "b") if i % 2 == 0 else ("b", "a"):
-            cmd = [
-                getattr(args, arm),
-                "train",
-                config,
-                f"dataset.path={data}",
-                f"output=ab-{arm}-{i}",
-                *args.overrides,
-            ]
-            arm_env = dict(env)
-            if arm == "b" and args.b_pythonpath:
-                arm_env["PYTHONPATH"] = args.b_pythonpath
-            c0 = _children_cpu()
+        if args.pairs:
+            # A on the even slots in even rounds, on the odd ones in odd rounds
+            t = args.threads or 1
+            slots = [f"{k * t}-{k * t + t - 1}" for k in range(2 * args.pairs)]
+            wave = [("a" if (k + i) % 2 == 0 else "b", slot) for k, slot in enumerate(slots)]
+        else:
+            wave = [(arm, None) for arm in (("a", "b") if i % 2 == 0 else ("b", "a"))]
+        # without --pairs one run at a time; with it the whole wave at once
+        groups = [wave] if args.pairs else [[w] for w in wave]
+        for group in groups:
             t0 = time.perf_counter()
-            subprocess.run(cmd, env=arm_env, check=True, capture_output=True)
-            seconds[arm].append(round(time.perf_counter() - t0, 2))
-            cpu[arm].append(round(_children_cpu() - c0, 2))
-            print(f"run {i + 1} {arm}: {seconds[arm][-1]} s, {cpu[arm][-1]} s CPU", file=sys.stderr)
+            running = {
+                start(arm, name := f"ab-{arm}-{i}-{k}", cores): (arm, name)
+                for k, (arm, cores) in enumerate(group)
+            }
+            while running:
+                pid, status, ru = os.wait4(-1, 0)
+                arm, name = running.pop(pid)
+                if os.waitstatus_to_exitcode(status):
+                    log = (args.home / f"{name}.log").read_text()[-2000:]
+                    raise SystemExit(f"run {name} failed: {log}")
+                seconds[arm].append(round(time.perf_counter() - t0, 2))
+                cpu[arm].append(round(ru.ru_utime + ru.ru_stime, 2))
+                print(f"{name}: {seconds[arm][-1]} s, {cpu[arm][-1]} s CPU", file=sys.stderr)
     med = {arm: statistics.median(s) for arm, s in seconds.items()}
     med_cpu = {arm: statistics.median(s) for arm, s in cpu.items()}
     print(json.dumps({"a": args.a, "b": args.b, "b_pythonpath": args.b_pythonpath,
-                      "threads": args.threads, "overrides": args.overrides, "seconds": seconds, "median_s": med,
+                      "threads": args.threads, "pairs": args.pairs, "overrides": args.overrides,
+                      "seconds": seconds, "median_s": med,
                       "b_over_a": round(med["b"] / med["a"], 4), "cpu_s": cpu,
                       "median_cpu_s": med_cpu, "cpu_b_over_a": round(med_cpu["b"] / med_cpu["a"], 4),
-                      "load": os.getloadavg()}, indent=1))  # fmt: skip
+                      "cpus": os.cpu_count(), "load": os.getloadavg()}, indent=1))  # fmt: skip
     return 0
-
-
-def _children_cpu() -> float:
-    """User + system CPU seconds of every child waited for so far."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
 
 
 if __name__ == "__main__":
