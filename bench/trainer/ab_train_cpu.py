@@ -71,18 +71,16 @@ def main() -> int:
         env=env, check=True, capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
 
-    def start(arm: str, name: str, cores: str | None) -> int:
+    def start(arm: str, name: str, cores: str | None) -> subprocess.Popen[bytes]:
         cmd = [getattr(args, arm), "train", config, f"dataset.path={data}", f"output={name}"]
         arm_env = dict(env)
         if arm == "b" and args.b_pythonpath:
             arm_env["PYTHONPATH"] = args.b_pythonpath
         pin = ["taskset", "-c", cores] if cores else []
         with (args.home / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 [*pin, *cmd, *args.overrides], env=arm_env, stdout=log, stderr=log
             )
-        proc.returncode = 0  # reaped below with os.wait4, for each run's own rusage
-        return proc.pid
 
     seconds: dict[str, list[float]] = {"a": [], "b": []}
     cpu: dict[str, list[float]] = {"a": [], "b": []}
@@ -98,14 +96,16 @@ def main() -> int:
         groups = [wave] if args.pairs else [[w] for w in wave]
         for group in groups:
             t0 = time.perf_counter()
-            running = {
-                start(arm, name := f"ab-{arm}-{i}-{k}", cores): (arm, name)
-                for k, (arm, cores) in enumerate(group)
-            }
+            running = {}
+            for k, (arm, cores) in enumerate(group):
+                proc = start(arm, name := f"ab-{arm}-{i}-{k}", cores)
+                running[proc.pid] = (arm, name, proc)
             while running:
+                # reaped here rather than by Popen.wait: os.wait4 gives each run its own rusage
                 pid, status, ru = os.wait4(-1, 0)
-                arm, name = running.pop(pid)
-                if os.waitstatus_to_exitcode(status):
+                arm, name, proc = running.pop(pid)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                if proc.returncode:
                     log = (args.home / f"{name}.log").read_text()[-2000:]
                     raise SystemExit(f"run {name} failed: {log}")
                 seconds[arm].append(round(time.perf_counter() - t0, 2))
