@@ -37,6 +37,8 @@ from trainer.config import RunConfig
 from trainer.model.ahead import Ahead
 
 if TYPE_CHECKING:
+    import torch
+
     from trainer.settings import TrainerSettings
 
 VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
@@ -48,6 +50,7 @@ def start(
     mode: str,
     run_dir: Path,
     model_config: dict[str, Any],
+    device: torch.device,
     auto_batch: bool,
 ) -> Ahead | None:
     """Launch the child where it can help (see the module docstring), else None; it
@@ -55,10 +58,8 @@ def start(
     import torch
 
     from trainer.model.compiling import graph_key, is_warm, use_compile
-    from trainer.model.modeling import resolve_device
 
     wanted = settings.compile_ahead
-    device = resolve_device(cfg.device, settings.local_rank)
     if wanted is None:
         wanted = device.type == "cuda"
     if (

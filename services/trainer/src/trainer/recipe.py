@@ -103,10 +103,13 @@ class Recipe:
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         if settings.is_main:
             s.plotter = Plotter()
+        device = resolve_device(plan.config.device, settings.local_rank)  # before the data
+        use_expandable_segments(device, settings.cuda_alloc_conf)
+        self.plan = plan = replace(plan, device=device)
 
         def compile_early(model_config: dict[str, Any]) -> None:
             s.ahead = compile_ahead.start(
-                plan.config, settings, plan.mode, plan.run_dir, model_config, auto_batch
+                plan.config, settings, plan.mode, plan.run_dir, model_config, device, auto_batch
             )
 
         # each process prepares the data; only rank 0's folder is published
@@ -122,10 +125,8 @@ class Recipe:
             plan.config, plan.mode, plan.overfit, encoded["train"], encoded["validation"]
         )
         self.plan = plan = replace(plan, config=cfg, train_samples=train, val_samples=val)
-        device = resolve_device(cfg.device, settings.local_rank)
-        use_expandable_segments(device, settings.cuda_alloc_conf)
         pad = pad if pad is not None else eot
-        self.plan = plan = replace(plan, device=device, eot=eot, pad=pad)
+        self.plan = plan = replace(plan, eot=eot, pad=pad)
         if auto_batch:
             cfg = fit_micro_batch(
                 cfg,
@@ -158,7 +159,7 @@ class Recipe:
         steps = total_steps(cfg, batches.steps_per_epoch())
         self.plan = plan = replace(plan, batches=batches, total_steps=steps)
         if plan.mode == "train" and s.meter.caps.any:  # before the model loads
-            s.say(publishing.check_budget(plan, s.meter, resume_from))
+            s.say(stopping.preflight(plan, s.meter, resume_from))
         s.lap("prepare")
         s.memory_marks["start"] = held_bytes(device)
         self.parts, compiling = assembly.build_model(
@@ -285,9 +286,7 @@ class Recipe:
         if not stop:
             return
         self.checkpoint_unless_saved()
-        if s.stop_signal is None:
-            raise publishing.cap_reached(self.plan, s.meter, step, over)
-        raise stopping.interrupted(s.stop_signal, step, s.last_checkpoint)
+        raise stopping.stop_error(self.plan, s.meter, s.stop_signal, over, step, s.last_checkpoint)
 
     # ---- save -------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Where a run meets the artifact store: the checkpoint a resumed run continues from
 (refused when the run changed), checkpoints and the adapter published, the best
 checkpoint kept, the adapter `select` picks, a finished run left as it was, and the
-stop at a cost cap (at a published checkpoint; the arithmetic is trainer.loop.budget).
+support memo kept beside the run.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from lorastack.store import ArtifactStore
 from trainer.config import SAFE_TO_CHANGE, RunConfig
 from trainer.data.chat_templates import chat_format_record
 from trainer.data.preparation import Prepared
-from trainer.errors import CostCapReached, ResumeRefused
-from trainer.loop import budget
+from trainer.errors import ResumeRefused
 from trainer.loop.selection import selected_step, standing
 from trainer.metrics import write_json
 from trainer.publish import checkpoint
@@ -195,48 +194,6 @@ def publish_adapter(
     )
     say(f"published {m.ref} ({m.digest[:19]})")
     return m
-
-
-def check_budget(plan: RunPlan, meter: budget.Meter, resume_from: Path | None) -> str:
-    """The preflight of a capped run (trainer.loop.budget): its line, or PreflightRefused. A
-    resumed run counts the steps and hours of its checkpoint (trainer-state.json)."""
-    state: dict[str, Any] = {}
-    if resume_from is not None:
-        state = json.loads((resume_from / "trainer-state.json").read_text())
-    return budget.check_preflight(
-        meter.caps,
-        steps_left=plan.total_steps - int(state.get("step", 0)),
-        timing=step_time(plan),
-        setup_hours=plan.config.setup_hours,
-        hours_so_far=float(state.get("wall_s", 0.0)) / 3600 + meter.hours(),
-    )
-
-
-def step_time(plan: RunPlan) -> tuple[float, str] | None:
-    """Seconds per step for the cost estimate: the config's, else the steps this run took
-    before it was resumed, else this output's smoke run's per token, times the tokens of
-    this run's steps (a smoke run trains a short batch of short samples)."""
-    if plan.config.seconds_per_step is not None:
-        return plan.config.seconds_per_step, "seconds_per_step in the run config"
-    batches = plan.batches
-    tokens_per_step = sum(batches.lengths) / max(1, batches.steps_per_epoch())
-    return budget.measured_step_time(plan.metrics_dir, "this run") or budget.measured_step_time(
-        plan.run_dir / "smoke" / "metrics", "the smoke run", tokens_per_step
-    )
-
-
-def cap_reached(plan: RunPlan, meter: budget.Meter, step: int, over: list[str]) -> CostCapReached:
-    """The stop at a cap, once the checkpoint of this step is published."""
-    return budget.stop_error(
-        meter.caps,
-        meter,
-        over,
-        step=step,
-        total_steps=plan.total_steps,
-        checkpoint_ref=f"{plan.config.output}/checkpoints:{step}",
-        command=plan.command,
-        setup_hours=plan.config.setup_hours,
-    )
 
 
 def publish_support_bundle(
