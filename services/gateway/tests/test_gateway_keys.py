@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -116,6 +117,31 @@ def test_budget_model_check_refund_reset_and_reload(tmp_path) -> None:
     path.write_text("keys: [")
     now[0] = 4.0
     assert auth.authenticate("Bearer sk-c").name == "carol"
+
+
+def test_a_same_length_rotation_within_one_mtime_tick_is_seen(tmp_path) -> None:
+    """The secret rotated in place (same inode, same size: a sha256 is always 64 hex
+    digits) and the old mtime kept, as a coarse file clock or a bind mount leaves it: the
+    revoked secret is refused at once and the new one works."""
+    path = tmp_path / "keys.yaml"
+    old, new = "sk-rotated-before-0123456789abcdef", "sk-rotated-after-00123456789abcdef"
+    write(path, KeyEntry(name="team", sha256=hash_secret(old)))
+    before = path.stat()
+    now = [0.0]
+    auth = Authenticator(True, [], keys_file=path, clock=lambda: now[0])
+    assert auth.authenticate(f"Bearer {old}").name == "team"
+    path.write_text(path.read_text().replace(hash_secret(old), hash_secret(new)))  # in place
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    now[0] = 2.0  # past the reload check interval
+    with pytest.raises(Unauthorized, match="invalid API key"):
+        auth.authenticate(f"Bearer {old}")
+    assert auth.authenticate(f"Bearer {new}").name == "team"
 
 
 def keys_cli(path: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> str:

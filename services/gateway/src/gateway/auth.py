@@ -10,8 +10,12 @@ anyone who reads it test guesses of a weak key), and the secret is never logged.
 
 Lookup is one dict access by the secret's sha256 digest (O(1) in the number of keys; the
 digest hides the secret, so the lookup's timing tells nothing useful). The keys file is
-re-read when its mtime or size changes, checked at most once a second on a request; a
-bad file is logged and the keys in force stay. Limits are token buckets that refill
+read at most once a second, on a request, and its keys replaced when its content's sha256
+changes; a bad file is logged once and the keys in force stay. Content, not (mtime, size):
+a same-length rewrite within one tick of a coarse file clock (or through a bind mount)
+changes neither, and would keep a revoked secret valid; inode and ctime miss an in-place
+rewrite within one tick too. A keys file is small (about 150 bytes a key): reading and
+hashing it once a second costs microseconds. Limits are token buckets that refill
 continuously: requests per minute, and tokens per minute (prompt + max_tokens reserved
 at admission, the unused part refunded when the backend reports its usage). A budget is
 tokens per calendar period (UTC), reserved and refunded the same way. Where they are
@@ -41,7 +45,7 @@ from lorastack.secrets import secret_problem
 
 log = logging.getLogger(__name__)
 
-RELOAD_CHECK_S = 1.0  # seconds between two mtime checks of the keys file
+RELOAD_CHECK_S = 1.0  # seconds between two reads of the keys file
 
 
 def is_admin(admin_key: str | None, authorization: str | None) -> bool:
@@ -117,11 +121,11 @@ class Authenticator:
             for name, secret in key_names([s for s in secrets if s])
         }
         self._by_digest: dict[bytes, Key] = dict(self._static)
-        self._file_stamp: tuple[int, int] | None = None
+        self._file_digest: bytes | None = None  # sha256 of the keys file's content in force
         self._next_check = 0.0
         self.anonymous = self._key("anonymous")
         if keys_file is not None:
-            self._load(keys_file.stat())  # a bad file at start is a ConfigError
+            self._load(keys_file.read_bytes())  # a bad file at start is a ConfigError
 
     @classmethod
     def from_settings(cls, s: GatewaySettings, metrics: GatewayMetrics) -> Authenticator:
@@ -163,9 +167,10 @@ class Authenticator:
             },
         )
 
-    def _load(self, stat: Any) -> None:
+    def _load(self, content: bytes) -> None:
         assert self.keys_file is not None
-        entries = load_keys(self.keys_file).keys
+        self._file_digest = hashlib.sha256(content).digest()  # a bad file: reported once
+        entries = load_keys(self.keys_file, content).keys
         old = {k.name: k for k in self._by_digest.values()}
         table = dict(self._static)
         for e in entries:
@@ -174,21 +179,28 @@ class Authenticator:
                 key.carry_from(old[e.name])
             table[bytes.fromhex(e.sha256)] = key
         self._by_digest = table
-        self._file_stamp = (stat.st_mtime_ns, stat.st_size)
 
     def _maybe_reload(self) -> None:
         now = self.clock()
         if self.keys_file is None or now < self._next_check:
             return
         self._next_check = now + RELOAD_CHECK_S
+        # a file that cannot be used leaves the keys in force, said once per change
         try:
-            st = self.keys_file.stat()
-            if (st.st_mtime_ns, st.st_size) != self._file_stamp:
-                self._load(st)
-                log.info("keys file %s reloaded: %d keys", self.keys_file, len(self._by_digest))
-        except Exception as e:  # keep the keys in force; say why once per change
+            content = self.keys_file.read_bytes()
+        except OSError as e:
+            if self._file_digest is not None:
+                log.error("keys file %s unreadable, the previous keys stay: %s", self.keys_file, e)
+            self._file_digest = None
+            return
+        if hashlib.sha256(content).digest() == self._file_digest:
+            return
+        try:
+            self._load(content)
+        except ConfigError as e:
             log.error("keys file %s not reloaded, the previous keys stay: %s", self.keys_file, e)
-            self._file_stamp = None if not self.keys_file.exists() else (-1, -1)
+            return
+        log.info("keys file %s reloaded: %d keys", self.keys_file, len(self._by_digest))
 
     def names(self) -> list[str]:
         return sorted(k.name for k in self._by_digest.values())

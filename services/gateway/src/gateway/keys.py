@@ -71,10 +71,12 @@ def new_secret() -> str:
     return "sk-" + secrets.token_urlsafe(32)
 
 
-def load_keys(path: Path) -> KeysFile:
-    """The file's keys; ConfigError naming the file and what to fix."""
+def load_keys(path: Path, content: bytes | None = None) -> KeysFile:
+    """The file's keys (from `content` when given: the bytes read from `path`); ConfigError
+    naming the file and what to fix."""
     try:
-        data = yaml.safe_load(path.read_text()) if path.stat().st_size else None
+        text = path.read_bytes() if content is None else content
+        data = yaml.safe_load(text) if text.strip() else None
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"keys file {path}: {e}", "fix the file (YAML or JSON)") from None
     try:
