@@ -83,13 +83,13 @@ def test_budget_model_check_refund_reset_and_reload(tmp_path) -> None:
     auth.check_model(alice, "m1")
     with pytest.raises(ModelNotAllowed, match="may use: m1"):
         auth.check_model(alice, "m2")
-    admit(auth, alice, 60)
+    held = admit(auth, alice, 60)
     with pytest.raises(BudgetExhausted) as e:
         admit(auth, alice, 50)  # 60 + 50 > 100
     assert "has 40 of its 100 tokens for this hour left" in e.value.message
     assert "resets at 2026-12-01T16:00:00Z (in 1800 s)" in e.value.hint
     assert e.value.status == 429 and e.value.headers()["Retry-After"] == "1800"
-    auth.refund(alice, 30)  # the request used 30 of the 60 it reserved
+    auth.refund(held, 30)  # the request used 30 of the 60 it reserved
     admit(auth, alice, 70)
     with pytest.raises(BudgetExhausted, match="has used its 100 tokens"):
         admit(auth, alice, 1)

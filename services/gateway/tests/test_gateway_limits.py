@@ -21,12 +21,14 @@ import httpx
 import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from gateway import limits, redis_limits
 from gateway.auth import Authenticator, Key
 from gateway.errors import BudgetExhausted, RateLimited
 from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
-from gateway.limits import Budget, MemoryLimiter, TokenBucket
+from gateway.limits import Budget, MemoryLimiter, Reservation, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.redis_limits import RedisLimiter
 from gateway.settings import GatewaySettings
@@ -34,9 +36,9 @@ from lorastack_testing.net import free_port
 from lorastack_testing.redis_server import require_redis_server, serve_redis
 
 
-def admit(auth: Authenticator, key: Key, tokens: int) -> None:
+def admit(auth: Authenticator, key: Key, tokens: int) -> Reservation:
     """`auth.admit` from synchronous test code."""
-    asyncio.run(auth.admit(key, tokens))
+    return asyncio.run(auth.admit(key, tokens))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ async def same_answers(make: Make) -> None:
         await lim.admit(kid, 40)  # one request and 20 + 50 = 70 tokens refilled
 
         tok = key("tok", tpm=100)
-        await lim.admit(tok, 70)
+        held = await lim.admit(tok, 70)
         with pytest.raises(RateLimited) as e:
             await lim.admit(tok, 31)
         assert e.value.message == "rate limit reached: 100 tokens per minute for this key"
@@ -118,20 +120,20 @@ async def same_answers(make: Make) -> None:
             "x-ratelimit-remaining-tokens": "30",
             "x-ratelimit-reset-tokens": "42s",
         }
-        lim.refund(tok, 20)  # the request used 50 of the 70 it reserved
+        lim.refund(held, 20)  # the request used 50 of the 70 it reserved
         await settle(lim)
         await lim.admit(tok, 50)
         with pytest.raises(RateLimited, match="100 tokens per minute"):
             await lim.admit(tok, 1)
 
         alice = key("alice", budget=100)
-        await lim.admit(alice, 60)
+        held = await lim.admit(alice, 60)
         with pytest.raises(BudgetExhausted) as b:
             await lim.admit(alice, 50)  # 60 + 50 > 100
         assert "has 40 of its 100 tokens for this hour left" in b.value.message
         assert "resets at 2036-12-01T16:00:00Z (in 1800 s)" in b.value.hint
         assert b.value.headers() == {"Retry-After": "1800"}
-        lim.refund(alice, 30)  # the request used 30 of the 60 it reserved
+        lim.refund(held, 30)  # the request used 30 of the 60 it reserved
         await settle(lim)
         await lim.admit(alice, 70)
         with pytest.raises(BudgetExhausted, match="has used its 100 tokens"):
@@ -153,6 +155,74 @@ def test_redis_limiter_answers_as_the_memory_one(redis_url: str) -> None:
     asyncio.run(same_answers(make))
 
 
+async def stale_refund(make: Make) -> None:
+    """Budget 1,000/hour: a request reserves 900 at 10:59:59, 1,000 more are spent at
+    11:00:01, then the first request's refund of 790 lands. It was charged to the 10:00
+    hour: the 11:00 hour still admits no more than its 1,000 (before: 1,790)."""
+    clocks: Clocks = ([0.0], [utc(2036, 12, 1, 10, 59, 59)])
+    now, wall = clocks
+    lim = await make(clocks)
+    try:
+        late = key("late", budget=1000)
+        held = await lim.admit(late, 900)
+        now[0], wall[0] = 2.0, utc(2036, 12, 1, 11, 0, 1)
+        await lim.admit(late, 1000)
+        lim.refund(held, 790)  # it used 110 of its 900
+        await settle(lim)
+        with pytest.raises(BudgetExhausted, match="has used its 1000 tokens for this hour"):
+            await lim.admit(late, 1)
+    finally:
+        await lim.aclose()
+
+
+def test_a_refund_after_the_period_rolled_over_credits_nothing_in_memory() -> None:
+    asyncio.run(stale_refund(memory))
+
+
+def test_a_refund_after_the_period_rolled_over_credits_nothing_in_redis(redis_url: str) -> None:
+    async def make(clocks: Clocks) -> RedisLimiter:
+        return redis_limiter(redis_url, "t-stale:", clocks)
+
+    asyncio.run(stale_refund(make))
+
+
+def test_a_request_admitted_during_an_outage_is_refunded_to_the_fallback() -> None:
+    """Admitted by this replica's own limits while Redis was down, refunded once Redis is
+    back: the refund goes to the limits that charged it, not to Redis (which would then
+    give the key tokens it never took)."""
+    require_redis_server()
+    port = free_port()  # nothing listens yet: Redis is down
+    now, wall = [100.0], [utc(2036, 12, 1, 15, 30)]
+
+    async def run() -> None:
+        client = Redis.from_url(
+            f"redis://127.0.0.1:{port}/0", socket_timeout=30, retry=Retry(NoBackoff(), 0)
+        )
+        lim = RedisLimiter(
+            client,
+            GatewayMetrics(),
+            prefix="t-outage:",
+            fallback=MemoryLimiter(lambda: now[0], lambda: wall[0]),
+            clock=lambda: now[0],
+            wall=lambda: wall[0],
+            now=lambda: now[0],
+        )
+        team = key("team", budget=1000)
+        held = await lim.admit(team, 600)  # the fallback's: 600 of its 1,000
+        with serve_redis(port):
+            now[0] += redis_limits.REDIS_RETRY_S
+            await lim.admit(team, 900)  # Redis's: 900 of its 1,000
+            lim.refund(held, 500)  # the outage's request used 100 of its 600
+            await lim.settle()
+            with pytest.raises(BudgetExhausted, match="has 100 of its 1000"):
+                await lim.admit(team, 101)  # Redis was given nothing back
+            await lim.admit(team, 100)
+            assert team.budget is not None and team.budget.used == 100  # the fallback was
+            await lim.aclose()
+
+    asyncio.run(run())
+
+
 def test_two_limiters_on_one_redis_admit_the_limit_exactly(redis_url: str) -> None:
     """60 requests at once through two replicas' limiters, 10 per minute: exactly 10 pass,
     and the tokens bucket and budget count across both as well."""
@@ -170,15 +240,15 @@ def test_two_limiters_on_one_redis_admit_the_limit_exactly(redis_url: str) -> No
             results = await asyncio.gather(
                 *((a if i % 2 else b).admit(one, 0) for i in range(60)), return_exceptions=True
             )
-            admitted = sum(r is None for r in results)
-            assert all(isinstance(r, RateLimited) for r in results if r is not None)
+            admitted = sum(isinstance(r, Reservation) for r in results)
+            assert all(isinstance(r, Reservation | RateLimited) for r in results)
             spender = key("spender", tpm=1000, budget=500)
-            await a.admit(spender, 300)
+            held = await a.admit(spender, 300)
             with pytest.raises(BudgetExhausted, match="has 200 of its 500"):
                 await b.admit(spender, 201)
-            b.refund(spender, 100)
-            await b.settle()
-            await a.admit(spender, 300)  # 200 + 100 given back on the other replica
+            a.refund(held, 100)
+            await a.settle()
+            await b.admit(spender, 300)  # 200 + 100 given back on the other replica
             stored = await a.client.keys("t-two:*")
             return admitted, len(results), sorted(stored)
         finally:

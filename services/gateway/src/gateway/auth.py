@@ -37,7 +37,7 @@ from typing import Any
 
 from gateway.errors import ModelNotAllowed, RateLimited, Unauthorized
 from gateway.keys import KeyEntry, load_keys
-from gateway.limits import Budget, Limiter, MemoryLimiter, TokenBucket
+from gateway.limits import Budget, Limiter, MemoryLimiter, Reservation, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings, split_alias
 from lorastack.errors import ConfigError
@@ -230,9 +230,10 @@ class Authenticator:
                 param="model",
             )
 
-    async def admit(self, key: Key, tokens: int) -> None:
+    async def admit(self, key: Key, tokens: int) -> Reservation:
         """Take one request and `tokens` from the key's buckets and budget, or raise
-        RateLimited / BudgetExhausted (nothing taken then)."""
+        RateLimited / BudgetExhausted (nothing taken then). The reservation is what
+        `refund` gives back to."""
         if key.tokens is not None and tokens > key.tokens.capacity:
             raise RateLimited(
                 f"this request needs {tokens} tokens (prompt + max_tokens) but your key may"
@@ -240,12 +241,13 @@ class Authenticator:
                 "lower max_tokens or shorten the prompt",
                 retry_after_s=60,
             )
-        await self.limiter.admit(key, tokens)
+        held = await self.limiter.admit(key, tokens)
         key.usage["requests"].inc()
+        return held
 
-    def refund(self, key: Key, tokens: int) -> None:
-        """Give back reserved tokens the request did not use."""
-        self.limiter.refund(key, tokens)
+    def refund(self, held: Reservation, tokens: int) -> None:
+        """Give back reserved tokens the request did not use, to what admitted them."""
+        self.limiter.refund(held, tokens)
 
     def record_usage(self, key: Key, prompt: int, completion: int) -> None:
         key.usage["prompt"].inc(prompt)

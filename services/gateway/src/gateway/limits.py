@@ -1,6 +1,6 @@
 """Per-key limit accounting: requests and tokens per minute, and token budgets.
 
-    Limiter                 admit(key, tokens) / refund(key, tokens) / aclose()
+    Limiter                 admit(key, tokens) -> Reservation / refund(reservation, tokens)
     ├── MemoryLimiter       this process's own buckets (the state lives in each `Key`)
     └── RedisLimiter        one Lua script per admission in Redis, shared by every
                             gateway replica that names the same `redis_url`
@@ -11,6 +11,12 @@ limit per minute, starting full), a budget of tokens per calendar period (UTC), 
 budget first, then both buckets; nothing is taken when anything refuses; the refusal
 (`rate_limited`, `budget_exhausted`, here for both) names the limit that blocks longest
 and when to retry. `gateway.errors` turns them into the same 429 body and headers.
+
+A refund goes back to what the admission took, as its `Reservation` says: the limiter
+that counted it (a Redis limiter's fallback, during an outage) and the budget period it
+was charged to. A refund that arrives after that period ended gives the new period
+nothing (it was never charged there); the tokens-per-minute bucket, which has no period,
+takes it back.
 
 Redis unreachable (refused, timed out, any Redis error): the request is checked against
 this process's own buckets instead (fail open to per-replica limits, as LiteLLM's proxy
@@ -81,12 +87,21 @@ class Limited(Protocol):
     budget: Budget | None
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What one admission took, so that its refund goes back there and nowhere else."""
+
+    key: Limited
+    limiter: Limiter  # the one that counted it
+    period_end: float = 0.0  # epoch seconds: the end of the budget period charged; 0 = none
+
+
 class Limiter(Protocol):
-    async def admit(self, key: Limited, tokens: int) -> None:
+    async def admit(self, key: Limited, tokens: int) -> Reservation:
         """Take one request and `tokens` from the key's limits, or raise RateLimited /
         BudgetExhausted (nothing taken then)."""
 
-    def refund(self, key: Limited, tokens: int) -> None:
+    def refund(self, held: Reservation, tokens: int) -> None:
         """Give back reserved tokens a request did not use (never raises, never waits)."""
 
     async def aclose(self) -> None: ...
@@ -132,7 +147,7 @@ class MemoryLimiter:
         self.clock = clock
         self.wall = wall
 
-    def check(self, key: Limited, tokens: int) -> None:
+    def check(self, key: Limited, tokens: int) -> Reservation:
         now = self.clock()
         budget = key.budget
         if budget is not None:
@@ -161,19 +176,23 @@ class MemoryLimiter:
             key.requests.take(1, now)
         if key.tokens is not None:
             key.tokens.take(tokens, now)
-        if budget is not None:
-            budget.used += tokens
+        if budget is None:
+            return Reservation(key, self)
+        budget.used += tokens
+        return Reservation(key, self, budget.resets_at)
 
-    async def admit(self, key: Limited, tokens: int) -> None:
-        self.check(key, tokens)
+    async def admit(self, key: Limited, tokens: int) -> Reservation:
+        return self.check(key, tokens)
 
-    def refund(self, key: Limited, tokens: int) -> None:
+    def refund(self, held: Reservation, tokens: int) -> None:
+        key = held.key
         if tokens <= 0:
             return
         if key.tokens is not None:
             key.tokens.give_back(tokens)
-        if key.budget is not None:
-            key.budget.used = max(0.0, key.budget.used - tokens)
+        budget = key.budget
+        if budget is not None and budget.resets_at == held.period_end:  # else a past period
+            budget.used = max(0.0, budget.used - tokens)
 
     async def aclose(self) -> None:
         pass

@@ -16,6 +16,7 @@ from typing import Any
 from gateway.affinity import prefix_hashes
 from gateway.auth import Key
 from gateway.endpoints import Endpoint, GenerationRequest
+from gateway.limits import Reservation
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.validation import plan_tokens
 
@@ -37,6 +38,7 @@ class Prepared:
     headers: dict[str, str]
     key: Key
     reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
+    reservation: Reservation  # what took them: the refund goes back there
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
     request_id: str  # also in `headers` (for the client) and sent to the backend

@@ -178,7 +178,7 @@ class Proxy:
         if out.clamped_from is not None:
             self.metrics.clamped.inc()
         reserved = reserved_tokens(counts, out, req.n)
-        await self.auth.admit(key, reserved)
+        held = await self.auth.admit(key, reserved)
         wants_usage = endpoint.client_wants_usage(req)
         return Prepared(
             model=req.model,
@@ -189,6 +189,7 @@ class Proxy:
             headers=client_headers(rid, counts if count_later is None else None, out),
             key=key,
             reserved_tokens=reserved,
+            reservation=held,
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
             request_id=rid,
@@ -204,7 +205,7 @@ class Proxy:
         try:
             call = await self.send(route_req, prep.endpoint.path, prep.body, prep.request_id)
         except GatewayError:
-            self.auth.refund(prep.key, prep.reserved_tokens)
+            self.auth.refund(prep.reservation, prep.reserved_tokens)
             raise
         self.affinity.served(prep.session, prep.prefix, call.backend)
         prep.headers[BACKEND_HEADER] = call.backend
@@ -284,7 +285,7 @@ class Proxy:
         out = usage.get("completion_tokens", usage.get("output_tokens")) if usage else None
         if isinstance(out, int):
             series.output_tokens.observe(out)
-            self.auth.refund(prep.key, prep.reserved_tokens - prep.prompt_tokens - out)
+            self.auth.refund(prep.reservation, prep.reserved_tokens - prep.prompt_tokens - out)
             prompt = usage.get("prompt_tokens", usage.get("input_tokens")) if usage else None
             self.auth.record_usage(
                 prep.key, prompt if isinstance(prompt, int) else prep.prompt_tokens, out

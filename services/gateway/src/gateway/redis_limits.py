@@ -5,7 +5,10 @@ meaning, the refusals and `MemoryLimiter`, its fallback, are `gateway.limits`).
 Redis unreachable (refused, timed out, any Redis error): the request is checked against
 this process's own buckets instead, logged once per outage, counted in
 `lorastack_gateway_redis_errors_total`, and `lorastack_gateway_redis_up{redis}` reads 0;
-Redis is tried again `REDIS_RETRY_S` later.
+Redis is tried again `REDIS_RETRY_S` later. A request admitted by the fallback is refunded
+to it, never to Redis (which never charged it); a refund of a request Redis admitted goes
+to the budget counter of the period it was charged to, and is dropped while Redis is down
+(the key is then charged a little more than it used, never less).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.keys import period_end
-from gateway.limits import Limited, MemoryLimiter, budget_exhausted, rate_limited
+from gateway.limits import Limited, MemoryLimiter, Reservation, budget_exhausted, rate_limited
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -150,13 +153,14 @@ class RedisLimiter:
         log.info("per-key limits in redis at %s, shared with every replica using it", where)
         return cls(client, metrics, where=f"redis at {where}", now=now)
 
-    def _keys(self, key: Limited) -> list[str]:
+    def _keys(self, key: Limited, ends: float) -> list[str]:
+        """The key's requests and tokens buckets, and its budget counter of the period
+        that ends at `ends` (epoch seconds)."""
         base = f"{self.prefix}{{{key.name}}}:"  # {name}: one hash slot in a Redis Cluster
         budget = key.budget
         if budget is None:
             return [base + "requests", base + "tokens", base + "budget"]
-        ends = int(period_end(self.wall(), budget.period))
-        return [base + "requests", base + "tokens", f"{base}budget:{budget.period}:{ends}"]
+        return [base + "requests", base + "tokens", f"{base}budget:{budget.period}:{int(ends)}"]
 
     def _failed(self, op: str, e: Exception) -> None:
         self.metrics.redis_errors.labels(op).inc()
@@ -179,9 +183,9 @@ class RedisLimiter:
             self._up.set(1)
             log.warning("%s answers again: per-key limits are shared again", self.where)
 
-    async def admit(self, key: Limited, tokens: int) -> None:
+    async def admit(self, key: Limited, tokens: int) -> Reservation:
         if key.requests is None and key.tokens is None and key.budget is None:
-            return
+            return Reservation(key, self)
         if self._now() < self._down_until:
             return self.fallback.check(key, tokens)
         budget = key.budget
@@ -197,7 +201,7 @@ class RedisLimiter:
             BUCKET_TTL_MS,
         ]
         try:
-            got = await self._admit(keys=self._keys(key), args=args)
+            got = await self._admit(keys=self._keys(key, ends), args=args)
         except Exception as e:  # redis.RedisError, OSError, asyncio.TimeoutError
             self._failed("admit", e)
             return self.fallback.check(key, tokens)
@@ -210,24 +214,28 @@ class RedisLimiter:
             assert budget is not None
             used = float(_text(got[1]))
             raise budget_exhausted(key.name, budget.tokens, budget.period, used, ends, tokens, wall)
+        return Reservation(key, self, ends)
 
-    def refund(self, key: Limited, tokens: int) -> None:
+    def refund(self, held: Reservation, tokens: int) -> None:
+        if held.limiter is not self:  # admitted by the fallback during an outage
+            return held.limiter.refund(held, tokens)
+        key = held.key
         if tokens <= 0 or (key.tokens is None and key.budget is None):
             return
         if self._now() < self._down_until:
-            return self.fallback.refund(key, tokens)
-        task = asyncio.get_running_loop().create_task(self._send_refund(key, tokens))
+            return  # Redis charged it and is down: dropped
+        task = asyncio.get_running_loop().create_task(self._send_refund(held, tokens))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _send_refund(self, key: Limited, tokens: int) -> None:
-        _, bucket, budget = self._keys(key)
+    async def _send_refund(self, held: Reservation, tokens: int) -> None:
+        key = held.key
+        _, bucket, budget = self._keys(key, held.period_end)  # the period it was charged to
         args = [int(key.tokens.capacity) if key.tokens else 0, tokens]
         try:
             await self._refund(keys=[bucket, budget], args=args)
-        except Exception as e:
+        except Exception as e:  # dropped, as while Redis is down
             self._failed("refund", e)
-            self.fallback.refund(key, tokens)
 
     async def settle(self) -> None:
         """Wait for the refunds on their way (tests; shutdown)."""
