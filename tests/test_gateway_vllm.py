@@ -28,6 +28,7 @@ from lorastack_testing.net import free_port, serve_in_thread
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 2048  # vLLM's --max-model-len, tokens
+API_KEY = "sk-test-" + "0123456789abcdef" * 2  # API keys: at least 32 characters
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         home=tmp_path_factory.mktemp("gw-home"),
         backends=[vllm_url],
         auth_enabled=True,
-        api_keys=["sk-test"],
+        api_keys=[API_KEY],
         scrape_interval_s=0.5,
     )
     with serve_in_thread(create_app(settings), free_port()) as url:
@@ -63,7 +64,7 @@ def gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def client(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-test", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def test_openai_client_chat_multiturn_and_streaming(client: openai.OpenAI) -> None:
@@ -178,7 +179,7 @@ def test_openai_client_responses_models_retrieve_and_tokenize(
     tok = httpx.post(
         f"{gateway}/tokenize",
         json={"model": "smollm2", "prompt": "Hello world"},
-        headers={"Authorization": "Bearer sk-test"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
     )
     assert tok.status_code == 200 and tok.json()["count"] >= 2
 

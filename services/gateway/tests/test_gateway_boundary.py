@@ -20,6 +20,8 @@ from test_gateway_proxy import CHAT, metric
 from gateway.main import PROXIED, create_app
 from gateway.settings import GatewaySettings
 
+KEY = "sk-boundary-" + "0123456789abcdef" * 2  # API keys: at least 32 characters
+
 COMPLETION = {"model": "smollm2", "prompt": "Say hello.", "max_tokens": 4}
 # every route a client calls with a key: (method, path, JSON body)
 ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
@@ -43,8 +45,8 @@ def test_no_middleware_the_proxied_routes_would_skip(tmp_path: Path) -> None:
 
 def test_auth_is_the_same_on_every_route(make_gateway, fake) -> None:
     url, state = fake
-    with make_gateway([url], auth_enabled=True, api_keys=["key-1"]) as gw:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-1"}):
+    with make_gateway([url], auth_enabled=True, api_keys=[KEY]) as gw:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             for method, path, body in ROUTES:
                 r = httpx.request(method, gw + path, json=body, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
@@ -54,7 +56,7 @@ def test_auth_is_the_same_on_every_route(make_gateway, fake) -> None:
         assert state.calls() == []  # no backend saw an unauthenticated request
         for method, path, body in ROUTES:
             r = httpx.request(
-                method, gw + path, json=body, headers={"Authorization": "Bearer key-1"}
+                method, gw + path, json=body, headers={"Authorization": f"Bearer {KEY}"}
             )
             assert r.status_code == 200, (path, r.text)
         assert len(state.calls()) == PROXIED_ROUTES

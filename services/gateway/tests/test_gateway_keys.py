@@ -20,6 +20,9 @@ from gateway.errors import BudgetExhausted, ModelNotAllowed, RateLimited, Unauth
 from gateway.keys import KeyEntry, KeysFile, hash_secret, load_keys, period_end, save_keys
 from lorastack.cli import main as lorastack_main
 from lorastack.errors import ConfigError
+from lorastack.secrets import API_KEY_MIN_CHARS
+
+ENV_KEY = "sk-env-" + "0123456789abcdef" * 2  # API keys: at least 32 characters
 
 
 def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0, sec: int = 0) -> float:
@@ -76,10 +79,10 @@ def test_budget_model_check_refund_reset_and_reload(tmp_path) -> None:
     assert "sk-a" not in path.read_text()
     now, wall = [0.0], [utc(2026, 12, 1, 15, 30)]
     auth = Authenticator(
-        True, ["sk-env"], keys_file=path, clock=lambda: now[0], wall=lambda: wall[0]
+        True, [ENV_KEY], keys_file=path, clock=lambda: now[0], wall=lambda: wall[0]
     )
     alice = auth.authenticate("Bearer sk-a")
-    assert alice.name == "alice" and auth.authenticate("Bearer sk-env").name.startswith("key-")
+    assert alice.name == "alice" and auth.authenticate(f"Bearer {ENV_KEY}").name.startswith("key-")
     auth.check_model(alice, "m1")
     with pytest.raises(ModelNotAllowed, match="may use: m1"):
         auth.check_model(alice, "m2")
@@ -164,12 +167,13 @@ def test_two_named_keys_through_the_openai_client(make_gateway, fake, tmp_path, 
     )
     bob_secret = out.strip().splitlines()[-1]
     assert alice_secret.startswith("sk-") and alice_secret not in path.read_text()
+    assert len(alice_secret) >= API_KEY_MIN_CHARS  # strong by construction
     listing = keys_cli(path, "list", capsys=capsys)
     assert "alice" in listing and "300/day" in listing and alice_secret not in listing
     assert lorastack_main(["gateway", "keys", "add", "bob", "--file", str(path)]) != 0
     capsys.readouterr()
 
-    with make_gateway([url], auth_enabled=True, api_keys=["sk-env"], keys_file=path) as gw:
+    with make_gateway([url], auth_enabled=True, api_keys=[ENV_KEY], keys_file=path) as gw:
 
         def client(secret: str) -> openai.OpenAI:
             return openai.OpenAI(base_url=f"{gw}/v1", api_key=secret, max_retries=0)
@@ -200,7 +204,7 @@ def test_two_named_keys_through_the_openai_client(make_gateway, fake, tmp_path, 
         assert int(err.response.headers["retry-after"]) <= 86400
         assert bob.chat.completions.create(model="sql", messages=msgs).choices
         # the env list keeps working beside the file
-        assert client("sk-env").chat.completions.create(model="smollm2", messages=msgs).choices
+        assert client(ENV_KEY).chat.completions.create(model="smollm2", messages=msgs).choices
 
         text = httpx.get(f"{gw}/metrics").text
         assert alice_secret not in text and bob_secret not in text

@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorastack_testing.fake_state import FakeState
 
 ADMIN_KEY = "gateway-test-admin-" + "0123456789abcdef" * 2  # >= 32 characters, no placeholder
+ONE_KEY = "sk-one-" + "0123456789abcdef" * 2  # API keys: at least 32 characters too
+FILE_KEY = "sk-from-file-" + "0123456789abcdef" * 2
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}]}
 
@@ -383,9 +385,9 @@ def test_old_kv_metric_name_is_read(make_gateway, fake) -> None:
 def test_auth_and_rate_limits(make_gateway, fake, tmp_path) -> None:
     url, state = fake
     keys = tmp_path / "keys"
-    keys.write_text("# team a\nkey-from-file\n")
+    keys.write_text(f"# team a\n{FILE_KEY}\n")
     with make_gateway(
-        [url], auth_enabled=True, api_keys=["sk-one"], api_keys_file=keys, key_requests_per_min=3
+        [url], auth_enabled=True, api_keys=[ONE_KEY], api_keys_file=keys, key_requests_per_min=3
     ) as gw:
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat())
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
@@ -394,22 +396,22 @@ def test_auth_and_rate_limits(make_gateway, fake, tmp_path) -> None:
         )
         assert r.status_code == 401 and "nope" not in r.text
         assert httpx.get(f"{gw}/v1/models").status_code == 401
-        ok = {"Authorization": "Bearer sk-one"}
+        ok = {"Authorization": f"Bearer {ONE_KEY}"}
         assert [
             httpx.post(f"{gw}/v1/chat/completions", json=chat(), headers=ok).status_code
             for _ in range(4)
         ] == [200, 200, 200, 429]
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat(), headers=ok)
         assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 20
-        other = {"Authorization": "Bearer key-from-file"}  # its own bucket
+        other = {"Authorization": f"Bearer {FILE_KEY}"}  # its own bucket
         assert (
             httpx.post(f"{gw}/v1/chat/completions", json=chat(), headers=other).status_code == 200
         )
         assert len(state.calls()) == 4
         assert metric(gw, "lorastack_gateway_rejections_total", reason="unauthorized") == 3
         assert metric(gw, "lorastack_gateway_rejections_total", reason="rate_limited") == 2
-    with make_gateway([url], auth_enabled=True, api_keys=["k"], key_tokens_per_min=300) as gw:
-        h = {"Authorization": "Bearer k"}
+    with make_gateway([url], auth_enabled=True, api_keys=[ONE_KEY], key_tokens_per_min=300) as gw:
+        h = {"Authorization": f"Bearer {ONE_KEY}"}
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat(max_tokens=400), headers=h)
         assert (
             r.status_code == 429 and "at most 300 tokens per minute" in r.json()["error"]["message"]

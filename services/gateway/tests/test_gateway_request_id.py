@@ -13,6 +13,8 @@ from test_gateway_proxy import CHAT, chat, sse_events, wait_for
 
 from gateway.request_id import MAX_LEN, request_id
 
+KEY = "sk-request-id-" + "0123456789abcdef" * 2  # API keys: at least 32 characters
+
 
 @pytest.mark.parametrize(
     ("value", "kept"),
@@ -70,8 +72,8 @@ def test_client_id_reaches_the_backend_and_comes_back(make_gateway, fake) -> Non
 def test_errors_carry_the_id_in_header_body_and_log(make_gateway, fake, caplog) -> None:
     url, state = fake
     caplog.set_level(logging.INFO, logger="gateway")
-    with make_gateway([url], auth_enabled=True, api_keys=["sk-1"]) as gw:
-        auth = {"Authorization": "Bearer sk-1"}
+    with make_gateway([url], auth_enabled=True, api_keys=[KEY]) as gw:
+        auth = {"Authorization": f"Bearer {KEY}"}
         r = httpx.post(
             f"{gw}/v1/chat/completions",
             json=chat(model="nope"),

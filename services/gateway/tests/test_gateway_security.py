@@ -25,6 +25,7 @@ from gateway.validation import parse_chat
 from lorastack.cli import main as lorastack_main
 
 GOOD_ADMIN = "x9Qe-6pV3tLr0Zs7Wm2Nk8Bc4Yh1Jd5Gf0Aa3Uo"  # 40 characters
+GOOD_KEY = "sk-Zq4vR8mW1xT6nB3kJ9cH5sD2fG7yL0pA"  # 37 characters: API keys need 32
 
 
 def settings(tmp_path: Path, **values: Any) -> GatewaySettings:
@@ -53,18 +54,59 @@ def test_an_unset_or_strong_admin_key_starts(tmp_path: Path) -> None:
     assert settings(tmp_path, admin_key=GOOD_ADMIN).admin_key is not None
 
 
-@pytest.mark.parametrize("keys", ['["REPLACE_ME"]', "changeme", '["sk-ok", ""]', "team=CHANGE_ME"])
+@pytest.mark.parametrize(
+    "keys", ['["REPLACE_ME"]', "changeme", f'["{GOOD_KEY}", ""]', "team=CHANGE_ME"]
+)
 def test_a_placeholder_or_empty_api_key_is_refused_at_start(tmp_path: Path, keys: str) -> None:
     with pytest.raises(ValidationError, match=r"api_keys\[\d\] is (the placeholder|set but empty)"):
         settings(tmp_path, api_keys=keys)
 
 
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [
+        ('["k3Y9pQ2z"]', r"api_keys\[1\] has 8 characters, fewer than 32"),
+        ("team=k3Y9pQ2z", r"api_keys\[1\] has 8 characters, fewer than 32"),  # the key, not ALIAS=
+        (f'["{GOOD_KEY}", "{"x7" * 15}q"]', r"api_keys\[2\] has 31 characters, fewer than 32"),
+    ],
+)
+def test_a_short_api_key_is_refused_at_start(tmp_path: Path, keys: str, why: str) -> None:
+    with pytest.raises(ValidationError, match=why) as e:
+        settings(tmp_path, api_keys=keys)
+    message = e.value.errors()[0]["msg"]  # what the command prints (pydantic's repr adds input)
+    assert "secrets.token_urlsafe(32)" in message  # says how to make a good one
+    assert "k3Y9pQ2z" not in message  # and never echoes the key
+    assert settings(tmp_path, api_keys=f'["{"x7" * 16}"]').auth_required  # 32: enough
+
+
+def test_the_gateway_does_not_start_with_a_short_key_in_either_list(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's key (8 characters) in LORASTACK_API_KEYS, then in the plain keys file:
+    exit 2 and a message naming the key's place and the minimum, before anything binds."""
+    for name in ("LORASTACK_API_KEYS", "LORASTACK_API_KEYS_FILE", "LORASTACK_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LORASTACK_API_KEYS", '["k3Y9pQ2z"]')
+    assert lorastack_main(["gateway", "--host", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "api_keys[1] has 8 characters, fewer than 32" in err, err
+    assert "k3Y9pQ2z" not in err and "Traceback" not in err
+    monkeypatch.delenv("LORASTACK_API_KEYS")
+    listed = tmp_path / "api-keys.txt"
+    listed.write_text(f"# the team's keys\n{GOOD_KEY}\nci=k3Y9pQ2z\n")
+    monkeypatch.setenv("LORASTACK_API_KEYS_FILE", str(listed))
+    assert lorastack_main(["gateway", "--host", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{listed}: key 2 of api_keys_file has 8 characters, fewer than 32" in err, err
+    assert "k3Y9pQ2z" not in err and "Traceback" not in err
+
+
 def test_keys_configured_mean_auth_on_and_auth_off_with_keys_is_refused(tmp_path: Path) -> None:
-    assert settings(tmp_path, api_keys="sk-one").auth_required  # no AUTH_ENABLED needed
+    assert settings(tmp_path, api_keys=GOOD_KEY).auth_required  # no AUTH_ENABLED needed
     keys = tmp_path / "keys.txt"
-    keys.write_text("sk-from-file\n")
+    keys.write_text(f"{GOOD_KEY}-from-file\n")
     assert settings(tmp_path, api_keys_file=keys).auth_required
-    for values in ({"api_keys": "sk-one"}, {"api_keys_file": keys}):
+    for values in ({"api_keys": GOOD_KEY}, {"api_keys_file": keys}):
         with pytest.raises(ValidationError, match="auth_enabled is false but API keys"):
             settings(tmp_path, auth_enabled=False, **values)
     assert not settings(tmp_path).auth_required  # no keys: off, on loopback
@@ -73,10 +115,12 @@ def test_keys_configured_mean_auth_on_and_auth_off_with_keys_is_refused(tmp_path
 def test_keys_without_auth_enabled_are_enforced(make_gateway, fake) -> None:
     """Today's bug: keys set without AUTH_ENABLED were silently ignored (an open gateway)."""
     url, _ = fake
-    with make_gateway([url], api_keys=["sk-only"]) as gw:
+    with make_gateway([url], api_keys=[GOOD_KEY]) as gw:
         assert httpx.post(f"{gw}/v1/chat/completions", json=chat()).status_code == 401
         ok = httpx.post(
-            f"{gw}/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer sk-only"}
+            f"{gw}/v1/chat/completions",
+            json=chat(),
+            headers={"Authorization": f"Bearer {GOOD_KEY}"},
         )
         assert ok.status_code == 200
 
@@ -86,7 +130,7 @@ def test_a_non_loopback_bind_without_auth_is_refused(tmp_path: Path, host: str) 
     with pytest.raises(ValidationError, match="LORASTACK_GATEWAY_ALLOW_UNAUTHENTICATED=true"):
         settings(tmp_path, host=host)
     settings(tmp_path, host=host, gateway_allow_unauthenticated=True)  # on purpose: allowed
-    settings(tmp_path, host=host, api_keys="sk-one")  # with auth: allowed
+    settings(tmp_path, host=host, api_keys=GOOD_KEY)  # with auth: allowed
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
@@ -161,7 +205,7 @@ def test_ready_says_only_ready_without_the_admin_key(make_gateway, fake) -> None
 
 def test_metrics_name_keys_by_alias_never_by_the_secret(make_gateway, fake) -> None:
     url, _ = fake
-    secret, unnamed = "sk-team-a-0123456789", "sk-unnamed-9876543210"
+    secret, unnamed = "sk-team-a-" + "0123456789" * 4, "sk-unnamed-" + "9876543210" * 4
     with make_gateway([url], api_keys=[f"team-a={secret}", unnamed]) as gw:
         for s in (secret, unnamed):
             headers = {"Authorization": f"Bearer {s}"}

@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+KEY = "sk-surface-" + "0123456789abcdef" * 2  # API keys: at least 32 characters
+
 
 def test_models_retrieve_with_the_openai_client(make_gateway, fake) -> None:
     url, state = fake
@@ -30,16 +32,16 @@ def test_models_retrieve_with_the_openai_client(make_gateway, fake) -> None:
 
 def test_models_retrieve_needs_a_key_when_auth_is_on(make_gateway, fake) -> None:
     url, _ = fake
-    with make_gateway([url], auth_enabled=True, api_keys=["sk-1"]) as gw:
+    with make_gateway([url], auth_enabled=True, api_keys=[KEY]) as gw:
         assert httpx.get(f"{gw}/v1/models/smollm2").status_code == 401
-        ok = httpx.get(f"{gw}/v1/models/smollm2", headers={"Authorization": "Bearer sk-1"})
+        ok = httpx.get(f"{gw}/v1/models/smollm2", headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200 and ok.json()["id"] == "smollm2"
 
 
 def test_tokenize_and_detokenize_pass_through(make_gateway, fake) -> None:
     url, state = fake
-    with make_gateway([url], auth_enabled=True, api_keys=["sk-1"]) as gw:
-        auth = {"Authorization": "Bearer sk-1", "X-Request-Id": "tok-1"}
+    with make_gateway([url], auth_enabled=True, api_keys=[KEY]) as gw:
+        auth = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "tok-1"}
         r = httpx.post(
             f"{gw}/tokenize", json={"model": "smollm2", "prompt": "a bb ccc"}, headers=auth
         )

@@ -23,6 +23,8 @@ from gateway.scrape import parse_metrics, parse_models
 from gateway.settings import GatewaySettings
 from gateway.validation import parse_chat, parse_completion, plan_tokens, requested_output
 
+A_KEY, B_KEY = ("sk-" + c * 32 for c in "ab")  # API keys: at least 32 characters
+
 
 @pytest.mark.parametrize(
     ("prompt", "requested", "clamp", "max_tokens", "clamped_from"),
@@ -154,17 +156,17 @@ def test_keys_and_buckets(tmp_path) -> None:
     s = GatewaySettings(
         home=tmp_path,
         auth_enabled=True,
-        api_keys="a-key,team-b=b-key",
+        api_keys=f"{A_KEY},team-b={B_KEY}",
         key_requests_per_min=2,
         key_tokens_per_min=100,
     )  # type: ignore[arg-type]
     now = [0.0]
     auth = Authenticator.from_settings(s, GatewayMetrics())
     auth.clock = lambda: now[0]
-    kid = auth.authenticate("Bearer a-key")
+    kid = auth.authenticate(f"Bearer {A_KEY}")
     # named by place or alias, never by the secret or a hash of it (/metrics shows names)
-    assert kid.name == "key-1" and auth.authenticate("Bearer b-key").name == "team-b"
-    for header in (None, "Basic a-key", "Bearer ", "Bearer c-key"):
+    assert kid.name == "key-1" and auth.authenticate(f"Bearer {B_KEY}").name == "team-b"
+    for header in (None, f"Basic {A_KEY}", "Bearer ", "Bearer c-key"):
         with pytest.raises(Unauthorized):
             auth.authenticate(header)
     admit(auth, kid, 40)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 
 ADMIN_KEY_MIN_CHARS = 32  # `secrets.token_urlsafe(32)` gives 43; 32 leaves no guessable key
+# clients' API keys: the same bar (`lorastack gateway keys add` makes 46 characters); a
+# shorter key may be guessed by anyone who reaches the API, so there is no override
+API_KEY_MIN_CHARS = ADMIN_KEY_MIN_CHARS
 # the values example files and tutorials ship, compared lowercased without punctuation
 PLACEHOLDERS = frozenset(
     {

@@ -41,7 +41,7 @@ from gateway.limits import Budget, Limiter, MemoryLimiter, Reservation, TokenBuc
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings, split_alias
 from lorastack.errors import ConfigError
-from lorastack.secrets import secret_problem
+from lorastack.secrets import API_KEY_MIN_CHARS, secret_problem
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ class Authenticator:
         if s.api_keys_file is not None:
             listed = read_keys_file(s.api_keys_file)
             for n, entry in enumerate(listed, 1):
-                if why := secret_problem(split_alias(entry)[1], f"line {n} of api_keys_file"):
+                where = f"key {n} of api_keys_file"
+                if why := secret_problem(split_alias(entry)[1], where, API_KEY_MIN_CHARS):
                     raise ConfigError(f"{s.api_keys_file}: {why}", "write one real key a line")
             raw += listed
         auth = cls(

@@ -6,8 +6,8 @@ map accepts JSON or `model=source,model=source`.
 
 Secrets are checked here, so a bad deploy fails at start (lorastack.secrets): auth is on
 whenever keys are configured (`auth_enabled` unset follows the keys; `false` with keys is
-refused: nothing is silently ignored), an admin key is at least 32 characters and no
-placeholder (unset: the admin views are off), and a bind to anything but loopback without
+refused: nothing is silently ignored), an API key or admin key is at least 32 characters
+and no placeholder (unset admin key: the admin views are off), and a bind to anything but loopback without
 auth is refused unless `gateway_allow_unauthenticated` says so.
 """
 
@@ -25,7 +25,7 @@ from pydantic_settings import NoDecode
 
 from lorastack.errors import LorastackError
 from lorastack.manifest import served_name
-from lorastack.secrets import ADMIN_KEY_MIN_CHARS, secret_problem
+from lorastack.secrets import ADMIN_KEY_MIN_CHARS, API_KEY_MIN_CHARS, secret_problem
 from lorastack.settings import CommonSettings
 
 
@@ -137,10 +137,13 @@ class GatewaySettings(CommonSettings):
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="KEY or ALIAS=KEY entries; ALIAS (letters, digits, '.', '_', '-') names the"
-        " key in /metrics and errors, else it is key-N by its place in the list",
+        description="KEY or ALIAS=KEY entries, each KEY at least 32 characters; ALIAS (letters,"
+        " digits, '.', '_', '-') names the key in /metrics and errors, else it is key-N by its"
+        " place in the list",
     )
-    api_keys_file: Path | None = Field(None, description="one key per line; # comments")
+    api_keys_file: Path | None = Field(
+        None, description="one KEY or ALIAS=KEY a line, as api_keys; # comments"
+    )
     keys_file: Path | None = Field(
         None,
         description="YAML/JSON keys file: named keys (sha256 at rest) with their models,"
@@ -234,7 +237,8 @@ class GatewaySettings(CommonSettings):
             )
         aliases = [split_alias(k.get_secret_value())[0] for k in self.api_keys]
         for n, key in enumerate(self.api_keys, 1):
-            if why := secret_problem(split_alias(key.get_secret_value())[1], f"api_keys[{n}]"):
+            secret = split_alias(key.get_secret_value())[1]
+            if why := secret_problem(secret, f"api_keys[{n}]", API_KEY_MIN_CHARS):
                 raise ValueError(why)
         named = [a for a in aliases if a]
         if len(set(named)) != len(named):
