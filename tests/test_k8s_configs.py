@@ -353,6 +353,23 @@ def test_every_pod_meets_pod_security_restricted(folder: str) -> None:
             assert "/tmp" in mounts or c["name"] == "redis", (where, mounts)
 
 
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_the_namespace_enforces_pod_security_restricted(folder: str) -> None:
+    """What the pods meet (above), the Namespace enforces: Pod Security admission refuses
+    a pod that breaks "restricted", and audits and warns about it, at a pinned version."""
+    docs = render(folder)
+    (namespace,) = [d for d in docs if d["kind"] == "Namespace"]
+    labels = namespace["metadata"].get("labels", {})
+    for mode in ("enforce", "audit", "warn"):
+        assert labels.get(f"pod-security.kubernetes.io/{mode}") == "restricted", (mode, labels)
+        version = labels.get(f"pod-security.kubernetes.io/{mode}-version", "")
+        assert re.fullmatch(r"v1\.\d+", version), (mode, version)  # pinned, not `latest`
+    # every workload lands in it
+    assert {d["metadata"].get("namespace") for d in workloads(docs)} == {
+        namespace["metadata"]["name"]
+    }
+
+
 def _admits(
     policies: list[dict[str, Any]], source: dict[str, str], source_ns: str,
     target: dict[str, str], port: int,
