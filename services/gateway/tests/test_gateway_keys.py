@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from test_gateway_limits import admit
-from test_gateway_proxy import metric, wait_for
+from test_gateway_proxy import METRICS, METRICS_KEY, metric, wait_for
 
 from gateway.auth import Authenticator
 from gateway.errors import BudgetExhausted, ModelNotAllowed, RateLimited, Unauthorized
@@ -173,7 +173,9 @@ def test_two_named_keys_through_the_openai_client(make_gateway, fake, tmp_path, 
     assert lorastack_main(["gateway", "keys", "add", "bob", "--file", str(path)]) != 0
     capsys.readouterr()
 
-    with make_gateway([url], auth_enabled=True, api_keys=[ENV_KEY], keys_file=path) as gw:
+    with make_gateway(
+        [url], auth_enabled=True, api_keys=[ENV_KEY], keys_file=path, metrics_key=METRICS_KEY
+    ) as gw:
 
         def client(secret: str) -> openai.OpenAI:
             return openai.OpenAI(base_url=f"{gw}/v1", api_key=secret, max_retries=0)
@@ -206,7 +208,7 @@ def test_two_named_keys_through_the_openai_client(make_gateway, fake, tmp_path, 
         # the env list keeps working beside the file
         assert client(ENV_KEY).chat.completions.create(model="smollm2", messages=msgs).choices
 
-        text = httpx.get(f"{gw}/metrics").text
+        text = httpx.get(f"{gw}/metrics", headers=METRICS).text
         assert alice_secret not in text and bob_secret not in text
         assert metric(gw, "lorastack_gateway_key_requests_total", key="alice") == 1 + ok
         assert metric(gw, "lorastack_gateway_key_requests_total", key="bob") == 4

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from test_gateway_proxy import METRICS, METRICS_KEY
 
 from gateway import limits, redis_limits
 from gateway.auth import Authenticator, Key
@@ -385,6 +386,7 @@ def test_two_gateway_processes_enforce_one_keys_limit(
         "LORASTACK_BACKENDS": fake[0],
         "LORASTACK_AUTH_ENABLED": "true",
         "LORASTACK_KEYS_FILE": str(keys),
+        "LORASTACK_METRICS_KEY": METRICS_KEY,
         "LORASTACK_REDIS_URL": redis_url.replace("/0", "/1"),  # a db of its own
         "LORASTACK_SCRAPE_INTERVAL_S": "0.2",
         # the longest allowed: a Redis reply slower than the 0.25 s default on a loaded
@@ -416,7 +418,7 @@ def test_two_gateway_processes_enforce_one_keys_limit(
             assert refused.headers["x-ratelimit-remaining-requests"] == "0"
         admitted = []
         for url in urls:
-            text = httpx.get(f"{url}/metrics").text
+            text = httpx.get(f"{url}/metrics", headers=METRICS).text
             redis = redis_url.removeprefix("redis://").removesuffix("/0")
             assert f'lorastack_gateway_redis_up{{redis="{redis}"}} 1.0' in text
             prefix = 'lorastack_gateway_key_requests_total{key="team"}'

@@ -17,6 +17,8 @@ ADMIN_KEY = "gateway-test-admin-" + "0123456789abcdef" * 2  # >= 32 characters, 
 ONE_KEY = "sk-one-" + "0123456789abcdef" * 2  # API keys: at least 32 characters too
 FILE_KEY = "sk-from-file-" + "0123456789abcdef" * 2
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+METRICS_KEY = "gateway-test-metrics-" + "0123456789abcdef" * 2  # what Prometheus sends
+METRICS = {"Authorization": f"Bearer {METRICS_KEY}"}  # an open gateway ignores it
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}]}
 
 
@@ -34,7 +36,7 @@ def sse_events(text: str) -> list[Any]:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=METRICS).text
     total = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -387,7 +389,12 @@ def test_auth_and_rate_limits(make_gateway, fake, tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"# team a\n{FILE_KEY}\n")
     with make_gateway(
-        [url], auth_enabled=True, api_keys=[ONE_KEY], api_keys_file=keys, key_requests_per_min=3
+        [url],
+        auth_enabled=True,
+        api_keys=[ONE_KEY],
+        api_keys_file=keys,
+        key_requests_per_min=3,
+        metrics_key=METRICS_KEY,
     ) as gw:
         r = httpx.post(f"{gw}/v1/chat/completions", json=chat())
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"

@@ -1,8 +1,9 @@
 """The gateway's trust boundary, from the attacker's (or the careless deployer's) side:
-secrets refused at start (empty, placeholder, short admin key; keys configured with auth
-off; an open bind without auth), permission checked before existence, a 404 that lists
-only what the key may use, /ready's details only for the admin key, /metrics naming keys
-by alias only, and a 4 MiB `tools` body rendered off the event loop."""
+secrets refused at start (empty, placeholder, short API, admin or metrics key; keys
+configured with auth off; an open bind without auth), permission checked before
+existence, a 404 that lists only what the key may use, /ready's details only for the
+admin key, /metrics only for the metrics key while auth is on (naming keys by alias
+only), and a 4 MiB `tools` body rendered off the event loop."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, cast
 import httpx
 import pytest
 from pydantic import ValidationError
-from test_gateway_proxy import ADMIN, ADMIN_KEY, chat
+from test_gateway_proxy import ADMIN, ADMIN_KEY, METRICS, METRICS_KEY, chat
 
 from gateway.counting import LONG_BODY_BYTES, count_prompts
 from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
@@ -206,15 +207,62 @@ def test_ready_says_only_ready_without_the_admin_key(make_gateway, fake) -> None
 def test_metrics_name_keys_by_alias_never_by_the_secret(make_gateway, fake) -> None:
     url, _ = fake
     secret, unnamed = "sk-team-a-" + "0123456789" * 4, "sk-unnamed-" + "9876543210" * 4
-    with make_gateway([url], api_keys=[f"team-a={secret}", unnamed]) as gw:
+    keys = [f"team-a={secret}", unnamed]
+    with make_gateway([url], api_keys=keys, metrics_key=METRICS_KEY) as gw:
         for s in (secret, unnamed):
             headers = {"Authorization": f"Bearer {s}"}
             assert httpx.post(f"{gw}/v1/chat/completions", json=chat(), headers=headers).is_success
-        text = httpx.get(f"{gw}/metrics").text
+        text = httpx.get(f"{gw}/metrics", headers=METRICS).text
     assert 'lorastack_gateway_key_requests_total{key="team-a"} 1.0' in text
     assert 'lorastack_gateway_key_requests_total{key="key-2"} 1.0' in text
     for s in (secret, unnamed):
         assert s not in text and hashlib.sha256(s.encode()).hexdigest()[:12] not in text
+
+
+def test_an_unauthenticated_scrape_gets_401_and_no_key_names(make_gateway, fake) -> None:
+    """The issue's scrape: /metrics on the API port named every key and backend to anyone.
+    While clients need keys it answers only the metrics key (what Prometheus sends): not no
+    key, a wrong one, a client's key nor the admin key; without a metrics key set, no one."""
+    url, _ = fake
+    secret = "sk-team-a-" + "0123456789" * 4
+    refused = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {secret}"},  # a client's key
+        ADMIN,  # the admin views' key is not the scrape's
+        {"Authorization": METRICS_KEY},  # no scheme
+    ]
+
+    def leaks(text: str) -> bool:
+        return any(s in text for s in ("team-a", url, "lorastack_gateway_", "127.0.0.1"))
+
+    keys = {"api_keys": [f"team-a={secret}"], "admin_key": ADMIN_KEY}
+    with make_gateway([url], metrics_key=METRICS_KEY, **keys) as gw:
+        headers = {"Authorization": f"Bearer {secret}"}
+        assert httpx.post(f"{gw}/v1/chat/completions", json=chat(), headers=headers).is_success
+        for headers in refused:
+            r = httpx.get(f"{gw}/metrics", headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+            assert not leaks(r.text), r.text
+            assert "Authorization: Bearer LORASTACK_METRICS_KEY" in r.json()["error"]["message"]
+        scraped = httpx.get(f"{gw}/metrics", headers=METRICS)
+        assert scraped.status_code == 200
+        assert 'lorastack_gateway_key_requests_total{key="team-a"} 1.0' in scraped.text
+        assert f'backend="{url}"' in scraped.text
+    with make_gateway([url], **keys) as gw:  # keys, and no metrics key: no one scrapes
+        for headers in [*refused, METRICS]:
+            r = httpx.get(f"{gw}/metrics", headers=headers)
+            assert r.status_code == 401 and not leaks(r.text), r.text
+            assert "set LORASTACK_METRICS_KEY" in r.json()["error"]["message"]
+    with make_gateway([url]) as gw:  # auth off, on loopback: as open as its API
+        assert httpx.get(f"{gw}/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("metrics_key", ["", "REPLACE_ME", "too-short-for-a-scrape-key"])
+def test_a_weak_metrics_key_is_refused_at_start(tmp_path: Path, metrics_key: str) -> None:
+    with pytest.raises(ValidationError, match="metrics_key") as e:
+        settings(tmp_path, metrics_key=metrics_key)
+    assert "secrets.token_urlsafe(32)" in e.value.errors()[0]["msg"]
 
 
 class LoopWitness:

@@ -48,14 +48,14 @@ log = logging.getLogger(__name__)
 RELOAD_CHECK_S = 1.0  # seconds between two reads of the keys file
 
 
-def is_admin(admin_key: str | None, authorization: str | None) -> bool:
-    """True when `authorization` is `Bearer ADMIN_KEY`; never without an admin key set
-    (settings refuse an empty one). Digests compared in constant time."""
+def bearer_matches(key: str | None, authorization: str | None) -> bool:
+    """True when `authorization` is `Bearer KEY` (the admin or metrics key); never without
+    a key set (settings refuse an empty one). Digests compared in constant time."""
     scheme, _, token = (authorization or "").partition(" ")
-    if admin_key is None or scheme.lower() != "bearer" or not token.strip():
+    if key is None or scheme.lower() != "bearer" or not token.strip():
         return False
     given = hashlib.sha256(token.strip().encode()).digest()
-    return hmac.compare_digest(given, hashlib.sha256(admin_key.encode()).digest())
+    return hmac.compare_digest(given, hashlib.sha256(key.encode()).digest())
 
 
 def key_names(entries: list[str]) -> list[tuple[str, str]]:

@@ -22,10 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from gateway.auth import Authenticator, is_admin
+from gateway.auth import Authenticator, bearer_matches
 from gateway.backends import Backends
 from gateway.endpoints import ENDPOINTS
-from gateway.errors import GatewayError, error_response
+from gateway.errors import GatewayError, Unauthorized, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.passthrough import passthrough
 from gateway.proxy import Proxy
@@ -100,6 +100,21 @@ def http_error(method: str, path: str, status: int, detail: str, rid: str | None
     err.status = status
     err.type = "NotFoundError" if status == 404 else "BadRequestError"
     return error_response(err, rid)
+
+
+def metrics_refused(metrics_key: str | None) -> Unauthorized:
+    """The 401 of GET /metrics without the metrics key: what to send, or what to set."""
+    if metrics_key is None:
+        return Unauthorized(
+            "GET /metrics is off: clients need API keys here, and no metrics key is set",
+            "set LORASTACK_METRICS_KEY (at least 32 characters) and give Prometheus the same"
+            " key (authorization: {type: Bearer, credentials_file: FILE})",
+        )
+    return Unauthorized(
+        "GET /metrics needs the metrics key",
+        "send `Authorization: Bearer LORASTACK_METRICS_KEY` (Prometheus: authorization:"
+        " {type: Bearer, credentials_file: FILE})",
+    )
 
 
 def model_card(m: ModelInfo, created: int) -> dict[str, Any]:
@@ -204,7 +219,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         up = any(st.up and st.models for st in backends.states.values())
         ok = up and not loading and not failed
         body: dict[str, Any] = {"ready": ok}
-        if is_admin(admin_key, request.headers.get("authorization")):
+        if bearer_matches(admin_key, request.headers.get("authorization")):
             states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
             body |= {
                 "backends": states,
@@ -214,8 +229,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             }
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    metrics_key = settings.metrics_key.get_secret_value() if settings.metrics_key else None
+    metrics_open = metrics_key is None and not settings.auth_required  # an open gateway
+
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        """Prometheus text. It names every key and backend: while clients need keys, or
+        a metrics key is set, only for `Authorization: Bearer METRICS_KEY`."""
+        if not metrics_open and not bearer_matches(
+            metrics_key, request.headers.get("authorization")
+        ):
+            metrics.rejections.labels("unauthorized").inc()
+            return error_response(metrics_refused(metrics_key), request.scope.get("request_id"))
         for url, n in backends.inflight.counts.items():
             metrics.backend_inflight.labels(url).set(n)
             metrics.backend_kv_claimed.labels(url).set(backends.inflight.tokens.get(url, 0))

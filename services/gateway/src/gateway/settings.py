@@ -7,7 +7,8 @@ map accepts JSON or `model=source,model=source`.
 Secrets are checked here, so a bad deploy fails at start (lorastack.secrets): auth is on
 whenever keys are configured (`auth_enabled` unset follows the keys; `false` with keys is
 refused: nothing is silently ignored), an API key or admin key is at least 32 characters
-and no placeholder (unset admin key: the admin views are off), and a bind to anything but loopback without
+and no placeholder (unset admin key: the admin views are off; the metrics key likewise:
+unset, /metrics is refused while clients need keys), and a bind to anything but loopback without
 auth is refused unless `gateway_allow_unauthenticated` says so.
 """
 
@@ -135,6 +136,13 @@ class GatewaySettings(CommonSettings):
         description="Bearer key of the operator views (/ready's details); at least 32"
         " characters, no placeholder; unset = those views are off",
     )
+    metrics_key: SecretStr | None = Field(
+        None,
+        description="Bearer key of GET /metrics (Prometheus: `authorization: {type: Bearer,"
+        " credentials_file: FILE}`); at least 32 characters, no placeholder. Unset: /metrics"
+        " is open while auth is off and refused while it is on (it names every key and"
+        " backend)",
+    )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="KEY or ALIAS=KEY entries, each KEY at least 32 characters; ALIAS (letters,"
@@ -243,12 +251,12 @@ class GatewaySettings(CommonSettings):
         named = [a for a in aliases if a]
         if len(set(named)) != len(named):
             raise ValueError(f"api_keys repeat an alias: {sorted(named)}; give each its own")
-        if self.admin_key is not None and (
-            why := secret_problem(
-                self.admin_key.get_secret_value(), "admin_key", ADMIN_KEY_MIN_CHARS
-            )
-        ):
-            raise ValueError(why)
+        for name in ("admin_key", "metrics_key"):
+            value: SecretStr | None = getattr(self, name)
+            if value is not None and (
+                why := secret_problem(value.get_secret_value(), name, ADMIN_KEY_MIN_CHARS)
+            ):
+                raise ValueError(why)
         open_bind = not self.auth_required and not is_loopback(self.host)
         if open_bind and not self.gateway_allow_unauthenticated:
             raise ValueError(
