@@ -7,6 +7,7 @@ Prometheus configuration with promtool, and the Kubernetes manifests rendered by
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -221,27 +222,78 @@ def promtool() -> str:
     return tool
 
 
-def test_prometheus_config_and_rules_pass_promtool() -> None:
+def promtool_check(config: str, tmp_path: Path, beside: Path | None = None) -> str:
+    """`promtool check config` on `config` (YAML text) with the files of `beside` (its rule
+    files) next to it, each scrape job's credentials_file (a secret mounted where Prometheus
+    runs) replaced by a stand-in written here: promtool opens every file a config names,
+    so the check stays whole. '' when it passes, else promtool's output."""
+    folder = tmp_path / "prometheus"
+    if beside is not None:
+        shutil.copytree(beside, folder)
+    folder.mkdir(exist_ok=True)
+    data = yaml.safe_load(config)
+    for job in data["scrape_configs"]:
+        auth = job.get("authorization") or {}
+        if "credentials_file" in auth:
+            stand_in = tmp_path / f"{job['job_name']}.key"
+            stand_in.write_text(secrets.token_urlsafe(32))
+            auth["credentials_file"] = str(stand_in)
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(data))
     out = subprocess.run(
-        [promtool(), "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
+        [promtool(), "check", "config", str(folder / "prometheus.yml")],
         capture_output=True,
         text=True,
         check=False,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    return "" if out.returncode == 0 else out.stdout + out.stderr
+
+
+def test_prometheus_config_and_rules_pass_promtool(tmp_path: Path) -> None:
+    config = REPO / "deploy/prometheus/prometheus.yml"
+    assert promtool_check(config.read_text(), tmp_path, beside=config.parent) == ""
 
 
 def test_k8s_prometheus_scrape_config_passes_promtool(tmp_path: Path) -> None:
     docs = render("deploy/k8s/base")
     cm = next(d for d in docs if d["metadata"]["name"] == "prometheus-scrape")
-    (tmp_path / "prometheus.yml").write_text(cm["data"]["prometheus.yml"])
-    out = subprocess.run(
-        [promtool(), "check", "config", str(tmp_path / "prometheus.yml")],
+    assert promtool_check(cm["data"]["prometheus.yml"], tmp_path) == ""
+
+
+def test_compose_prometheus_scrapes_the_gateway_with_its_metrics_key(tmp_path: Path) -> None:
+    """The gateway's /metrics answers only LORASTACK_METRICS_KEY: compose gives Prometheus
+    the gateway's variable, and its entrypoint (run here with sh, a stand-in `prometheus`)
+    writes exactly the key, readable by its owner only, to the file the gateway job sends,
+    on a tmpfs, then runs Prometheus with the service's command."""
+    jobs = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    (gateway_job,) = [j for j in jobs["scrape_configs"] if j["job_name"] == "gateway"]
+    assert gateway_job["authorization"]["type"] == "Bearer"
+    key_file = gateway_job["authorization"]["credentials_file"]
+    prometheus, gateway = SERVICES["prometheus"], SERVICES["gateway"]
+    variable = gateway["environment"]["LORASTACK_METRICS_KEY"]
+    assert variable.startswith("${LORASTACK_METRICS_KEY:?")  # required, no default
+    assert prometheus["environment"]["LORASTACK_METRICS_KEY"] == variable
+    assert str(Path(key_file).parent) in prometheus["tmpfs"]  # in memory, not on a volume
+
+    key = secrets.token_urlsafe(32)
+    written = tmp_path / "gateway-metrics-key"
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "prometheus").write_text('#!/bin/sh\necho "$@"\n')
+    (fake_bin / "prometheus").chmod(0o755)
+    # compose turns $$ into $; the file goes here instead of the container's tmpfs
+    entrypoint = [
+        a.replace("$$", "$").replace(key_file, str(written)) for a in prometheus["entrypoint"]
+    ]
+    ran = subprocess.run(
+        [*entrypoint, *prometheus["command"]],
+        env={"PATH": f"{fake_bin}:/usr/bin:/bin", "LORASTACK_METRICS_KEY": key},
         capture_output=True,
         text=True,
         check=False,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == prometheus["command"]
+    assert written.read_text() == key and written.stat().st_mode & 0o077 == 0
 
 
 @pytest.mark.parametrize("folder", TARGETS)

@@ -217,6 +217,32 @@ def test_gateway_replicas_share_limits_through_the_manifests_redis(
         assert redis_client.Redis.from_url(local, socket_timeout=10).ping()
 
 
+def test_prometheus_scrapes_the_gateway_with_its_metrics_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's /metrics answers only its metrics key (auth is on): its settings
+    hold one, and the scrape config's gateway job sends the file a Secret made from the
+    same env file gives Prometheus (mounted at /etc/prometheus/secrets/NAME/KEY)."""
+    docs = render(FOLDERS[0])
+    (pod,) = [p for p in pods(FOLDERS[0], tmp_path) if p.lorastack_argv()[0] == "gateway"]
+    with monkeypatch.context() as m:
+        gateway = check_gateway(parse(pod, m))
+    assert gateway.auth_required and gateway.metrics_key is not None
+    assert "gateway-metrics" in {re.sub(r"-[a-z0-9]{10}$", "", s) for s in pod.secrets}
+    cm = next(d for d in docs if d["metadata"]["name"] == "prometheus-scrape")
+    jobs = yaml.safe_load(cm["data"]["prometheus.yml"])["scrape_configs"]
+    (job,) = [j for j in jobs if j["job_name"] == "gateway"]
+    assert job["authorization"]["type"] == "Bearer"
+    key_file = Path(job["authorization"]["credentials_file"])
+    assert key_file.name == "LORASTACK_METRICS_KEY"  # the Secret's key: the gateway's variable
+    assert key_file.parent.parent == Path("/etc/prometheus/secrets")
+    gateway_tpl = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"
+    )
+    annotations = gateway_tpl["spec"]["template"]["metadata"].get("annotations", {})
+    assert "prometheus.io/scrape" not in annotations  # such a scrape could not send the key
+
+
 class _redis_server:
     """redis-server with `args` on a free loopback port; yields (port, the answer to a PING
     without the password). Ready when it answers at all (NOAUTH is an answer)."""
@@ -454,7 +480,7 @@ def test_every_pod_is_covered_by_a_deny_by_default_policy() -> None:
 
 # what each workload may read: its own Secret, and the shared keys it needs, nothing more
 SECRETS_OF = {
-    "gateway": {"gateway", "vllm-api-key", "redis"},
+    "gateway": {"gateway", "vllm-api-key", "redis", "gateway-metrics"},
     "inference": {"inference", "vllm-api-key"},
     "trainer": {"trainer"},
     "redis": {"redis"},

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -160,6 +161,7 @@ def compose(hub: FakeHub) -> Iterator[Compose]:
         "MINIO_ROOT_USER": "citest",
         "MINIO_ROOT_PASSWORD": "citest-secret",
         "LORASTACK_API_KEYS": API_KEY,
+        "LORASTACK_METRICS_KEY": secrets.token_urlsafe(32),
         "LORASTACK_ADMIN_KEY": secrets.token_urlsafe(32),
         "LORASTACK_VLLM_API_KEY": VLLM_KEY,
         "STORE_GATEWAY_PASSWORD": secrets.token_urlsafe(16),
@@ -270,6 +272,13 @@ def test_the_readme_walk_on_the_cpu_override(
         "admin": 401, "metrics": 200,
     }, beside  # fmt: skip
     assert "planted" not in {m.id for m in client.models.list().data}
+    # the gateway's /metrics on its published port: nothing without the metrics key (the
+    # dashboard's gateway panels below show that Prometheus, which has it, scrapes it)
+    for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
+        req = urllib.request.Request(gateway.removesuffix("/v1") + "/metrics", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as scrape:
+            urllib.request.urlopen(req, timeout=10)
+        assert scrape.value.code == 401 and b"lorastack_gateway_" not in scrape.value.read()
 
     too_long = [{"role": "user", "content": "word " * 3000}]
     with pytest.raises(BadRequestError) as refused:
