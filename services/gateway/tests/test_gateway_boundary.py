@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from test_gateway_proxy import CHAT, metric
+from test_gateway_proxy import CHAT, METRICS_KEY, metric
 
 from gateway.main import PROXIED, create_app
 from gateway.settings import GatewaySettings
@@ -45,7 +45,7 @@ def test_no_middleware_the_proxied_routes_would_skip(tmp_path: Path) -> None:
 
 def test_auth_is_the_same_on_every_route(make_gateway, fake) -> None:
     url, state = fake
-    with make_gateway([url], auth_enabled=True, api_keys=[KEY]) as gw:
+    with make_gateway([url], auth_enabled=True, api_keys=[KEY], metrics_key=METRICS_KEY) as gw:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             for method, path, body in ROUTES:
                 r = httpx.request(method, gw + path, json=body, headers=headers)

@@ -106,12 +106,12 @@ def metrics_refused(metrics_key: str | None) -> Unauthorized:
     """The 401 of GET /metrics without the metrics key: what to send, or what to set."""
     if metrics_key is None:
         return Unauthorized(
-            "GET /metrics is off: clients need API keys here, and no metrics key is set",
+            "GET /metrics is off while clients need API keys and no metrics key is set:",
             "set LORASTACK_METRICS_KEY (at least 32 characters) and give Prometheus the same"
             " key (authorization: {type: Bearer, credentials_file: FILE})",
         )
     return Unauthorized(
-        "GET /metrics needs the metrics key",
+        "GET /metrics needs the metrics key:",
         "send `Authorization: Bearer LORASTACK_METRICS_KEY` (Prometheus: authorization:"
         " {type: Bearer, credentials_file: FILE})",
     )
