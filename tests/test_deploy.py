@@ -198,9 +198,49 @@ def test_hadolint_refuses_a_dockerfile_that_ends_as_root(user: str, tmp_path: Pa
     assert r.returncode != 0 and "DL3002" in r.stdout, r.stdout + r.stderr
 
 
+def unpinned_base_images(text: str) -> list[str]:
+    """The `FROM` images of a Dockerfile that name no tag (or digest) or the tag `latest`,
+    with `${ARG}` / `$ARG` replaced by the ARG's default (hadolint's DL3006/DL3007 do not
+    see through an ARG); an earlier stage's name is no image, and an ARG without a default
+    is unpinned."""
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
+    stages: set[str] = set()
+    bad = []
+    for image, stage in re.findall(
+        r"^FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", text, flags=re.M | re.I
+    ):
+        image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m[1] or m[2], m[0]), image)
+        name = image.rsplit("/", 1)[-1]  # a registry's host:port holds a colon too
+        pinned = "@sha256:" in image or (":" in name and not name.endswith(":latest"))
+        if image.lower() not in stages and image != "scratch" and ("$" in image or not pinned):
+            bad.append(image)
+        stages.add(stage.lower())
+    return bad
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "ARG PYTHON_IMAGE=python:latest",
+        "ARG PYTHON_IMAGE=python",
+        "ARG PYTHON_IMAGE=registry.local:5000/python",  # the colon is the port's
+        "ARG PYTHON_IMAGE",  # no default: whatever --build-arg says
+    ],
+)
+def test_an_unpinned_base_image_behind_an_arg_is_found(arg: str) -> None:
+    text = (REPO / "services/gateway/Dockerfile").read_text()
+    pinned = re.search(r"^ARG PYTHON_IMAGE=\S+$", text, flags=re.M)
+    assert pinned is not None and "FROM ${PYTHON_IMAGE}" in text
+    assert unpinned_base_images(text) == []
+    assert unpinned_base_images(text.replace(pinned[0], arg)) != []
+
+
 @pytest.mark.parametrize("dockerfile", sorted(REPO.glob("services/*/Dockerfile*")))
 def test_dockerfiles_install_pinned_requirements_before_the_code(dockerfile: Path) -> None:
     text = dockerfile.read_text()
+    # every base image tagged, never `latest`, also when an ARG default names it
+    assert re.findall(r"^FROM\s", text, flags=re.M), "no FROM"
+    assert unpinned_base_images(text) == [], "tag every base image (not latest)"
     assert "constraints.txt" in text, "install with -c constraints.txt (what CI tests)"
     # a numeric non-root user: Kubernetes' runAsNonRoot can only verify a number
     users = re.findall(r"^USER\s+(\S+)", text, flags=re.M)

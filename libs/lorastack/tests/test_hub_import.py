@@ -155,6 +155,19 @@ def test_an_oversized_partial_file_is_not_resumed(hub: FakeHub, home: Path) -> N
     assert entry.size == len(data) and entry.sha256 == sha256_file(weights)
 
 
+def test_a_download_that_finally_fails_says_so_and_publishes_nothing(
+    hub: FakeHub, home: Path
+) -> None:
+    hub.cdn_status["model.safetensors"] = 503  # every time: the library does not retry it
+    done = _import(hub, home, "acme/tiny-chat", "--name", "tiny")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"the model hub at {hub.url} answered 503 for acme/tiny-chat@" in done.stderr
+    assert "hint: try again later; a download continues" in done.stderr
+    store = open_store(CommonSettings(home=home))
+    assert store.backend.list_manifests("") == []  # nothing published, not even in part
+    assert not [p for p in (home / "store").rglob("*") if p.is_file()]
+
+
 def test_two_imports_of_one_repo_at_once_publish_one_version(hub: FakeHub, home: Path) -> None:
     # the hub holds both imports' first request until both have sent it, so they overlap
     hub.barrier = threading.Barrier(2, timeout=120)

@@ -11,6 +11,7 @@ silently skip.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,28 @@ def test_body_limits_and_metrics_on_the_proxied_routes(make_gateway, fake) -> No
         after = metric(gw, "lorastack_gateway_request_duration_seconds_count")
         assert after - before == PROXIED_ROUTES
         assert metric(gw, "lorastack_gateway_inflight_requests") == 0
+
+
+def test_a_json_body_declared_as_a_form_gets_415_naming_the_header(make_gateway, fake) -> None:
+    """`curl -d` without `-H` declares its body `application/x-www-form-urlencoded`: valid
+    JSON under that type is refused, as vLLM and OpenAI's API refuse it, with the header to
+    send; the same bytes with no content type at all are read as JSON."""
+    url, state = fake
+    posts = [(path, json.dumps(body).encode()) for _, path, body in ROUTES if body is not None]
+    posts.append(("/tokenize", json.dumps({"model": "smollm2", "prompt": "a b"}).encode()))
+    with make_gateway([url]) as gw:
+        for path, raw in posts:
+            form = {"content-type": "application/x-www-form-urlencoded"}
+            r = httpx.post(gw + path, content=raw, headers=form)
+            assert r.status_code == 415, (path, r.text)
+            message = r.json()["error"]["message"]
+            assert "'Content-Type: application/json'" in message and "curl -d" in message, message
+        assert state.calls() == []
+        for path, raw in posts:
+            r = httpx.post(gw + path, content=raw)
+            assert "content-type" not in r.request.headers
+            assert r.status_code == 200, (path, r.text)
+        assert len(state.calls()) == len(posts)
 
 
 def test_forwarded_headers_reach_the_fastapi_routes_from_trusted_hosts(tmp_path: Path) -> None:

@@ -188,6 +188,11 @@ def comparison(max_abs: float, top1: float, greedy_same: int = 2, probes: int = 
         # the dtype alone agrees on 80% (random 8B weights: 80.8%, bench/merger): 78% passes, 74% not
         ("bfloat16", comparison(0.46, 0.79), comparison(0.49, 0.81), True, ""),
         ("bfloat16", comparison(0.46, 0.75), comparison(0.49, 0.81), False, "< 75.0%"),
+        # the dtype alone agrees on 8% only: the floor stops at 50%, so a scrambled merge
+        # (chance agreement, its logits within the dtype's own error) still fails
+        ("bfloat16", comparison(0.40, 0.05), comparison(0.49, 0.08), False, "< 50.0%"),
+        ("bfloat16", comparison(0.40, 0.52), comparison(0.49, 0.40), True, ""),
+        ("float16", comparison(0.40, 0.05), comparison(0.49, 0.08), False, "< 50.0%"),
         ("float16", comparison(3.0, 0.99), comparison(3.0, 0.99), False, "> 2"),
     ],
 )

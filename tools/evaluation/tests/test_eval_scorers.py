@@ -8,6 +8,8 @@ from evaluation.scorers import SCORERS, build_scorer, normalise, register_scorer
 from evaluation.tool_calls import calls_text, message_calls
 from lorastack.errors import ConfigError
 
+BUILT_IN = frozenset(SCORERS)  # at import, before a test below registers plugins
+
 
 @pytest.mark.parametrize(
     ("spec", "output", "reference", "expected"),
@@ -142,3 +144,20 @@ def test_out_of_range_score_is_refused() -> None:
             build_scorer("bad")("x", "y")
     finally:
         SCORERS.pop("bad")
+
+
+def test_the_scorer_flag_help_names_every_built_in_scorer() -> None:
+    import argparse
+    import re
+
+    from evaluation.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    eval_parser = next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices["eval"]
+    (flag,) = [a for a in eval_parser._actions if "--scorer" in a.option_strings]
+    assert flag.help is not None
+    named = set(re.findall(r"[a-z_]+", flag.help))
+    assert named >= BUILT_IN, sorted(BUILT_IN - named)

@@ -1,12 +1,19 @@
 """The load tester against the scripted fake upstream: known TTFT (200 ms) and
-inter-token gaps (20 ms), so every measured figure has a known true value.
+inter-token gaps (20 ms) per answer.
 
-Tolerances (loopback HTTP, a busy 2-core CI machine): TTFT and E2E +-25% (each adds a
-few ms of client/server overhead), TPOT and ITL medians +-25%, throughput +-30%."""
+No wall-clock window: a loaded machine only ever adds time, so what holds there too is
+asserted. The fake never sends a token before its time (token i at TTFT + i x ITL after it
+took the request), so every TTFT is at least 200 ms and every E2E at least 500 ms; a
+level of n requests, each at least E2E long and at most c at once, lasts at least
+n x E2E / c, so its throughput is at most c x OUT / E2E. TPOT and ITL have no such bound
+(a first chunk read late shortens E2E - TTFT), so they are held to their definitions
+over the recorded chunk times, and to the counts. Their values against vLLM's own
+benchmark on an idle machine: bench/loadtest/."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +22,7 @@ import pytest
 from evaluation.loadtest_config import LoadtestConfig
 from evaluation.loadtest_report import PNG, render_markdown, render_text, write_outputs
 from evaluation.loadtest_run import run_loadtest
+from evaluation.loadtest_stats import LevelResult, RequestRecord
 from lorastack.cli import main as cli_main
 from lorastack_testing.fake_vllm import FakeServer, echo_answer
 
@@ -24,8 +32,37 @@ OUT = 16  # tokens per answer
 E2E = TTFT + (OUT - 1) * ITL  # 0.5 s
 
 
-def near(measured: float | None, true: float, rel: float) -> bool:
-    return measured is not None and abs(measured - true) <= rel * true
+def check_timings(
+    level: LevelResult, records: list[RequestRecord], *, ttft: float, e2e: float, out: int
+) -> None:
+    """What a level's figures must be whatever the load: each request no faster than the
+    fake's script (`ttft`, `e2e`: seconds), its `out` chunks timed in order, TPOT and ITL
+    as defined over them, and throughput as the token total over the level's duration."""
+    assert level.completed == len(records) and level.errors == 0
+    for rec in records:
+        assert rec.ttft_s is not None and rec.e2e_s is not None, rec
+        assert rec.ttft_s >= ttft and rec.e2e_s >= e2e, rec  # never faster than the script
+        times = rec.chunk_times_s
+        assert len(times) == out and times == sorted(times), rec
+        assert (times[0], times[-1]) == (rec.ttft_s, rec.e2e_s)
+        assert rec.tpot_s == (rec.e2e_s - rec.ttft_s) / (out - 1)
+        assert sum(rec.itls_s) == pytest.approx(rec.e2e_s - rec.ttft_s)
+        assert level.duration_s >= rec.sent_s + rec.e2e_s  # first send -> last finish
+    tpots = [rec.tpot_s * 1000 for rec in records if rec.tpot_s is not None]
+    assert level.tpot_ms.n == len(records) and level.tpot_ms.p50 == pytest.approx(
+        statistics.median(tpots)
+    )
+    assert level.itl_ms.n == len(records) * (out - 1)  # every gap between `out` chunks
+    assert level.ttft_ms.p50 is not None and level.ttft_ms.p50 >= ttft * 1000
+    assert level.e2e_ms.p50 is not None and level.e2e_ms.p50 >= e2e * 1000
+    assert level.output_tokens == len(records) * out
+    assert level.output_tokens_per_s == pytest.approx(level.output_tokens / level.duration_s)
+
+
+def at_most(in_flight: int, out: int, e2e: float) -> float:
+    """The highest output tokens/s a level can show: `in_flight` requests at once, each
+    `out` tokens in no less than `e2e` seconds (a float's rounding aside)."""
+    return in_flight * out / e2e * (1 + 1e-9)
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +88,26 @@ def test_concurrency_levels_match_the_script(fake: FakeServer, tmp_path: Path) -
     cfg = _cfg(fake, concurrency=[1, 4], requests=4, slo_ttft_ms=300, slo_tpot_ms=30)
     result = run_loadtest(cfg, log=lambda s: None)
     c1, c4 = result.levels
-    for r in (c1, c4):
-        assert r.completed == 4 and r.errors == 0
-        assert near(r.ttft_ms.p50, TTFT * 1000, 0.25), r.ttft_ms
-        assert near(r.tpot_ms.p50, ITL * 1000, 0.25), r.tpot_ms
-        assert near(r.itl_ms.p50, ITL * 1000, 0.25), r.itl_ms
-        assert near(r.e2e_ms.p50, E2E * 1000, 0.25), r.e2e_ms
-        assert (
-            r.ttft_ms.p50 is not None and r.ttft_ms.p50 >= TTFT * 1000
-        )  # never faster than the script
-        assert r.itl_ms.n == 4 * (OUT - 1)  # every gap between 16 chunks
-        assert r.token_sources == {"usage": 4} and r.output_tokens == 4 * OUT
-        assert r.goodput_rps is not None and r.good_fraction == 1.0
-    # throughput: c requests in flight, each OUT tokens per E2E seconds
-    assert near(c1.output_tokens_per_s, OUT / E2E, 0.3)
-    assert near(c4.output_tokens_per_s, 4 * OUT / E2E, 0.3)
-    assert near(c4.requests_per_s, 4 / E2E, 0.3)
+    for r, records in zip(result.levels, result.records, strict=True):
+        assert r.requests == 4
+        check_timings(r, records, ttft=TTFT, e2e=E2E, out=OUT)
+        assert r.token_sources == {"usage": 4}
+        # goodput counts exactly the requests within both SLOs, whatever their timings
+        good = [
+            rec for rec in records
+            if (rec.ttft_s or 0) * 1000 <= 300 and (rec.tpot_s or 0) * 1000 <= 30
+        ]  # fmt: skip
+        assert r.good_fraction == len(good) / 4
+        assert r.goodput_rps == pytest.approx(len(good) / r.duration_s)
+    # throughput: c requests in flight, each OUT tokens in no less than E2E seconds
+    assert c1.output_tokens_per_s <= at_most(1, OUT, E2E)
+    assert c4.output_tokens_per_s <= at_most(4, OUT, E2E)
+    assert c4.requests_per_s <= at_most(4, 1, E2E)
+    # the server's /metrics, sampled during the level: never more running than sent
     assert c4.server is not None and c1.server is not None
-    assert c4.server.peak_kv_cache_usage == pytest.approx(0.4)  # 4 running x 0.1
-    assert c1.server.peak_kv_cache_usage == pytest.approx(0.1)
+    assert c4.server.peak_kv_cache_usage is not None and c1.server.peak_kv_cache_usage is not None
+    assert c4.server.peak_kv_cache_usage <= 0.4 + 1e-9  # 4 running x 0.1
+    assert c1.server.peak_kv_cache_usage <= 0.1 + 1e-9
     assert c4.server.peak_waiting == 0 and c4.server.preemptions == 0
     # every request asked for a fixed length, streamed, with usage
     body = fake.requests[-1]
@@ -88,14 +126,21 @@ def test_concurrency_levels_match_the_script(fake: FakeServer, tmp_path: Path) -
     assert "APPROXIMATELY" in render_text(result)  # no tokenizer: lengths are approximate
 
 
-def test_queueing_shows_in_ttft_and_waiting(tmp_path: Path) -> None:
+def test_queueing_at_the_server_bounds_the_level(tmp_path: Path) -> None:
+    answer = 0.1 + 9 * 0.01  # seconds a request holds one of the fake's 2 running slots
     with FakeServer(**_script(0.1, 0.01, max_running=2)) as f:
-        cfg = _cfg(f, concurrency=[4], requests=8, output_len=10, slo_ttft_ms=150)
-        (r,) = run_loadtest(cfg, log=lambda s: None).levels
-    assert r.server is not None and r.server.peak_waiting == 2 and r.server.peak_running == 2
-    # half the requests wait one full answer (0.1 + 9 x 0.01 s) before their TTFT starts
-    assert r.ttft_ms.p90 is not None and r.ttft_ms.p90 > 250
-    assert r.good_fraction is not None and 0.25 <= r.good_fraction <= 0.75
+        cfg = _cfg(f, concurrency=[4], requests=8, output_len=10)
+        result = run_loadtest(cfg, log=lambda s: None)
+        queued = f.state.waited
+    (r,), (records,) = result.levels, result.records
+    check_timings(r, records, ttft=0.1, e2e=answer, out=10)
+    # 8 answers through 2 slots: the level lasts at least 4 answers, however it was sent
+    assert r.duration_s >= 8 * answer / 2
+    assert r.server is not None and r.server.peak_running is not None
+    assert r.server.peak_running <= 2 and (r.server.peak_waiting or 0) <= 4 - 2
+    # 4 streams kept in flight against 2 slots: some wait at the fake (none would only
+    # if the client stalled a whole answer long before every send)
+    assert queued >= 1
 
 
 def test_poisson_rate_level_and_errors(tmp_path: Path) -> None:
@@ -107,8 +152,6 @@ def test_poisson_rate_level_and_errors(tmp_path: Path) -> None:
     assert "HTTP 500" in r.error_examples[0]
     assert r.token_sources == {"chunks": 9}  # no usage field, no tokenizer: chunks counted
     assert r.output_tokens == 9 * 8
-    # 12 arrivals at 20/s take ~0.55 s on average; the level ends after the last answer
-    assert 0.2 < r.duration_s < 2.5
 
 
 def test_completions_endpoint(fake: FakeServer) -> None:
@@ -163,13 +206,14 @@ def test_levels_spread_over_client_processes(fake: FakeServer) -> None:
     result = run_loadtest(cfg, log=lambda s: None)
     c3, rate = result.levels
     for r, records in zip(result.levels, result.records, strict=True):
-        assert r.completed == 6 and r.errors == 0 and r.output_tokens == 6 * OUT
-        assert near(r.ttft_ms.p50, TTFT * 1000, 0.25), r.ttft_ms
-        assert near(r.tpot_ms.p50, ITL * 1000, 0.25), r.tpot_ms
+        assert r.requests == 6
+        check_timings(r, records, ttft=TTFT, e2e=E2E, out=OUT)
         assert [rec.index for rec in records] == list(range(6))
         assert r.client_busy is not None and r.client_busy >= 0
-    assert c3.server is not None and c3.server.peak_kv_cache_usage == pytest.approx(0.3)
-    assert near(c3.output_tokens_per_s, 3 * OUT / E2E, 0.3)  # 3 in flight, never more
+    # 3 in flight, never more: by the fake's /metrics and by the level's throughput
+    assert c3.server is not None and c3.server.peak_kv_cache_usage is not None
+    assert c3.server.peak_kv_cache_usage <= 0.3 + 1e-9
+    assert c3.output_tokens_per_s <= at_most(3, OUT, E2E)
     assert rate.level.label == "20 req/s"
 
 

@@ -14,7 +14,11 @@ message that says what to change:
 The common request costs two `bytes.count` calls and a regex search over the text on top
 of `json.loads`; the walks over the parsed value run only when those say they must.
 `read_object` adds what an HTTP body needs on top: a JSON content type (`NotJson`, 415)
-and a size limit checked while the body arrives (`BodyTooLarge`, 413).
+and a size limit checked while the body arrives (`BodyTooLarge`, 413). A body declared as
+another type is refused even when it parses as JSON (what `curl -d` without a `-H` sends is
+`application/x-www-form-urlencoded`), as vLLM's OpenAI server (`validate_json_request`)
+and OpenAI's API refuse it: a client that works here works against them. A body with no
+content type is read as JSON.
 Does not own: what the object must contain (each caller's schema does that), HTTP
 statuses (each service maps these errors in its one place).
 """
@@ -40,6 +44,7 @@ _JSON_TYPES = {
     float: "a number",
     bool: "a boolean",
 }
+FORM = "application/x-www-form-urlencoded"  # what `curl -d` declares without a -H
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
 
 
@@ -203,7 +208,7 @@ async def read_object(
     max_depth: int = MAX_DEPTH,
 ) -> tuple[dict[str, Any], bytes]:
     """An HTTP request body: (the object, its raw bytes). A missing content type is taken
-    as JSON (curl -d without -H is the common case); a declared other one is refused."""
+    as JSON; a declared other one is refused (the module docstring says why)."""
     check_body_head(content_type, content_length, limit)
     raw = b""
     async for chunk in chunks:
@@ -217,9 +222,11 @@ def check_body_head(content_type: str | None, content_length: str | None, limit:
     """What `read_object` checks before reading a body: a JSON content type (a missing one
     is taken as JSON) and a declared length within `limit`."""
     if content_type is not None and not is_json_type(content_type):
+        form = content_type.split(";", 1)[0].strip().lower() == FORM
         raise NotJson(
             f"the body is sent as {content_type[:100]!r}; this route takes JSON",
-            "send the header 'Content-Type: application/json' with a JSON object",
+            "send the header 'Content-Type: application/json' with a JSON object"
+            + (" (curl -d sends this form type unless -H names another)" if form else ""),
         )
     if content_length and content_length.isdigit() and int(content_length) > limit:
         raise BodyTooLarge(

@@ -19,7 +19,9 @@ servers, as the real hub does (the hub, and a CDN on another origin for LFS file
 
 with the real hub's error shapes (401 `X-Error-Code: GatedRepo` without the token, 404 with
 `RepoNotFound | RevisionNotFound | EntryNotFound`). `cut_once[path] = N` sends only the first
-N bytes of that file once and drops the connection, to test resuming. Every request is
+N bytes of that file once and drops the connection, to test resuming; `cdn_status[path] =
+S` has the CDN answer S for that file every time (a download that finally fails). Every
+request is
 recorded (`requests`: method, path, Range header); `cdn_authorization` keeps any
 Authorization header the CDN was sent (a token must never leave the hub). `page_size` makes
 the tree listing span pages; `barrier` holds model-info requests until N have arrived.
@@ -56,6 +58,7 @@ class FakeHub:
     host: str = "127.0.0.1"
     repos: dict[str, Repo] = field(default_factory=dict)
     cut_once: dict[str, int] = field(default_factory=dict)
+    cdn_status: dict[str, int] = field(default_factory=dict)  # path -> status, every time
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     cdn_authorization: list[str] = field(default_factory=list)
     page_size: int = 1000  # tree entries per page (the real hub: 1,000)
@@ -261,6 +264,8 @@ class FakeHub:
             with self._lock:
                 self.cdn_authorization.append(h.headers["authorization"])
         repo_id, _, rel = path.removeprefix("/cdn/").partition("/-/")
+        if rel in self.cdn_status:
+            return _error(h, self.cdn_status[rel], "ServiceUnavailable", "the CDN is down")
         repo = self.repos.get(repo_id)
         file = repo.folder / rel if repo is not None else None
         if file is None or not file.is_file():

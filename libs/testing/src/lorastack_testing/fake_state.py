@@ -74,6 +74,9 @@ class FakeState:
     # records
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     received_headers: list[dict[str, str]] = field(default_factory=list)  # one per `received`
+    # (path, every Authorization header it carried: () for none) of every request, the
+    # scrapes' GETs and the requests refused for the key included
+    authorizations: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     cancelled: int = 0  # streams whose client went away before the end
     completed: int = 0
     active: int = 0  # streams being served now

@@ -131,6 +131,8 @@ class FakeVLLM:
         if scope["type"] == "lifespan":
             return await _lifespan(receive, send)
         path, method, s = scope["path"], scope["method"], self.state
+        auth = tuple(v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization")
+        s.authorizations.append((path, auth))
         if s.api_key is not None and path.startswith("/v1") and not _authorized(scope, s.api_key):
             # as vLLM's AuthenticationMiddleware: every /v1/* route, load_lora_adapter too
             return await send_answer(send, 401, b'{"error":"Unauthorized"}')

@@ -100,8 +100,8 @@ def _register_eval(sub: Any) -> None:
         "--scorer",
         action="append",
         metavar="NAME[:PATTERN]",
-        help="exact, normalised, contains, regex:PATTERN, json_valid (repeat; "
-        "default exact, normalised, contains)",
+        help="exact, normalised, contains, regex:PATTERN, json_valid, "
+        "tool_call[:keys|equal] (repeat; default exact, normalised, contains)",
     )
     p.add_argument("--max-tokens", type=int, help="tokens per answer (default 128)")
     p.add_argument("--concurrency", type=int, help="requests in flight (default 4)")
