@@ -267,6 +267,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
     arms = dict(x.split("=", 1) for x in a.arm) if a.arm else {"checkout": src_dirs(REPO)}
+    host = {**machine(a.pin_gateway, a.pin_upstream, a.pin_client), "note": a.note}
     if a.pin_client is not None:
         os.sched_setaffinity(0, cpu_set(a.pin_client))
 
@@ -320,24 +321,33 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr)
 
         def summary(arm: str) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for kind in ("idle", *larges):
-                key = "median_ms" if kind == "idle" else "extra_ms"
-                values = [r[arm][kind][key] for r in rounds if r[arm][kind].get(key) is not None]
-                worst = [r[arm][kind]["worst_ms"] for r in rounds]
+            """Medians over the rounds (and the range of the one the goal reads)."""
+
+            def median(kind: str, key: str) -> float:
+                return round(statistics.median(r[arm][kind][key] for r in rounds), 3)
+
+            idle = [r[arm]["idle"]["median_ms"] for r in rounds]
+            out: dict[str, Any] = {
+                "idle": {
+                    "median_ms_median": median("idle", "median_ms"),
+                    "median_ms_range": [min(idle), max(idle)],
+                    "worst_ms_median": median("idle", "worst_ms"),
+                }
+            }
+            for kind in larges:
+                extra = [r[arm][kind]["extra_ms"] for r in rounds]
                 out[kind] = {
-                    f"{key}_median": round(statistics.median(values), 3),
-                    f"{key}_range": [min(values), max(values)],
-                    "worst_ms_median": round(
-                        statistics.median(w for w in worst if w is not None), 3
-                    ),
+                    "extra_ms_median": median(kind, "extra_ms"),
+                    "extra_ms_range": [min(extra), max(extra)],
+                    "worst_ms_median": median(kind, "worst_ms"),
+                    "large_ms_median": median(kind, "large_ms"),
                 }
             return out
 
         result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "commit": commit,
-            "machine": {**machine(a.pin_gateway, a.pin_upstream, a.pin_client), "note": a.note},
+            "machine": host,
             "arms": arms,
             "workload": {
                 "small_streams_per_s": a.rate,
