@@ -1,6 +1,6 @@
 """Counting (gateway.tokens): the batched fast encode gives the tokenizer's own counts,
-for completions (one prompt or several) and chats; long prompts are counted on threads of
-lower CPU priority than the event loop."""
+for completions (one prompt or several) and chats; large bodies are counted on threads of
+lower CPU priority than the event loop (gateway.workers)."""
 
 from __future__ import annotations
 
