@@ -90,17 +90,26 @@ def start_fake(
 
 
 def start_gateway(
-    port: int, upstream: int, tokenizer: str, env: dict[str, str], pin: str | None
+    port: int,
+    upstream: int,
+    tokenizer: str,
+    env: dict[str, str],
+    pin: str | None,
+    *,
+    tokenizers: dict[str, str] | None = None,
+    upstreams: list[int] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`lorastack gateway` (one uvicorn worker) in front of the fake, counting tokens with
-    the `tokenizer` folder; admission lets every stream of the bench wait."""
+    the `tokenizer` folder; admission lets every stream of the bench wait. `tokenizers`
+    (model -> folder) replaces the one mapping; `upstreams` are more fakes behind it."""
     gw_env = dict(
         env,
-        LORASTACK_TOKENIZERS=json.dumps({"smollm2": tokenizer}),
+        LORASTACK_TOKENIZERS=json.dumps(tokenizers or {"smollm2": tokenizer}),
         LORASTACK_ADMIT_MAX_WAITING="100000",
     )
     cmd = [sys.executable, "-m", "lorastack.cli", "gateway", "--port", str(port)]
-    cmd += ["--backend", f"http://127.0.0.1:{upstream}"]
+    for one in (upstream, *(upstreams or [])):
+        cmd += ["--backend", f"http://127.0.0.1:{one}"]
     return subprocess.Popen(cmd, env=gw_env, preexec_fn=pinned(pin))
 
 

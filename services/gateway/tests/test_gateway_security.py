@@ -18,11 +18,12 @@ import pytest
 from pydantic import ValidationError
 from test_gateway_proxy import ADMIN, ADMIN_KEY, METRICS, METRICS_KEY, chat
 
-from gateway.counting import LONG_BODY_BYTES, count_prompts
+from gateway.counting import count_prompts
 from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
 from gateway.settings import GatewaySettings
 from gateway.tokens import CountingTokenizer
 from gateway.validation import parse_chat
+from gateway.workers import LARGE_BODY_BYTES
 from lorastack.cli import main as lorastack_main
 
 GOOD_ADMIN = "x9Qe-6pV3tLr0Zs7Wm2Nk8Bc4Yh1Jd5Gf0Aa3Uo"  # 40 characters
@@ -295,7 +296,7 @@ def test_a_4_mib_tools_body_is_rendered_off_the_event_loop(embedded_model: Path)
     }
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool] * 1024}
     raw_size = len(str(body).encode())
-    assert raw_size > 4 * 1024 * 1024 > LONG_BODY_BYTES
+    assert raw_size > 4 * 1024 * 1024 > LARGE_BODY_BYTES
     witness = LoopWitness(CountingTokenizer(AutoTokenizer.from_pretrained(embedded_model), "m"))
     req = parse_chat(body, 8)
 

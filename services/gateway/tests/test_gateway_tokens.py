@@ -1,6 +1,6 @@
 """Counting (gateway.tokens): the batched fast encode gives the tokenizer's own counts,
-for completions (one prompt or several) and chats; long prompts are counted on threads of
-lower CPU priority than the event loop."""
+for completions (one prompt or several) and chats; large bodies are counted on threads of
+lower CPU priority than the event loop (gateway.workers)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from gateway.errors import BadRequest
-from gateway.tokens import LONG_COUNTS, CountingTokenizer
+from gateway.tokens import CountingTokenizer
 from gateway.validation import parse_chat, parse_completion
+from gateway.workers import POOL
 
 TEXTS = ["Hello, world!", "naïve café 東京, the quick brown fox. " * 400, " \n\t", "x"]
 
@@ -89,9 +90,7 @@ def test_upper_bound_is_never_below_the_exact_count(embedded_model: Path) -> Non
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_long_prompts_are_counted_at_lower_priority() -> None:
+def test_large_bodies_are_worked_on_at_lower_priority() -> None:
     here = os.getpriority(os.PRIO_PROCESS, 0)
-    there = LONG_COUNTS.submit(
-        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    ).result()
+    there = POOL.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
     assert there == min(here + 10, 19)

@@ -46,6 +46,12 @@ _JSON_TYPES = {
 }
 FORM = "application/x-www-form-urlencoded"  # what `curl -d` declares without a -H
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+# text decoded from UTF-8 holds no raw surrogate (the strict codec refuses them), so only
+# escaped ones are looked for: a search with a literal prefix, ~30x faster over megabytes
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+# characters: a longer text is parsed with a Python call per JSON object, where a thread
+# parsing it lets others have the GIL (the C scanner alone holds it ~40 ms for 4 MiB)
+YIELDING_CHARS = 1 << 16
 
 
 class BodyTooLarge(InvalidInput):
@@ -84,9 +90,19 @@ def _parse_float(text: str) -> float:
     return value
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)  # as the scanner builds it: the last of a repeated key wins
+
+
 # one decoder for every call: json.loads with hooks builds a decoder and its scanner each time
 _DECODER = json.JSONDecoder(
     parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
+)
+_YIELDING_DECODER = json.JSONDecoder(
+    parse_constant=_reject_constant,
+    parse_int=_parse_int,
+    parse_float=_parse_float,
+    object_pairs_hook=_object,
 )
 
 
@@ -150,13 +166,14 @@ def loads_object(
                 f" {e.reason}",
                 "encode the text as UTF-8",
             ) from None
+        surrogate = _ESCAPED_SURROGATE
     else:
-        text = data
+        text, surrogate = data, _SURROGATE
     where: list[str | int] | None
     try:
         if text.startswith("\ufeff"):  # as json.loads says it
             raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-        value = _DECODER.decode(text)
+        value = (_YIELDING_DECODER if len(text) > YIELDING_CHARS else _DECODER).decode(text)
     except RecursionError:  # deeper than the decoder's own recursion limit (~1,000)
         value, where = None, []
     except json.JSONDecodeError as e:
@@ -174,7 +191,7 @@ def loads_object(
             f"{what} nests arrays/objects more than {max_depth} deep{at}",
             f"flatten it to at most {max_depth} levels",
         )
-    if _SURROGATE.search(text):  # rare: escaped non-BMP text, or a broken string
+    if surrogate.search(text):  # rare: escaped non-BMP text, or a broken string
         found = _lone_surrogate(value)
         if found is not None:
             where, char = found

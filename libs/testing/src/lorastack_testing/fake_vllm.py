@@ -338,13 +338,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens per answer")
     p.add_argument("--pace", type=float, default=0.0, help="seconds between tokens")
     p.add_argument("--ttft", type=float, default=0.0, help="seconds to the first token")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", nargs="+", default=["smollm2"], help="the models it serves")
     p.add_argument(
         "--echo", action="store_true", help="answer with the prompt's words (not t0 t1 ...)"
     )
     a = p.parse_args()
     state = FakeState(
-        models=[{"id": a.model, "max_model_len": 8192}],
+        models=[{"id": m, "max_model_len": 8192} for m in a.model],
         tokens=[f" t{i}" for i in range(a.tokens)],
         answer=echo_answer if a.echo else None,
         ttft_s=a.ttft,

@@ -7,24 +7,20 @@ latency, bench/gateway/history.md). When an upper bound on the prompt's tokens
 fits, and no tokens-per-minute limit or budget needs the exact number first, the bounds
 stand in and the exact count (with its length check, a formality after the bound) is
 handed back to run later: the proxy runs it while the backend works. Large requests are
-rendered and counted exactly on a worker thread, off the event loop; "large" is the
-request body's size in bytes, which bounds everything the template renders (messages,
-`tools`, documents, names), not the messages' text alone: a 4 MiB `tools` list with a
-one-word message is rendered off the loop too. What to do with the counts
+rendered and counted exactly on a worker thread, off the event loop (`workers.py`);
+"large" is the request body's size in bytes, which bounds everything the template renders
+(messages, `tools`, documents, names), not the messages' text alone: a 4 MiB `tools` list
+with a one-word message is rendered off the loop too. What to do with the counts
 (length check or clamp, limits, headers) stays in the proxy.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
-from gateway.tokens import LONG_COUNTS, CountingTokenizer
+from gateway.tokens import CountingTokenizer
 from gateway.validation import ChatRequest, CompletionRequest, plan_tokens
-
-# bytes of request body: larger requests are rendered and tokenized in a worker thread,
-# off the loop; a few thousand bytes render and count in well under a millisecond
-LONG_BODY_BYTES = 8192
+from gateway.workers import LARGE_BODY_BYTES, run_for_body
 
 
 async def count_prompts(
@@ -41,14 +37,13 @@ async def count_prompts(
     bounds prove that prompt + output fits and `exact_first` is false (no limit needs
     the exact number), the bounds and a function that counts exactly later (and checks
     the length again). `body_bytes`: the size of the request body as received."""
-    if body_bytes > LONG_BODY_BYTES:
+    if body_bytes > LARGE_BODY_BYTES:
 
         def render_count() -> tuple[list[str | int], list[int]]:
             inputs, special = tok.inputs(req)
             return inputs, tok.count(inputs, special)
 
-        loop = asyncio.get_running_loop()
-        inputs, counts = await loop.run_in_executor(LONG_COUNTS, render_count)
+        inputs, counts = await run_for_body(body_bytes, render_count)
         return inputs, counts, None
     inputs, special = tok.inputs(req)
     bounds = tok.upper_bound(inputs, special)

@@ -34,6 +34,7 @@ from gateway.scrape import ModelInfo
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream, upstream_auth
+from gateway.workers import share_the_gil
 
 PROXIED = ENDPOINTS  # path -> the endpoint's handler parts
 
@@ -142,6 +143,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        share_the_gil()  # the loop waits less for a worker thread's turn (workers.py)
         task = asyncio.create_task(backends.run())
         try:
             yield

@@ -21,6 +21,7 @@ from gateway.proxy import Proxy
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import request_id
 from gateway.routing import RouteRequest
+from gateway.workers import LargeBody
 
 
 async def passthrough(
@@ -28,16 +29,11 @@ async def passthrough(
 ) -> Response:
     rid = request_id(request.headers.get("x-request-id"))
     key: Key | None = None
+    held = LargeBody()
     try:
         key = proxy.auth.authenticate(request.headers.get("authorization"))
-        body, raw = await proxy.read_json(request)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest(
-                "`model` is missing or not a string",
-                "name a served model (GET /v1/models lists them)",
-                param="model",
-            )
+        model, raw = await _read_model(proxy, request, held)
+        held.release()  # nothing below needs the parsed body (`workers.py`)
         proxy.auth.check_model(key, model)  # before existence: a 403 or 404 tells nothing
         info = await proxy.backends.model(model, key.models)
         if embed:
@@ -53,3 +49,18 @@ async def passthrough(
         return Response(answer, call.status, headers, media_type=call.content_type)
     except Exception as e:
         return proxy.fail(e, path, rid, key)
+    finally:
+        held.release()
+
+
+async def _read_model(proxy: Proxy, request: Request, held: LargeBody) -> tuple[str, bytes]:
+    """The body's `model` and its bytes (the parsed body stays with `held` alone)."""
+    body, raw = await proxy.read_json(request, held)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(
+            "`model` is missing or not a string",
+            "name a served model (GET /v1/models lists them)",
+            param="model",
+        )
+    return model, raw

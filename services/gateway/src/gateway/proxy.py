@@ -8,7 +8,8 @@ pass the response through (SSE chunk by chunk) -> metrics.
 
 Owns: that flow and its I/O (auth, backends, upstream, metrics). Its pure pieces live
 apart: reading the body (`request_body.py`), what differs per path (`endpoints.py`), and
-the request it forwards, built step by step (`prepared.py`).
+the request it forwards, built step by step (`prepared.py`). The steps whose work grows
+with a large body run on worker threads (`workers.py`), never on the loop.
 
 Counting while the backend works: when upper bounds prove the fit (`counting.py`), the
 request is forwarded at once and counted exactly while the gateway waits for the
@@ -71,6 +72,7 @@ from gateway.request_id import request_id
 from gateway.routing import RouteRequest, Thresholds, Weights, pick_backend
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream, UpstreamCall
+from gateway.workers import LargeBody, run_for_body
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +102,11 @@ class Proxy:
         fields = header_fields(request)
         rid = request_id(fields.get(b"x-request-id"))
         key: Key | None = None
+        held = LargeBody()
         try:
             key = self.auth.authenticate(fields.get(b"authorization"))
-            prep = await self._prepare(request, fields, endpoint, rid, key)
+            prep = await self._prepare(request, fields, endpoint, rid, key, held)
+            held.release()  # nothing below needs the parsed body (`workers.py`)
             if prep.count_later is None:
                 call = await self._open(prep)
             else:
@@ -122,6 +126,7 @@ class Proxy:
         except Exception as e:
             return self.fail(e, endpoint.label, rid, key)
         finally:
+            held.release()  # where the preparation failed, once its frames are gone
             if done_here:
                 self.metrics.inflight.dec()
 
@@ -147,23 +152,33 @@ class Proxy:
 
     # --- before the upstream ------------------------------------------------
     async def read_json(
-        self, request: Request, fields: HeaderFields | None = None
+        self, request: Request, held: LargeBody, fields: HeaderFields | None = None
     ) -> tuple[dict[str, Any], bytes]:
         """The body as a JSON object, and its bytes, within the limits (`request_body.py`)."""
         return await read_json(
             request,
             fields or header_fields(request),
+            held,
             limit=self.settings.max_body_bytes,
             max_depth=self.settings.max_json_depth,
         )
 
     async def _prepare(
-        self, request: Request, fields: HeaderFields, endpoint: Endpoint, rid: str, key: Key
+        self,
+        request: Request,
+        fields: HeaderFields,
+        endpoint: Endpoint,
+        rid: str,
+        key: Key,
+        held: LargeBody,
     ) -> Prepared:
         """Parse, model check, counting, length check (or clamp), limits and budget, body
-        rewrite: each a step of its own (`endpoints.py`, `counting.py`, `prepared.py`)."""
-        body, raw = await self.read_json(request, fields)
-        req = endpoint.parse(body, self.settings.max_messages)
+        rewrite: each a step of its own (`endpoints.py`, `counting.py`, `prepared.py`).
+        A large body's objects stay with `held` (`workers.py`)."""
+        body, raw = await self.read_json(request, held, fields)
+        size = len(raw)  # a large body's parse, count and rewrite run off the loop
+        req = await run_for_body(size, endpoint.parse, body, self.settings.max_messages)
+        held.keep(req)
         self.auth.check_model(key, req.model)  # before existence: a 403 or 404 tells nothing
         info = await self.backends.model(req.model, key.models)
         max_len = self.backends.max_model_len(info)
@@ -171,25 +186,28 @@ class Proxy:
         param, requested = endpoint.requested_output(req)
         exact_first = key.tokens is not None or key.budget is not None  # limits need it
         inputs, counts, count_later = await count_prompts(
-            tok, req, requested, max_len, param, exact_first=exact_first, body_bytes=len(raw)
+            tok, req, requested, max_len, param, exact_first=exact_first, body_bytes=size
         )
         clamp = wants_clamp(self.settings.clamp_max_tokens, fields.get(CLAMP_HEADER))
         out = plan_output(counts, requested, max_len, clamp=clamp, param=param)
         if out.clamped_from is not None:
             self.metrics.clamped.inc()
         reserved = reserved_tokens(counts, out, req.n)
-        held = await self.auth.admit(key, reserved)
         wants_usage = endpoint.client_wants_usage(req)
+        forward = await run_for_body(  # before admission: nothing to refund if cancelled here
+            size, forward_body, body, raw, req, param=param, out=out, client_wants_usage=wants_usage
+        )
+        reservation = await self.auth.admit(key, reserved)
         return Prepared(
             model=req.model,
             endpoint=endpoint,
             stream=req.stream,
             client_wants_usage=wants_usage,
-            body=forward_body(body, raw, req, param=param, out=out, client_wants_usage=wants_usage),
+            body=forward,
             headers=client_headers(rid, counts if count_later is None else None, out),
             key=key,
             reserved_tokens=reserved,
-            reservation=held,
+            reservation=reservation,
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
             request_id=rid,

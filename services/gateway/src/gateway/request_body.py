@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from gateway.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from gateway.workers import LargeBody, run_for_body
 from lorastack.errors import InvalidInput
 from lorastack.untrusted_json import (
     BodyTooLarge,
@@ -44,35 +45,51 @@ def header_fields(request: Request) -> HeaderFields:
     return HeaderFields(request.scope["headers"])
 
 
-async def receive_body(receive: Receive, limit: int) -> bytes:
+async def receive_body(receive: Receive, limit: int) -> list[bytes]:
     """A request's body from its ASGI messages, as Starlette's `Request.stream()` reads
-    them (ClientDisconnect when the client hangs up first); over `limit` bytes is an error
-    at once, before the rest arrives."""
-    raw = b""
+    them (ClientDisconnect when the client hangs up first), as the pieces that arrived:
+    joining them is the parser's job (off the loop for a large body). Over `limit` bytes
+    is an error at once, before the rest arrives."""
+    pieces: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         kind = message["type"]
         if kind == "http.request":
-            raw += message.get("body", b"")
-            if len(raw) > limit:
-                raise body_over(limit)
+            piece = message.get("body", b"")
+            if piece:
+                pieces.append(piece)
+                size += len(piece)
+                if size > limit:
+                    raise body_over(limit)
             if not message.get("more_body", False):
-                return raw
+                return pieces
         elif kind == "http.disconnect":
             raise ClientDisconnect()
 
 
+def parse_body(pieces: list[bytes], max_depth: int) -> tuple[dict[str, Any], bytes]:
+    """The body's pieces joined, and parsed as a JSON object within `max_depth`."""
+    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return loads_object(raw, max_depth=max_depth), raw
+
+
 async def read_json(
-    request: Request, fields: HeaderFields, *, limit: int, max_depth: int
+    request: Request, fields: HeaderFields, held: LargeBody, *, limit: int, max_depth: int
 ) -> tuple[dict[str, Any], bytes]:
     """The body as a JSON object, and its bytes, within the limits (`limit`: bytes;
-    `max_depth`: nesting). Read from the ASGI messages and the header dict themselves:
-    with Starlette's `stream()` (an async generator) and `headers` this took ~70 µs a
-    request under the 64-stream bench, ~40 µs without (bench/gateway/history.md)."""
+    `max_depth`: nesting); a large one is parsed off the loop and kept by `held`
+    (`workers.py`). Read from the ASGI messages and the header dict themselves: with
+    Starlette's `stream()` (an async generator) and `headers` this took ~70 µs a request
+    under the 64-stream bench, ~40 µs without (bench/gateway/history.md)."""
     try:
         check_body_head(fields.get(b"content-type"), fields.get(b"content-length"), limit)
-        raw = await receive_body(request.receive, limit)
-        return loads_object(raw, max_depth=max_depth), raw
+        pieces = await receive_body(request.receive, limit)
+        size = sum(len(piece) for piece in pieces)
+        held.begin(size)
+        body, raw = await run_for_body(size, parse_body, pieces, max_depth)
+        held.keep(body)
+        return body, raw
     except BodyTooLarge as e:
         raise PayloadTooLarge(e.message, e.hint) from None
     except NotJson as e:
