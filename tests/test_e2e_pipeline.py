@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -158,6 +159,7 @@ def test_promote_follows_the_demos_verdict_and_the_label_is_served(
 def test_vllm_serves_the_verified_merged_model(demo: tuple[Path, str], tmp_path: Path) -> None:
     """The merger's published folder (not a hand-made one) is what vLLM loads and serves."""
     from inference.engine import VllmServer
+    from inference.parity import check, read_reference
     from lorastack_testing.net import free_port
 
     home, _ = demo
@@ -168,9 +170,151 @@ def test_vllm_serves_the_verified_merged_model(demo: tuple[Path, str], tmp_path:
         server.wait_ready(timeout_s=600)
         body = {"model": "merged", "messages": prompt, "max_tokens": 16, "temperature": 0}
         r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+        # the merged model carries the adapter's reference: served, it answers as trained
+        reference = read_reference(merged)
+        assert reference is not None
+        verdict = check(server.base_url, "merged", reference, served_dtype="float32")
+    assert verdict.ok, verdict.problems
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["message"]["content"].strip()
     # a 4-step adapter is close to the base model, whose answer may run past max_tokens;
     # the demo's 60-step model stops at its exported end-of-turn ("2013-05-09", "stop")
     assert choice["finish_reason"] in ("stop", "length")
+
+
+# ---- parity: what vLLM serves is what was trained (lorastack.parity) ---------------------
+
+
+def _adapter_reference(home: Path) -> tuple[Path, Any]:
+    from inference.parity import read_reference
+
+    store = open_store(CommonSettings(home=home))
+    folder = store.fetch(store.resolve("date-iso/adapter"))
+    reference = read_reference(folder)
+    assert reference is not None, "the trainer published the adapter without its reference"
+    return folder, reference
+
+
+@pytest.mark.slow
+def test_the_served_adapter_is_checked_against_its_training(demo: tuple[Path, str]) -> None:
+    home, log = demo
+    _, reference = _adapter_reference(home)
+    assert (reference.recorded_by, reference.dtype, reference.device) == (
+        "trainer",
+        "float32",
+        "cpu",
+    )
+    status = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/status", timeout=30).json()
+    assert status["dtype"]["served"] == "float32"
+    verdict = status["parity"]["date-iso/adapter-v1"]
+    assert verdict["ok"] is True, verdict
+    assert verdict["greedy_identical"] == verdict["probes"] == len(reference.probes)
+    assert "parity date-iso/adapter-v1: pass" in log  # the demo says it
+    metrics = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/metrics", timeout=30).text
+    assert 'lorastack_inference_parity_ok{model="date-iso/adapter-v1"} 1.0' in metrics
+
+
+def _replay(reference: Any, model: str, **kw: Any) -> Any:
+    from inference.parity import check
+
+    return check(f"http://127.0.0.1:{VLLM_PORT}", model, reference, served_dtype="float32", **kw)
+
+
+@pytest.mark.slow
+def test_a_model_trained_with_another_chat_template_is_named(demo: tuple[Path, str]) -> None:
+    """The reference as another template renders the prompts (a line before every
+    conversation), replayed through the live vLLM, which renders them with its own."""
+    from transformers import AutoTokenizer
+
+    home, _ = demo
+    folder, reference = _adapter_reference(home)
+    tok = AutoTokenizer.from_pretrained(folder)
+    other = "{{ 'Answer briefly.\\n' }}" + tok.chat_template
+    for probe in reference.probes:
+        text = tok.apply_chat_template(
+            probe.messages, chat_template=other, add_generation_prompt=True, tokenize=False
+        )
+        probe.prompt_text, probe.prompt_ids = text, tok(text, add_special_tokens=False).input_ids
+    verdict = _replay(reference, "date-iso/adapter-v1")
+    assert not verdict.ok and "chat template" in verdict.problems[0], verdict.problems
+
+
+@pytest.mark.slow
+def test_a_model_trained_with_another_tokenizer_is_named(demo: tuple[Path, str]) -> None:
+    """The same prompt text cut into other tokens, as another tokenizer would."""
+    from transformers import AutoTokenizer
+
+    home, _ = demo
+    folder, reference = _adapter_reference(home)
+    tok = AutoTokenizer.from_pretrained(folder)
+    for probe in reference.probes:
+        cut = len(probe.prompt_text) - 20  # inside the user's words
+        head, rest = probe.prompt_text[:cut], probe.prompt_text[cut:]
+        probe.prompt_ids = [
+            *tok(head, add_special_tokens=False).input_ids,
+            *tok(rest, add_special_tokens=False).input_ids,
+        ]
+    verdict = _replay(reference, "date-iso/adapter-v1")
+    assert not verdict.ok and "tokenizer" in verdict.problems[0], verdict.problems
+
+
+@pytest.mark.slow
+def test_an_adapter_served_over_another_base_is_named(demo: tuple[Path, str]) -> None:
+    """The adapter's reference replayed where its weights are not (the base alone), on a
+    base of another digest: both the base and the numbers are named."""
+    home, _ = demo
+    _, reference = _adapter_reference(home)
+    verdict = _replay(reference, "smollm2", served_base_digest="sha256:" + "0" * 64)
+    assert not verdict.ok
+    assert "trained on base" in verdict.problems[0], verdict.problems
+    assert "the weights served are not the weights trained" in verdict.problems[1]
+
+
+@pytest.mark.slow
+def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
+    demo: tuple[Path, str], tmp_path: Path
+) -> None:
+    """An adapter whose reference its served answers contradict (published as the trainer
+    would, with its answers altered): the supervisor (parity: auto = refuse) refuses its
+    runtime load with the reason and unloads it; `warn` reports the same verdict and serves."""
+    import shutil
+
+    from inference.parity import check_folder
+    from lorastack.parity import REFERENCE_FILE
+
+    home, _ = demo
+    folder, reference = _adapter_reference(home)
+    for probe in reference.probes:
+        probe.output_logprobs = [lp - 2.0 for lp in probe.output_logprobs]
+    altered = tmp_path / "altered"
+    shutil.copytree(folder, altered)
+    (altered / REFERENCE_FILE).write_text(reference.model_dump_json())
+    store = open_store(CommonSettings(home=home))
+    adapter = store.resolve("date-iso/adapter")
+    store.publish(
+        altered, kind="adapter", name="altered/adapter", service="test", parents=adapter.parents
+    )
+    r = httpx.post(
+        f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters",
+        json={"ref": "altered/adapter"},
+        timeout=300,
+    )
+    assert r.status_code >= 400 and "differs from the model that was trained" in r.text, r.text
+    assert "max |Δ log-prob|" in r.text
+    status = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/status", timeout=30).json()
+    assert "altered/adapter-v1" not in {a["served_name"] for a in status["adapters"]}
+    assert status["parity"]["altered/adapter-v1"]["ok"] is False
+    httpx.delete(
+        f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters/altered/adapter-v1", timeout=60
+    )
+    warned = check_folder(
+        altered,
+        base_url=f"http://127.0.0.1:{VLLM_PORT}",
+        served_name="date-iso/adapter-v1",  # the same weights, served
+        served_dtype="float32",
+        served_base_digest=adapter.parents[0].digest,
+        setting="warn",
+        api_key=None,
+    )
+    assert warned.refused == "" and warned.record is not None and warned.record["ok"] is False

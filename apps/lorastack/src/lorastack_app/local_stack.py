@@ -14,6 +14,7 @@ answers /ready.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -103,6 +104,50 @@ def is_ready(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def gave_up(url: str, timeout: float = 2.0) -> str:
+    """The state a not-ready service says it will stay in ("refused": what it serves
+    failed its parity check; "failed": vLLM kept dying of the same cause), else ""."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return ""
+    except urllib.error.HTTPError as e:
+        try:
+            state = json.loads(e.read()).get("state", "")
+        except (ValueError, AttributeError, OSError):
+            return ""
+        return str(state) if state in ("refused", "failed") else ""
+    except (urllib.error.URLError, OSError):
+        return ""
+
+
+def parity_lines(supervisor_url: str) -> list[str]:
+    """What the supervisor serves in which dtype, and each parity verdict, one line each
+    (lorastack.parity); empty when the supervisor does not answer."""
+    try:
+        with urllib.request.urlopen(f"{supervisor_url}/status", timeout=10) as resp:
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+    lines = []
+    if dtype := body.get("dtype"):
+        lines.append(f"served in {dtype['served']}: {dtype['why']}")
+    for name, v in (body.get("parity") or {}).items():
+        if v.get("ok") is None:
+            why = v.get("error") or "it carries no parity reference"
+            lines.append(f"parity {name}: not checked ({why})")
+            continue
+        verdict = (
+            "pass" if v["ok"] else f"FAIL ({'refused' if v['policy'] == 'refuse' else 'warned'})"
+        )
+        lines.append(
+            f"parity {name}: {verdict}; top-1 {v['top1_agreement']:.1%} of {v['positions']} tokens,"
+            f" max |Δ log-prob| {v['max_abs_logprob_delta']:.3f},"
+            f" greedy identical {v['greedy_identical']}/{v['probes']} ({v['precision']})"
+        )
+        lines += [f"  {problem}" for problem in v["problems"]]
+    return lines
+
+
 def tail(path: Path, n: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -143,6 +188,12 @@ def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
             raise Refused(
                 f"{svc.name} exited with code {proc.returncode} before it was ready:\n"
                 f"{tail(logfile)}",
+                f"the full log is {logfile}",
+            )
+        if state := gave_up(svc.ready_url):
+            stop(settings, svc.name)
+            raise Refused(
+                f"{svc.name} stopped trying ({state}):\n{tail(logfile)}",
                 f"the full log is {logfile}",
             )
         now = time.monotonic()
@@ -231,6 +282,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if r["pid"]:
             for label, url in r["urls"].items():
                 print(f"{'':12}{label:22} {url}")
+        if r["service"] == "inference" and r["pid"]:
+            for line in parity_lines(f"http://127.0.0.1:{SUPERVISOR_PORT}"):
+                print(f"{'':12}{line}")
     return 0 if all(r["ready"] for r in rows) else 1
 
 

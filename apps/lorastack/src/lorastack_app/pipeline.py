@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 import yaml
 
+from inference.engine import detect_platform
 from lorastack.errors import NotFound, Refused
 from lorastack.settings import CommonSettings
 from lorastack.sse import EventReader, chunk_text
 from lorastack.store import open_store
-from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
+from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT, parity_lines
 from trainer.config import load_config
 from trainer.settings import TrainerSettings
 
@@ -80,8 +81,10 @@ def demo_config() -> Path:
     return Path(str(resource))
 
 
-def write_serve_config(path: Path, adapter_ref: str) -> None:
-    config = {
+def write_serve_config(path: Path, adapter_ref: str, platform: str) -> None:
+    """The demo's serve.yaml. On CUDA vLLM runs eager: CUDA graphs and torch.compile cost
+    a 135M model more start-up time than the demo's few requests win back."""
+    config: dict[str, Any] = {
         "model": BASE,
         "served_model_name": SERVED_BASE,
         "adapters": [adapter_ref],
@@ -91,6 +94,8 @@ def write_serve_config(path: Path, adapter_ref: str) -> None:
         "max_lora_rank": 16,
         "max_loras": 2,
     }
+    if platform == "cuda":
+        config["extra_vllm_args"] = ["--enforce-eager"]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -168,9 +173,12 @@ def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: boo
     stages.run("merge into the base and verify", "merge", f"{RUN}/adapter", "--dtype", "float32")
     adapter = open_store(settings).resolve(f"{RUN}/adapter")
     serve_yaml = work / "serve.yaml"
-    write_serve_config(serve_yaml, adapter.ref)
+    write_serve_config(serve_yaml, adapter.ref, detect_platform())
     stages.run("start vLLM and the gateway", "up", "--serve-config", str(serve_yaml))
     try:
+        # the supervisor replayed the adapter's parity reference before it said ready
+        for line in parity_lines(f"http://127.0.0.1:{SUPERVISOR_PORT}"):
+            print(f"   {line}")
         base, lora = served_models(gateway)
         with stages.timed("chat through the gateway"):
             turns = [{"role": "user", "content": "Convert to ISO 8601: the ninth of May, 2013"}]

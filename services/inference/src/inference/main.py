@@ -36,9 +36,11 @@ from inference.errors import AdminDenied, error_body, http_status
 from inference.kv_cache import Platform, estimate, read_shape
 from inference.label_follow import LabelFollower
 from inference.metrics import build_registry, render
+from inference.parity import read_reference
 from inference.settings import InferenceSettings
 from inference.supervisor import ServePlan, Supervisor
 from lorastack.errors import ConfigError, InvalidInput, LorastackError
+from lorastack.parity import serving_dtype
 from lorastack.store import ArtifactStore, open_store
 from lorastack.untrusted_json import read_object, schema_error
 
@@ -86,6 +88,16 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
         settings.extra_vllm_args,
     )
     shape = read_shape(model.path)
+    dtype, why = settings.dtype, "set in the serve config"
+    if dtype == "auto":
+        references = [read_reference(f) for f in [model.path, *(a.path for a in adapters)]]
+        dtype, why = serving_dtype(
+            [r for r in references if r is not None],
+            platform=platform,
+            checkpoint_dtype=shape.config_dtype,
+            with_lora=settings.enable_lora,
+        )
+    log.info("serving in %s: %s", dtype, why)
     gpu_mem = gpu_memory_gib(settings) if platform == "cuda" else 0.0
     if platform == "cuda" and not gpu_mem:
         raise ConfigError(
@@ -97,7 +109,7 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
         platform=platform,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
-        dtype="float32" if settings.dtype == "auto" and platform == "cpu" else settings.dtype,
+        dtype=dtype,
         kv_dtype=settings.kv_cache_dtype,
         kv_cache_gib=settings.kv_cache_gib,
         gpu_mem_gib=gpu_mem,
@@ -114,7 +126,15 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
     )
     for w in est.warnings:
         log.warning("KV cache: %s", w)
-    return ServePlan(model=model, adapters=adapters, estimate=est, platform=platform, chat=chat)
+    return ServePlan(
+        model=model,
+        adapters=adapters,
+        estimate=est,
+        platform=platform,
+        chat=chat,
+        dtype=dtype,
+        dtype_reason=why,
+    )
 
 
 class AdapterLoad(BaseModel):

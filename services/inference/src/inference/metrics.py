@@ -1,13 +1,14 @@
 """The supervisor's Prometheus metrics, read from the supervisor at scrape time.
 
 A collector in a registry of its own per app (never the global registry): our KV-cache
-estimate next to vLLM's reported figures, readiness, restarts, loaded adapters, the
-labels they follow and the deployment's declared adapters.
+estimate next to vLLM's reported figures, readiness, restarts, loaded adapters, their
+parity with what was trained, the labels they follow and the deployment's declared adapters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -79,6 +80,7 @@ class SupervisorCollector(Collector):
         )
         adapters.add_metric([], float(len(sup.adapters)))
         yield adapters
+        yield from parity_metrics(sup.parity_results())
         if self.follower is not None:
             switches = CounterMetricFamily(
                 "lorastack_inference_label_switches",
@@ -94,6 +96,34 @@ class SupervisorCollector(Collector):
             yield stuck
         if self.reconciler is not None:
             yield from declared_metrics(self.reconciler)
+
+
+def parity_metrics(results: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per served model and adapter: did its answers match its parity reference
+    (lorastack.parity), and by how much. Nothing for one without a reference."""
+    checked = {name: v for name, v in results.items() if v.get("ok") is not None}
+    families = {
+        "ok": GaugeMetricFamily(
+            "lorastack_inference_parity_ok",
+            "1 when what vLLM serves matched its parity reference (recorded where it was "
+            "trained), 0 when it did not",
+            labels=["model"],
+        ),
+        "top1_agreement": GaugeMetricFamily(
+            "lorastack_inference_parity_top1_agreement",
+            "fraction of the reference's tokens that are still vLLM's most likely token",
+            labels=["model"],
+        ),
+        "max_abs_logprob_delta": GaugeMetricFamily(
+            "lorastack_inference_parity_max_logprob_delta",
+            "largest |log-prob served - log-prob trained| of a reference token, nats",
+            labels=["model"],
+        ),
+    }
+    for name, v in sorted(checked.items()):
+        for key, family in families.items():
+            family.add_metric([name], float(v[key]))
+    yield from families.values()
 
 
 def declared_metrics(rec: AdapterReconciler) -> Iterator[Metric]:

@@ -68,7 +68,19 @@ class InferenceSettings(CommonSettings):
         0, ge=0, description="tokens a typical request holds, for the preemption warning; "
         "0 = max_model_len"
     )  # fmt: skip
-    dtype: str = Field("auto", description="weights/compute dtype; auto = float32 on CPU")
+    dtype: str = Field(
+        "auto",
+        description="weights/compute dtype vLLM runs in: float32 | bfloat16 | float16; auto = "
+        "the dtype the served model or its adapters were trained in (their parity reference), "
+        "else float32 on CPU and bfloat16 on CUDA",
+    )
+    parity: Literal["auto", "refuse", "warn", "off"] = Field(
+        "auto",
+        description="what a served model or adapter whose answers differ from its parity "
+        "reference (recorded where it was trained) gets: refuse = not served (the model: not "
+        "ready; an adapter: unloaded), warn = served and reported, auto = refuse, except an "
+        "adapter trained on a quantised (nf4) base, whose gap is the quantisation's: warn",
+    )
     kv_cache_dtype: str = Field("auto", description="auto = the compute dtype; fp8 on GPU")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     gpu_overhead_gib: float = Field(

@@ -34,6 +34,8 @@ def status_body(
     last_exit: ExitRecord | None,
     kv_cache: dict[str, Any],
     log_tail_lines: int,
+    dtype: dict[str, str],
+    parity: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     m = model.manifest
     return {
@@ -48,6 +50,8 @@ def status_body(
             "path": str(model.path),
         },
         "adapters": adapters,
+        "dtype": dtype,
+        "parity": parity,
         "chat_format": chat_format,
         "vllm": {
             "base_url": server.base_url if server else None,

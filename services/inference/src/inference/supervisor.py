@@ -25,9 +25,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from inference import vllm_api
+from inference import parity, vllm_api
 from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
 from inference.chat_format import ChatFormat, check_adapter, vllm_flags
 from inference.engine import VllmServer
@@ -43,7 +44,7 @@ from inference.kv_report import KV_LOG_FORMAT, kv_comparison, kv_log_line
 from inference.restarts import ExitRecord, backoff_delay, read_exit, same_cause_run
 from inference.settings import InferenceSettings
 from inference.status_report import status_body
-from lorastack.errors import Conflict, NotFound
+from lorastack.errors import Conflict, NotFound, Refused
 from lorastack.manifest import validate_name
 from lorastack.store import ArtifactStore
 
@@ -59,6 +60,8 @@ class ServePlan:
     estimate: KvEstimate
     platform: str  # "cpu" or "cuda"
     chat: ChatFormat  # chat template and tool parser (inference.chat_format)
+    dtype: str = "float32"  # what vLLM computes in (lorastack.parity.serving_dtype)
+    dtype_reason: str = ""  # why, said at start and on /status
 
 
 class Supervisor:
@@ -90,6 +93,7 @@ class Supervisor:
         self.vllm_cache_config: dict[str, str] | None = None
         self.root_cause: RootCause | None = None  # of the last exit
         self.same_failures = 0  # failed starts in a row with that same root cause
+        self.parity: dict[str, dict[str, Any]] = {}  # served name -> Verdict.as_dict() or error
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -145,8 +149,7 @@ class Supervisor:
 
     @property
     def resolved_dtype(self) -> str:
-        d = self.settings.dtype
-        return "float32" if d == "auto" and self.plan.platform == "cpu" else d
+        return self.plan.dtype
 
     @property
     def engine_args(self) -> list[str]:
@@ -172,11 +175,15 @@ class Supervisor:
                     server.base_url, self.settings.resolved_served_name, api_key=self._vllm_key
                 )
                 self._read_vllm_figures(server)
+                refused = self._check_served_parity(server)
                 with self._lock:
                     if self._stop.is_set():
                         break
-                    self.ready, self.state, self.failures = True, "ready", 0
-                    self.last_error, self.same_failures = "", 0
+                    self.failures, self.same_failures = 0, 0
+                    if refused:
+                        self.state, self.last_error = "refused", refused
+                    else:
+                        self.ready, self.state, self.last_error = True, "ready", ""
                 self._log_comparison()
                 while not self._stop.wait(0.5) and server.running:
                     pass
@@ -255,6 +262,41 @@ class Supervisor:
         for w in self.plan.estimate.warnings:
             log.warning("KV cache: %s", w)
 
+    # -- parity: is what vLLM serves what was trained? (lorastack.parity) -----------------
+
+    def _check_served_parity(self, server: VllmServer) -> str:
+        """Check the model and every preloaded adapter against their references; unload the
+        adapters refused. Returns why the model itself is refused, or ""."""
+        refused = self._check_parity(
+            server, self.settings.resolved_served_name, self.plan.model.path, is_model=True
+        )
+        for name, adapter in self.adapters.items():
+            if problem := self._check_parity(server, name, adapter.path):
+                log.error("%s (unloading it)", problem)
+                vllm_api.unload_lora(server.base_url, name, api_key=self._vllm_key)
+                with self._lock:
+                    self._adapters.pop(name, None)
+        return refused
+
+    def _check_parity(
+        self, server: VllmServer, served_name: str, folder: Path, *, is_model: bool = False
+    ) -> str:
+        """inference.parity.check_folder for what vLLM serves as `served_name`; the result
+        goes to /status and /metrics. Returns why it is refused, or ""."""
+        outcome = parity.check_folder(
+            folder,
+            base_url=server.base_url,
+            served_name=served_name,
+            served_dtype=self.resolved_dtype,
+            served_base_digest="" if is_model else self.plan.model.manifest.digest,
+            setting=self.settings.parity,
+            api_key=self._vllm_key,
+        )
+        if outcome.record is not None:
+            with self._lock:
+                self.parity[served_name] = outcome.record
+        return outcome.refused
+
     # -- adapters ----------------------------------------------------------------------
 
     def require_ready(self) -> VllmServer:
@@ -309,6 +351,9 @@ class Supervisor:
         with self._lock:
             self._adapters[adapter.served_name] = adapter
         log.info("loaded adapter %s as %s", adapter.manifest.ref, adapter.served_name)
+        if problem := self._check_parity(server, adapter.served_name, adapter.path):
+            self.unload_adapter(adapter.served_name)
+            raise Refused(problem, "see /status parity for the numbers")
         return adapter
 
     def switch_adapter(self, new: ServedAdapter) -> ServedAdapter:
@@ -326,6 +371,13 @@ class Supervisor:
         )
         with self._lock:
             self._adapters[new.served_name] = new
+        if problem := self._check_parity(server, new.served_name, new.path):
+            vllm_api.load_lora(
+                server.base_url, old.served_name, old.path, inplace=True, api_key=self._vllm_key
+            )
+            with self._lock:
+                self._adapters[old.served_name] = old
+            raise Refused(f"{problem}; {old.manifest.ref} stays served", "see /status parity")
         log.info(
             "%s moved: %s now serves %s (was %s)",
             new.follows,
@@ -384,4 +436,10 @@ class Supervisor:
             last_exit=exits[-1] if exits else None,
             kv_cache=self.kv_comparison(),
             log_tail_lines=self.settings.log_tail_lines,
+            dtype={"served": self.plan.dtype, "why": self.plan.dtype_reason},
+            parity=self.parity_results(),
         )
+
+    def parity_results(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return dict(self.parity)

@@ -33,6 +33,7 @@ from typing import Any
 
 from lorastack.errors import ConfigError
 from lorastack.manifest import Manifest, validate_name
+from lorastack.parity import REFERENCE_FILE
 from lorastack.store import ArtifactStore, open_store
 from merger.card import render_card
 from merger.inputs import Inputs, lineage_of, read_json, resolve_inputs
@@ -99,6 +100,11 @@ def write_folder(inputs: Inputs, probing: Probing, dtype: str, folder: Path) -> 
     gen_cfg = {k: v for k, v in gen_cfg.items() if k != "transformers_version"}
     gen_cfg |= {"eos_token_id": probing.stops, "pad_token_id": probing.pad}
     (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    # what the adapter answered as trained (lorastack.parity): the merged model carries it so
+    # that the deployment that serves it checks it against the model that was trained
+    reference = inputs.adapter_dir / REFERENCE_FILE
+    if reference.is_file():
+        shutil.copyfile(reference, folder / REFERENCE_FILE)
 
 
 def merge_adapter(

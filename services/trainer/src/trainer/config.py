@@ -40,6 +40,7 @@ SAFE_TO_CHANGE = frozenset(
         "seconds_per_step",
         "on_complete",
         "on_failure",
+        "parity_probes",
     }
 )
 
@@ -176,6 +177,14 @@ class RunConfig(_Strict):
         "best_val_loss",
         description="which adapter is published: the evaluation with the lowest validation "
         "loss (its checkpoint is kept whatever keep_checkpoints says), or the last step",
+    )
+    parity_probes: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="held-out prompts whose greedy answers and log-probabilities the published "
+        "adapter carries (parity-reference.json), so a deployment can check it serves what was "
+        "trained (lorastack.parity); 0 = record none",
     )
     early_stopping: EarlyStoppingConfig | None = Field(
         None, description="stop when the validation loss stops improving (needs validation)"

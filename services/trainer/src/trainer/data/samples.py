@@ -84,7 +84,7 @@ def render(
 
 def render_conv(tokenizer: Any, conv: Conversation) -> str:
     """The whole conversation as the model sees it in training."""
-    return render(tokenizer, _dicts(conv), tools=conv.tool_dicts())
+    return render(tokenizer, template_messages(conv), tools=conv.tool_dicts())
 
 
 def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
@@ -95,7 +95,7 @@ def encode(conv: Conversation, tokenizer: Any, loss_on: LossOn) -> Sample:
             require_tool_support(tokenizer)
         except NoToolSupport as e:
             raise MaskingError(str(e)) from None
-    msgs, tools = _dicts(conv), conv.tool_dicts()
+    msgs, tools = template_messages(conv), conv.tool_dicts()
     rendered = render(tokenizer, msgs, tools=tools)
     if conv.has_tools:
         check_tools_rendered(
@@ -161,7 +161,7 @@ class Pretokenized:
         return getattr(self._tokenizer, name)
 
 
-def _dicts(conv: Conversation) -> list[dict[str, Any]]:
+def template_messages(conv: Conversation) -> list[dict[str, Any]]:
     """The messages as templates take them: tool-call arguments parsed into objects
     (templates write `arguments | tojson`; a string would be quoted twice)."""
     out = conv.message_dicts()
@@ -174,6 +174,6 @@ def _dicts(conv: Conversation) -> list[dict[str, Any]]:
 def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     """Token ids of everything before the last assistant answer, in the serving format
     (chat template with the generation prompt)."""
-    msgs = _dicts(conv)[:-1]
+    msgs = template_messages(conv)[:-1]
     text = render(tokenizer, msgs, prompt=True, tools=conv.tool_dicts())
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]

@@ -87,6 +87,24 @@ def read_model_config(base_dir: Path) -> dict[str, Any]:
     return cfg
 
 
+def base_load_kwargs(config: RunConfig, device: torch.device) -> dict[str, Any]:
+    """`from_pretrained` keywords that load the base as training runs it: the compute
+    dtype, and nf4 with double quantisation for QLoRA."""
+    from transformers import BitsAndBytesConfig
+
+    dtype = compute_dtype(device)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if config.quantization == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    return kwargs
+
+
 def load_model(
     base_dir: Path,
     config: RunConfig,
@@ -100,18 +118,10 @@ def load_model(
     in backward; unset: every layer with gradient_checkpointing true, else none (the
     recipe plans auto: trainer.assembly.estimate_memory)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     dtype = compute_dtype(device)
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if config.quantization == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    kwargs = base_load_kwargs(config, device)
     model: Any = None
     if attention.use_varlen(config, device, read_model_config(base_dir)):
         attention.register()

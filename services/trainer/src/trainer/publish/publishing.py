@@ -22,7 +22,7 @@ from trainer.data.preparation import Prepared
 from trainer.errors import ResumeRefused
 from trainer.loop.selection import selected_step, standing
 from trainer.metrics import write_json
-from trainer.publish import checkpoint
+from trainer.publish import checkpoint, reference
 from trainer.publish.completion import TrainResult, train_result
 from trainer.state import Progress, RunPlan
 
@@ -166,6 +166,7 @@ def publish_adapter(
         TEMPLATE_FILE,
         trained_on_tools=any(item.conv.has_tools for item in prep.splits.train),
     )
+    parity = record_parity_reference(plan, prep, folder, say)
     shutil.copytree(plan.metrics_dir, folder / "metrics")
     shutil.copy(plot, folder / "loss.png")
     shutil.copy(plan.run_dir / "run-manifest.json", folder / "run-manifest.json")
@@ -190,10 +191,50 @@ def publish_adapter(
             "lora_r": cfg.lora.r,
             "quantization": cfg.quantization,
             "chat_format": chat_format,
+            "parity_reference": parity,
         },
     )
     say(f"published {m.ref} ({m.digest[:19]})")
     return m
+
+
+def record_parity_reference(
+    plan: RunPlan, prep: Prepared, folder: Path, say: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """Write the adapter's parity reference into `folder` (trainer.publish.reference), on
+    the model as trained: the run's device, dtype and quantisation. Returns what the
+    manifest says of it (None when none was recorded)."""
+    cfg = plan.config
+    conversations = reference.pick_conversations(
+        [item.conv for item in prep.splits.validation],
+        [item.conv for item in prep.splits.test],
+        cfg.parity_probes,
+    )
+    if not conversations:
+        return None
+    if cfg.distributed == "fsdp" and plan.settings.world_size > 1:
+        say("parity reference: not recorded under FSDP (the whole model may not fit one GPU)")
+        return None
+    ref = reference.record_reference(
+        base_dir=prep.base_dir,
+        adapter_dir=folder,
+        config=cfg,
+        device=plan.device,
+        tokenizer=prep.tokenizer,
+        conversations=conversations,
+        base_digest=prep.base.digest,
+    )
+    path = reference.write_reference(ref, folder)
+    say(
+        f"parity reference: {len(ref.probes)} held-out prompts recorded in {ref.dtype}"
+        f"{'' if ref.quantization == 'none' else ' on the ' + ref.quantization + ' base'}"
+    )
+    return {
+        "file": path.name,
+        "probes": len(ref.probes),
+        "dtype": ref.dtype,
+        "quantization": ref.quantization,
+    }
 
 
 def publish_support_bundle(

@@ -1,0 +1,298 @@
+"""Is what vLLM serves what was trained? The parity reference and its verdict.
+
+Owns the reference a model carries from where it was trained (`parity-reference.json` in the
+adapter or merged-model artifact: greedy continuations of held-out prompts and the
+log-probability of each generated token, recorded on the model *as trained and evaluated*,
+in its compute dtype and quantisation), what a server gave back when the reference was
+replayed (`Replay`), and the comparison of the two (`judge`). Pure: the trainer records
+(trainer.publish.reference), inference replays through vLLM (inference.parity), and both
+pass plain data in.
+
+What is compared, per probe:
+
+- the prompt as the server's chat template renders it vs the prompt the model was trained
+  with (token ids): a differing chat template or tokenizer is named as such;
+- teacher-forced, the reference continuation through the server: is each reference token
+  still the server's top-1 (top-1 agreement) and how far its log-probability moved
+  (max |Δ log-prob|, nats);
+- greedy decoding on the server's own rendering of the prompt vs the reference tokens.
+
+The limits depend on the precisions on both sides (`limits_for`): float32 on both sides
+may differ only by the kernels' summation order; a half-precision side rounds every
+weight and activation to 8 (bfloat16) or 11 (float16) significant bits, which moves
+log-probabilities by tenths of a nat and flips near-ties; a reference recorded on a
+4-bit (nf4) base and served unquantised differs by the quantisation itself, so it is
+judged by the half-precision limits and only warned about by default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+REFERENCE_FILE = "parity-reference.json"
+HALF_DTYPES = ("bfloat16", "float16")
+
+Policy = Literal["refuse", "warn"]
+
+
+class ProbeRecord(BaseModel):
+    """One held-out prompt and what the trained model generated from it."""
+
+    messages: list[dict[str, Any]]  # the conversation up to the reply (OpenAI chat format)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools, when the template renders them
+    prompt_text: str  # the prompt as the chat template rendered it
+    prompt_ids: list[int]  # ... and as the tokenizer encoded it
+    output_ids: list[int]  # greedy continuation, its stop token included when it stopped
+    output_logprobs: list[float]  # nats: log-probability of each output token
+    output_text: str  # output_ids decoded, special tokens skipped
+
+
+class Reference(BaseModel):
+    """The model as trained and evaluated, and its answers to the probes."""
+
+    format: Literal[1] = 1
+    recorded_by: str  # "trainer" or "merger"
+    dtype: str  # compute dtype the model ran in: float32 | bfloat16 | float16
+    quantization: str = "none"  # of the base weights: none | nf4
+    device: str = ""  # cpu | cuda
+    base_digest: str = ""  # the base model the adapter was trained on
+    max_new_tokens: int = Field(ge=1)
+    probes: list[ProbeRecord] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the server gave for one probe (inference.parity asks it)."""
+
+    rendered_ids: list[int]  # the server's chat template over probe.messages, tokenised
+    encoded_ids: list[int]  # the server's tokenizer over probe.prompt_text
+    forced_logprobs: list[float]  # teacher-forced log-probability of each output token
+    forced_top1: list[bool]  # ... and whether it was the server's most likely token
+    greedy_ids: list[int]  # greedy decoding from rendered_ids
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_top1: float  # fraction of reference tokens still the server's top-1
+    max_abs_logprob: float  # nats, largest |Δ log-prob| of a reference token
+    min_greedy_identical: float  # fraction of probes whose greedy tokens are all equal
+
+
+# float32 on both sides: vLLM's and Hugging Face's kernels sum in other orders (~1e-6
+# relative), which moves a log-prob by about 1e-4 nats; 0.05 leaves room for a long
+# sequence's accumulation and still catches a wrong weight, which moves whole nats.
+EXACT = Limits(min_top1=0.99, max_abs_logprob=0.05, min_greedy_identical=1.0)
+# A half-precision side rounds each weight and activation to 8 (bf16) or 11 (fp16)
+# significant bits: near-ties flip, and a greedy text parts for good after its first flip,
+# so top-1 agreement (each position on its own) carries the verdict and greedy identity
+# only has to hold for most probes. A swapped base, template or adapter moves most tokens
+# by whole nats, far outside these.
+HALF = Limits(min_top1=0.9, max_abs_logprob=3.0, min_greedy_identical=0.5)
+
+
+def precision_of(reference: Reference, served_dtype: str) -> str:
+    """'recorded in X[ on a nf4 base], served in Y': what the limits were chosen for."""
+    quantised = "" if reference.quantization == "none" else f" on a {reference.quantization} base"
+    return f"recorded in {reference.dtype}{quantised}, served in {served_dtype}"
+
+
+def limits_for(reference: Reference, served_dtype: str) -> Limits:
+    """EXACT for float32 on both sides and no quantisation, else HALF."""
+    exact = (reference.dtype, served_dtype, reference.quantization) == (
+        "float32",
+        "float32",
+        "none",
+    )
+    return EXACT if exact else HALF
+
+
+def default_policy(reference: Reference) -> Policy:
+    """Refuse what fails, except a quantised reference served unquantised: that gap is the
+    quantisation's own, so it is reported with its size and served."""
+    return "warn" if reference.quantization != "none" else "refuse"
+
+
+def serving_dtype(
+    references: Sequence[Reference], *, platform: str, checkpoint_dtype: str, with_lora: bool
+) -> tuple[str, str]:
+    """The dtype to serve in when the serve config says `auto`, and why (said at start).
+
+    On CPU: float32 (vLLM's CPU build is several times slower in bfloat16 without AVX-512
+    bf16). On CUDA: the checkpoint's own dtype when it is 16-bit. A float32 checkpoint runs
+    in float32 when it has no adapters and its reference was recorded in float32 (the
+    precision it was checked in); otherwise in float16, never bfloat16: vLLM's LoRA kernels
+    take 16-bit weights only, and float16 keeps 11 significant bits to bfloat16's 8, so a
+    near-tie that training and evaluation decided one way is decided the same way far more
+    often. Without any reference, as vLLM's own `auto`: bfloat16."""
+    if platform == "cpu":
+        return "float32", "vLLM's CPU build runs float32 (bfloat16 is slower without AVX-512)"
+    if checkpoint_dtype != "float32":
+        return checkpoint_dtype, f"the checkpoint's dtype ({checkpoint_dtype})"
+    if not references:
+        return "bfloat16", "a float32 checkpoint without a parity reference (as vLLM's auto)"
+    if not with_lora and all(r.dtype == "float32" for r in references):
+        return "float32", "a float32 checkpoint whose parity reference was recorded in float32"
+    return "float16", (
+        "a float32 checkpoint served "
+        + (
+            "with LoRA adapters (vLLM's LoRA kernels take 16-bit weights only)"
+            if with_lora
+            else "after training in 16-bit"
+        )
+        + ": float16 keeps 11 significant bits to bfloat16's 8"
+    )
+
+
+@dataclass
+class Verdict:
+    """The comparison of a served model with its reference: numbers, pass/fail, and what
+    differs with what to change."""
+
+    model: str  # served name
+    ok: bool
+    policy: Policy
+    served_dtype: str
+    precision: str  # precision_of(reference, served_dtype)
+    limits: Limits
+    probes: int
+    positions: int  # reference tokens compared
+    top1_agreement: float
+    max_abs_logprob_delta: float  # nats
+    mean_abs_logprob_delta: float  # nats
+    greedy_identical: int  # probes whose greedy tokens were all equal
+    problems: list[str] = field(default_factory=list)  # each: what differs; what to change
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "ok": self.ok,
+            "policy": self.policy,
+            "served_dtype": self.served_dtype,
+            "precision": self.precision,
+            "limits": {
+                "min_top1": self.limits.min_top1,
+                "max_abs_logprob": self.limits.max_abs_logprob,
+                "min_greedy_identical": self.limits.min_greedy_identical,
+            },
+            "probes": self.probes,
+            "positions": self.positions,
+            "top1_agreement": round(self.top1_agreement, 4),
+            "max_abs_logprob_delta": round(self.max_abs_logprob_delta, 4),
+            "mean_abs_logprob_delta": round(self.mean_abs_logprob_delta, 4),
+            "greedy_identical": self.greedy_identical,
+            "problems": self.problems,
+        }
+
+    def summary(self) -> str:
+        """One line: the verdict and its numbers."""
+        state = "pass" if self.ok else ("FAIL (refused)" if self.policy == "refuse" else "FAIL")
+        return (
+            f"parity {self.model}: {state}; top-1 {self.top1_agreement:.1%} of "
+            f"{self.positions} tokens, max |Δ log-prob| {self.max_abs_logprob_delta:.3f}, "
+            f"greedy identical {self.greedy_identical}/{self.probes} ({self.precision})"
+        )
+
+
+def judge(
+    model: str,
+    reference: Reference,
+    replays: Sequence[Replay],
+    *,
+    served_dtype: str,
+    served_base_digest: str = "",
+    policy: Policy | None = None,
+) -> Verdict:
+    """Compare what the server gave (`replays`, one per reference probe) with the reference.
+
+    `served_base_digest`: the base model the server runs the adapter on (empty for a merged
+    model, which holds its base). `policy`: refuse or warn on failure; None = the default
+    for this reference (default_policy)."""
+    if len(replays) != len(reference.probes):
+        raise ValueError(f"{len(replays)} replays for {len(reference.probes)} probes")
+    limits = limits_for(reference, served_dtype)
+    precision = precision_of(reference, served_dtype)
+    problems: list[str] = []
+    if served_base_digest and reference.base_digest and served_base_digest != reference.base_digest:
+        problems.append(
+            f"the adapter was trained on base {reference.base_digest[:19]} but is served on "
+            f"{served_base_digest[:19]}: serve it on the base it was trained on"
+        )
+    if any(r.encoded_ids != p.prompt_ids for p, r in zip(reference.probes, replays, strict=True)):
+        problems.append(
+            "the server's tokenizer encodes the trained prompts differently: serve the "
+            "model's own tokenizer (the artifact's tokenizer files; vLLM --tokenizer)"
+        )
+    elif any(
+        r.rendered_ids != p.prompt_ids for p, r in zip(reference.probes, replays, strict=True)
+    ):
+        problems.append(
+            "the server's chat template renders the trained prompts differently: serve the "
+            "template the model was trained with (the artifact's chat_template.jinja; "
+            "vLLM --chat-template)"
+        )
+    deltas = [
+        abs(got - want)
+        for p, r in zip(reference.probes, replays, strict=True)
+        for got, want in zip(r.forced_logprobs, p.output_logprobs, strict=True)
+    ]
+    top1 = [hit for r in replays for hit in r.forced_top1]
+    positions = len(deltas)
+    agreement = sum(top1) / len(top1) if top1 else 1.0
+    max_delta = max(deltas, default=0.0)
+    mean_delta = math.fsum(deltas) / positions if positions else 0.0
+    identical = sum(
+        r.greedy_ids == p.output_ids for p, r in zip(reference.probes, replays, strict=True)
+    )
+    numeric = []
+    if agreement < limits.min_top1:
+        numeric.append(f"top-1 agreement {agreement:.1%} < {limits.min_top1:.0%}")
+    if max_delta > limits.max_abs_logprob:
+        numeric.append(f"max |Δ log-prob| {max_delta:.3f} > {limits.max_abs_logprob}")
+    if identical < limits.min_greedy_identical * len(replays):
+        numeric.append(
+            f"greedy identical on {identical}/{len(replays)} probes "
+            f"< {limits.min_greedy_identical:.0%}"
+        )
+    if numeric:
+        problems.append(
+            f"{'; '.join(numeric)} ({precision}): " + _numeric_hint(reference, served_dtype)
+        )
+    return Verdict(
+        model=model,
+        ok=not problems,
+        policy=policy or default_policy(reference),
+        served_dtype=served_dtype,
+        precision=precision,
+        limits=limits,
+        probes=len(replays),
+        positions=positions,
+        top1_agreement=agreement,
+        max_abs_logprob_delta=max_delta,
+        mean_abs_logprob_delta=mean_delta,
+        greedy_identical=identical,
+        problems=problems,
+    )
+
+
+def _numeric_hint(reference: Reference, served_dtype: str) -> str:
+    if reference.quantization != "none":
+        return (
+            f"the adapter was trained on a {reference.quantization} base and is served on the "
+            "unquantised one; the gap is the quantisation's (merge and verify, or serve a "
+            "quantised base)"
+        )
+    if served_dtype != reference.dtype:
+        wider = "float32" if reference.dtype == "float32" else "float16 or float32"
+        return (
+            f"it was checked in {reference.dtype} and is served in {served_dtype}: serve it in "
+            f"{wider} (dtype in serve.yaml; with LoRA adapters on CUDA, float16)"
+        )
+    return (
+        "the weights served are not the weights trained: check the adapter and base "
+        "versions served (lorastack status) against the run's"
+    )

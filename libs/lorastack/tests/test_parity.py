@@ -1,0 +1,171 @@
+"""The parity verdict over plain data (lorastack.parity): what differs is named, the limits
+follow the precisions, and `auto` serves in a dtype chosen on purpose."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lorastack.parity import (
+    EXACT,
+    HALF,
+    ProbeRecord,
+    Reference,
+    Replay,
+    default_policy,
+    judge,
+    limits_for,
+    serving_dtype,
+)
+
+
+def reference(dtype: str = "float32", quantization: str = "none", probes: int = 4) -> Reference:
+    return Reference(
+        recorded_by="trainer",
+        dtype=dtype,
+        quantization=quantization,
+        base_digest="sha256:" + "a" * 64,
+        max_new_tokens=8,
+        probes=[
+            ProbeRecord(
+                messages=[{"role": "user", "content": f"q{i}"}],
+                prompt_text=f"<user>q{i}<assistant>",
+                prompt_ids=[1, 10 + i, 2],
+                output_ids=[5, 6, 7],
+                output_logprobs=[-0.01, -0.2, -0.05],
+                output_text="abc",
+            )
+            for i in range(probes)
+        ],
+    )
+
+
+def faithful(ref: Reference, shift: float = 0.0) -> list[Replay]:
+    """What a server that serves the trained model gives (log-probs moved by `shift`)."""
+    return [
+        Replay(
+            rendered_ids=list(p.prompt_ids),
+            encoded_ids=list(p.prompt_ids),
+            forced_logprobs=[lp + shift for lp in p.output_logprobs],
+            forced_top1=[True] * len(p.output_ids),
+            greedy_ids=list(p.output_ids),
+        )
+        for p in ref.probes
+    ]
+
+
+def test_the_served_trained_model_passes_with_its_numbers() -> None:
+    ref = reference()
+    v = judge("m", ref, faithful(ref, shift=1e-4), served_dtype="float32")
+    assert v.ok and not v.problems
+    assert v.top1_agreement == 1.0 and v.greedy_identical == 4 and v.positions == 12
+    assert v.max_abs_logprob_delta == pytest.approx(1e-4)
+    assert v.limits == EXACT and v.precision == "recorded in float32, served in float32"
+
+
+def test_a_different_chat_template_is_named() -> None:
+    ref = reference()
+    replays = [
+        Replay([1, 99, *r.rendered_ids[1:]], r.encoded_ids, r.forced_logprobs, r.forced_top1, [8])
+        for r in faithful(ref)
+    ]
+    v = judge("m", ref, replays, served_dtype="float32")
+    assert not v.ok and "chat template" in v.problems[0] and "--chat-template" in v.problems[0]
+
+
+def test_a_different_tokenizer_is_named_before_the_template() -> None:
+    ref = reference()
+    replays = [
+        Replay([3, 4], [3, 4], r.forced_logprobs, r.forced_top1, r.greedy_ids)
+        for r in faithful(ref)
+    ]
+    v = judge("m", ref, replays, served_dtype="float32")
+    assert not v.ok and "tokenizer" in v.problems[0]
+    assert not any("chat template" in p for p in v.problems)
+
+
+def test_an_adapter_on_another_base_is_named_and_its_numbers_fail() -> None:
+    ref = reference()
+    replays = [
+        Replay(r.rendered_ids, r.encoded_ids, [-6.0, -5.0, -7.0], [False, False, True], [9, 9])
+        for r in faithful(ref)
+    ]
+    v = judge("m", ref, replays, served_dtype="float32", served_base_digest="sha256:" + "b" * 64)
+    assert not v.ok
+    assert (
+        "trained on base sha256:aaaa" in v.problems[0] and "served on sha256:bbbb" in v.problems[0]
+    )
+    assert "top-1 agreement 33.3%" in v.problems[1] and "greedy identical on 0/4" in v.problems[1]
+
+
+@pytest.mark.parametrize(
+    ("ref_dtype", "served", "quantization", "limits"),
+    [
+        ("float32", "float32", "none", EXACT),
+        ("float32", "float16", "none", HALF),
+        ("bfloat16", "bfloat16", "none", HALF),
+        ("float32", "float32", "nf4", HALF),
+    ],
+)
+def test_limits_follow_both_precisions(
+    ref_dtype: str, served: str, quantization: str, limits: object
+) -> None:
+    assert limits_for(reference(ref_dtype, quantization), served) == limits
+
+
+def test_half_precision_tolerates_rounding_but_float32_does_not() -> None:
+    """A 0.2-nat move and one flipped probe: bf16's rounding, a wrong weight in fp32."""
+    for dtype, ok in (("bfloat16", True), ("float32", False)):
+        ref = reference(dtype)
+        replays = faithful(ref, shift=0.2)
+        replays[0] = dataclasses.replace(replays[0], greedy_ids=[5, 6, 8])
+        v = judge("m", ref, replays, served_dtype=dtype)
+        assert v.ok is ok, v.problems
+        if not ok:
+            assert "max |Δ log-prob| 0.200 > 0.05" in v.problems[0]
+            assert "the weights served are not the weights trained" in v.problems[0]
+
+
+def test_a_dtype_mismatch_says_which_dtype_to_serve() -> None:
+    ref = reference("float32")
+    replays = faithful(ref, shift=4.0)
+    v = judge("m", ref, replays, served_dtype="bfloat16")
+    assert not v.ok and "serve it in float32" in v.problems[0]
+
+
+def test_a_quantised_reference_is_warned_about_and_an_unquantised_one_refused() -> None:
+    assert default_policy(reference(quantization="nf4")) == "warn"
+    assert default_policy(reference()) == "refuse"
+    ref = reference(quantization="nf4")
+    v = judge("m", ref, faithful(ref, shift=5.0), served_dtype="bfloat16")
+    assert not v.ok and v.policy == "warn" and "nf4 base" in v.problems[0]
+    assert judge("m", ref, faithful(ref, 5.0), served_dtype="bfloat16", policy="refuse").policy == (
+        "refuse"
+    )
+
+
+def test_replays_must_match_the_probes() -> None:
+    ref = reference()
+    with pytest.raises(ValueError, match="3 replays for 4 probes"):
+        judge("m", ref, faithful(ref)[:3], served_dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("platform", "checkpoint", "lora", "refs", "dtype"),
+    [
+        ("cpu", "float32", True, ["bfloat16"], "float32"),
+        ("cuda", "bfloat16", True, ["bfloat16"], "bfloat16"),
+        ("cuda", "float32", True, ["float32"], "float16"),  # vLLM's LoRA kernels: 16-bit
+        ("cuda", "float32", False, ["float32"], "float32"),  # a float32 merge, checked so
+        ("cuda", "float32", False, ["bfloat16"], "float16"),  # a merge of a GPU-trained adapter
+        ("cuda", "float32", False, [], "bfloat16"),  # nothing to go by: vLLM's own auto
+    ],
+)
+def test_auto_serves_in_a_dtype_chosen_on_purpose(
+    platform: str, checkpoint: str, lora: bool, refs: list[str], dtype: str
+) -> None:
+    chosen, why = serving_dtype(
+        [reference(d) for d in refs], platform=platform, checkpoint_dtype=checkpoint, with_lora=lora
+    )
+    assert chosen == dtype and why
