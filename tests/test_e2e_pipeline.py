@@ -280,7 +280,7 @@ def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
     runtime load with the reason and unloads it; `warn` reports the same verdict and serves."""
     import shutil
 
-    from inference.parity import check_folder
+    from inference.parity import ParityChecks
     from lorastack.parity import REFERENCE_FILE
 
     home, _ = demo
@@ -308,13 +308,11 @@ def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
     httpx.delete(
         f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters/altered/adapter-v1", timeout=60
     )
-    warned = check_folder(
+    warn = ParityChecks("warn", served_dtype="float32", api_key=None)
+    refused = warn.check(  # the same weights, served
+        f"http://127.0.0.1:{VLLM_PORT}",
+        "date-iso/adapter-v1",
         altered,
-        base_url=f"http://127.0.0.1:{VLLM_PORT}",
-        served_name="date-iso/adapter-v1",  # the same weights, served
-        served_dtype="float32",
         served_base_digest=adapter.parents[0].digest,
-        setting="warn",
-        api_key=None,
     )
-    assert warned.refused == "" and warned.record is not None and warned.record["ok"] is False
+    assert refused == "" and warn.results()["date-iso/adapter-v1"]["ok"] is False

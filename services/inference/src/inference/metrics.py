@@ -80,7 +80,7 @@ class SupervisorCollector(Collector):
         )
         adapters.add_metric([], float(len(sup.adapters)))
         yield adapters
-        yield from parity_metrics(sup.parity_results())
+        yield from parity_metrics(sup.parity.results())
         if self.follower is not None:
             switches = CounterMetricFamily(
                 "lorastack_inference_label_switches",

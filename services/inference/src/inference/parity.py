@@ -5,22 +5,21 @@ messages with the chat template the server uses and encodes the recorded prompt 
 with the server's tokenizer; `/v1/completions` decodes greedily from the server's own
 rendering and teacher-forces the recorded answer (`replay_probe`). Probes go to vLLM at
 once, so it batches them. vLLM's errors become EngineFailed. The verdict itself is
-lorastack.parity.judge; `check_folder` is the supervisor's use of it.
+lorastack.parity.judge; `ParityChecks` is the supervisor's use of it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from pydantic import ValidationError
 
+from inference import vllm_api
 from inference.errors import EngineFailed
-from lorastack.error_body import error_message
 from lorastack.parity import REFERENCE_FILE, Policy, ProbeRecord, Reference, Replay, Verdict, judge
 
 log = logging.getLogger(__name__)
@@ -42,32 +41,28 @@ def read_reference(folder: Path) -> Reference | None:
 
 
 class _Vllm:
+    """vLLM's API as the replay asks it: one served model, its key, one timeout."""
+
     def __init__(self, base_url: str, model: str, api_key: str | None, timeout_s: float) -> None:
-        self.base_url, self.model, self.timeout_s = base_url, model, timeout_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url, self.model, self.api_key, self.timeout_s = (
+            base_url,
+            model,
+            api_key,
+            timeout_s,
+        )
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            r = httpx.post(
-                f"{self.base_url}{path}",
-                json={"model": self.model, **body},
-                headers=self.headers,
-                timeout=self.timeout_s,
-            )
-        except httpx.HTTPError as e:
-            raise EngineFailed(f"parity check: vLLM did not answer {path}: {e}", "retry") from e
-        if r.status_code != 200:
-            raise EngineFailed(
-                f"parity check: vLLM answered {path} with {r.status_code}: {error_message(r.text)}",
-                "see the vLLM log",
-            )
-        data: dict[str, Any] = r.json()
-        return data
+        return vllm_api.post_json(
+            self.base_url,
+            path,
+            {"model": self.model, **body},
+            api_key=self.api_key,
+            timeout_s=self.timeout_s,
+        )
 
     def tokens(self, body: dict[str, Any]) -> list[int]:
-        return [
-            int(t) for t in self.post("/tokenize", {"add_special_tokens": False, **body})["tokens"]
-        ]
+        answer = self.post("/tokenize", {"add_special_tokens": False, **body})
+        return [int(t) for t in answer["tokens"]]
 
 
 TOP_LOGPROBS = 5  # alternatives vLLM returns per position (its max_logprobs is 20)
@@ -164,53 +159,58 @@ def check(
     )
 
 
-@dataclass(frozen=True)
-class Outcome:
-    record: dict[str, Any] | None  # for /status and /metrics; None: parity is off
-    refused: str  # why it must not be served; "" when it may
+class ParityChecks:
+    """The parity checks of one supervisor: each served model or adapter replayed against
+    the reference its folder carries, `setting` applied (auto | refuse | warn | off,
+    InferenceSettings.parity), the verdicts kept for /status and /metrics. Without a
+    reference, or when vLLM cannot be asked, it is served and the record says why nothing
+    was checked."""
 
+    def __init__(self, setting: str, *, served_dtype: str, api_key: str | None) -> None:
+        self.setting, self.served_dtype, self.api_key = setting, served_dtype, api_key
+        self._lock = threading.Lock()
+        self._results: dict[str, dict[str, Any]] = {}  # served name -> Verdict.as_dict() or why not
 
-def check_folder(
-    folder: Path,
-    *,
-    base_url: str,
-    served_name: str,
-    served_dtype: str,
-    served_base_digest: str,
-    setting: str,
-    api_key: str | None,
-) -> Outcome:
-    """The supervisor's parity check of one served model or adapter: replay the reference
-    `folder` carries, say the verdict in the log, and apply `setting` (auto | refuse | warn |
-    off, InferenceSettings.parity). Without a reference, or when vLLM cannot be asked, it
-    is served and /status says why nothing was checked."""
-    if setting == "off":
-        return Outcome(None, "")
-    reference = read_reference(folder)
-    if reference is None:
-        return Outcome({"model": served_name, "ok": None, "reference": None}, "")
-    try:
-        verdict = check(
-            base_url,
-            served_name,
-            reference,
-            served_dtype=served_dtype,
-            served_base_digest=served_base_digest,
-            policy=None if setting == "auto" else setting,  # type: ignore[arg-type]
-            api_key=api_key,
-        )
-    except EngineFailed as e:
-        log.warning("parity of %s not checked: %s", served_name, e.message)
-        return Outcome({"model": served_name, "ok": None, "error": e.message}, "")
-    if verdict.ok:
-        log.info("%s", verdict.summary())
-        return Outcome(verdict.as_dict(), "")
-    refuse = verdict.policy == "refuse"
-    log.log(
-        logging.ERROR if refuse else logging.WARNING,
-        "%s: %s",
-        verdict.summary(),
-        "; ".join(verdict.problems),
-    )
-    reason = f"{served_name} differs from the model that was trained: {verdict.problems[0]}"
-    return Outcome(verdict.as_dict(), reason if refuse else "")
+    def results(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return dict(self._results)
+
+    def check(
+        self, base_url: str, served_name: str, folder: Path, *, served_base_digest: str = ""
+    ) -> str:
+        """Check what vLLM at `base_url` serves as `served_name`; returns why it must not be
+        served ("" when it may). `served_base_digest`: the base an adapter runs on."""
+        if self.setting == "off":
+            return ""
+        record, refused = self._judge(base_url, served_name, folder, served_base_digest)
+        with self._lock:
+            self._results[served_name] = record
+        return refused
+
+    def _judge(
+        self, base_url: str, served_name: str, folder: Path, served_base_digest: str
+    ) -> tuple[dict[str, Any], str]:
+        reference = read_reference(folder)
+        if reference is None:
+            return {"model": served_name, "ok": None, "reference": None}, ""
+        try:
+            verdict = check(
+                base_url,
+                served_name,
+                reference,
+                served_dtype=self.served_dtype,
+                served_base_digest=served_base_digest,
+                policy=None if self.setting == "auto" else self.setting,  # type: ignore[arg-type]
+                api_key=self.api_key,
+            )
+        except EngineFailed as e:
+            log.warning("parity of %s not checked: %s", served_name, e.message)
+            return {"model": served_name, "ok": None, "error": e.message}, ""
+        if verdict.ok:
+            log.info("%s", verdict.summary())
+            return verdict.as_dict(), ""
+        refuse = verdict.policy == "refuse"
+        problems = "; ".join(verdict.problems)
+        log.log(logging.ERROR if refuse else logging.WARNING, "%s: %s", verdict.summary(), problems)
+        reason = f"{served_name} differs from the model that was trained: {verdict.problems[0]}"
+        return verdict.as_dict(), reason if refuse else ""

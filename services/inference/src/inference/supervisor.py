@@ -93,7 +93,9 @@ class Supervisor:
         self.vllm_cache_config: dict[str, str] | None = None
         self.root_cause: RootCause | None = None  # of the last exit
         self.same_failures = 0  # failed starts in a row with that same root cause
-        self.parity: dict[str, dict[str, Any]] = {}  # served name -> Verdict.as_dict() or error
+        self.parity = parity.ParityChecks(
+            settings.parity, served_dtype=plan.dtype, api_key=self._vllm_key
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class Supervisor:
             port=s.port,
             host=s.host,
             max_model_len=s.max_model_len,
-            dtype=self.resolved_dtype,
+            dtype=self.plan.dtype,
             kv_cache_gib=s.kv_cache_gib,
             enable_lora=s.enable_lora,
             lora_modules=modules,
@@ -146,10 +148,6 @@ class Supervisor:
         """vLLM's --api-key: runtime adapters load only through this supervisor."""
         key = self.settings.vllm_api_key
         return key.get_secret_value() if key is not None else None
-
-    @property
-    def resolved_dtype(self) -> str:
-        return self.plan.dtype
 
     @property
     def engine_args(self) -> list[str]:
@@ -267,35 +265,20 @@ class Supervisor:
     def _check_served_parity(self, server: VllmServer) -> str:
         """Check the model and every preloaded adapter against their references; unload the
         adapters refused. Returns why the model itself is refused, or ""."""
-        refused = self._check_parity(
-            server, self.settings.resolved_served_name, self.plan.model.path, is_model=True
+        refused = self.parity.check(
+            server.base_url, self.settings.resolved_served_name, self.plan.model.path
         )
         for name, adapter in self.adapters.items():
-            if problem := self._check_parity(server, name, adapter.path):
+            if problem := self._check_adapter_parity(server, name, adapter.path):
                 log.error("%s (unloading it)", problem)
                 vllm_api.unload_lora(server.base_url, name, api_key=self._vllm_key)
                 with self._lock:
                     self._adapters.pop(name, None)
         return refused
 
-    def _check_parity(
-        self, server: VllmServer, served_name: str, folder: Path, *, is_model: bool = False
-    ) -> str:
-        """inference.parity.check_folder for what vLLM serves as `served_name`; the result
-        goes to /status and /metrics. Returns why it is refused, or ""."""
-        outcome = parity.check_folder(
-            folder,
-            base_url=server.base_url,
-            served_name=served_name,
-            served_dtype=self.resolved_dtype,
-            served_base_digest="" if is_model else self.plan.model.manifest.digest,
-            setting=self.settings.parity,
-            api_key=self._vllm_key,
-        )
-        if outcome.record is not None:
-            with self._lock:
-                self.parity[served_name] = outcome.record
-        return outcome.refused
+    def _check_adapter_parity(self, server: VllmServer, served_name: str, folder: Path) -> str:
+        base = self.plan.model.manifest.digest
+        return self.parity.check(server.base_url, served_name, folder, served_base_digest=base)
 
     # -- adapters ----------------------------------------------------------------------
 
@@ -351,7 +334,7 @@ class Supervisor:
         with self._lock:
             self._adapters[adapter.served_name] = adapter
         log.info("loaded adapter %s as %s", adapter.manifest.ref, adapter.served_name)
-        if problem := self._check_parity(server, adapter.served_name, adapter.path):
+        if problem := self._check_adapter_parity(server, adapter.served_name, adapter.path):
             self.unload_adapter(adapter.served_name)
             raise Refused(problem, "see /status parity for the numbers")
         return adapter
@@ -371,7 +354,7 @@ class Supervisor:
         )
         with self._lock:
             self._adapters[new.served_name] = new
-        if problem := self._check_parity(server, new.served_name, new.path):
+        if problem := self._check_adapter_parity(server, new.served_name, new.path):
             vllm_api.load_lora(
                 server.base_url, old.served_name, old.path, inplace=True, api_key=self._vllm_key
             )
@@ -437,9 +420,5 @@ class Supervisor:
             kv_cache=self.kv_comparison(),
             log_tail_lines=self.settings.log_tail_lines,
             dtype={"served": self.plan.dtype, "why": self.plan.dtype_reason},
-            parity=self.parity_results(),
+            parity=self.parity.results(),
         )
-
-    def parity_results(self) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            return dict(self.parity)

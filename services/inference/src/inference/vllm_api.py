@@ -1,4 +1,5 @@
-"""The supervisor's HTTP calls to its vLLM: warm-up, metrics, runtime LoRA load/unload.
+"""The supervisor's HTTP calls to its vLLM: warm-up, metrics, runtime LoRA load/unload, and
+the JSON requests of the parity check (inference.parity).
 
 vLLM's answers are turned into `EngineFailed` here (with vLLM's own message), so the
 supervisor and the routes never see raw HTTP errors.
@@ -7,6 +8,7 @@ supervisor and the routes never see raw HTTP errors.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -21,6 +23,22 @@ def _message(r: httpx.Response) -> str:
 def _auth(api_key: str | None) -> dict[str, str]:
     """vLLM's --api-key guards every /v1/* route (load_lora_adapter too), not /metrics."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def post_json(
+    base_url: str, path: str, body: dict[str, object], *, api_key: str | None, timeout_s: float
+) -> dict[str, Any]:
+    """POST `body` to vLLM and return its JSON answer; no answer or not 200: EngineFailed."""
+    try:
+        r = httpx.post(f"{base_url}{path}", json=body, headers=_auth(api_key), timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise EngineFailed(f"vLLM did not answer {path}: {e}", "retry") from e
+    if r.status_code != 200:
+        raise EngineFailed(
+            f"vLLM answered {path} with {r.status_code}: {_message(r)}", "see the vLLM log"
+        )
+    data: dict[str, Any] = r.json()
+    return data
 
 
 def warm_up(
