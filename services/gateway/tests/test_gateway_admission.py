@@ -2,22 +2,31 @@
 prompt + max output of what it has itself sent against the capacity vLLM reports in
 `vllm:cache_config_info`, and answers 429 + Retry-After for what does not fit.
 
-The pure check first (table-driven), the metric labels of vLLM 0.26 and 0.32, then the
-gateway against the fake vLLM with a tiny KV cache: concurrent requests over capacity,
-and the claim given back on completion, client disconnect and upstream errors."""
+The pure check first (table-driven), claims in whole blocks per sequence, the metric
+labels of vLLM 0.26 and 0.32, then the gateway against the fake vLLM with a tiny KV cache:
+concurrent requests over capacity, the claim given back on completion, client disconnect
+(streamed, unary, or still waiting in line) and upstream errors, batched prompts and
+`n > 1` counted per sequence, and admission in order of arrival (issue 48)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import socket
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from test_gateway_proxy import chat, metric, wait_for
 
 from gateway.errors import Overloaded
-from gateway.routing import BackendView, RouteRequest, fits_kv, pick_backend
+from gateway.prepared import OutputPlan, kv_sequences
+from gateway.routing import BackendView, RouteRequest, fits_kv, kv_claim, pick_backend
 from gateway.scrape import parse_metrics
 
 B = 16  # tokens per block
@@ -28,32 +37,49 @@ def view(**kw: Any) -> BackendView:
     return BackendView(**(base | kw))
 
 
-# capacity 160 tokens = 10 blocks, one of them vLLM's null block: 144 usable. A request's
-# claim is its tokens rounded up to whole blocks, bounded by tokens + (B - 1).
+# capacity 160 tokens = 10 blocks, one of them vLLM's null block: 144 usable. Claims are
+# whole blocks (`inflight_tokens` is a sum of them).
 @pytest.mark.parametrize(
-    ("tokens", "v", "fits"),
+    ("sequences", "v", "fits"),
     [
-        (100, view(kv_capacity_tokens=None, inflight=50, inflight_tokens=10**6), True),  # unknown
-        (10**6, view(kv_capacity_tokens=160, inflight=0), True),  # alone: vLLM's to refuse
-        (64, view(kv_capacity_tokens=160, inflight=1, inflight_tokens=50), True),  # 65+79 = 144
-        (65, view(kv_capacity_tokens=160, inflight=1, inflight_tokens=50), False),  # 145 > 144
-        (1, view(kv_capacity_tokens=160, inflight=9, inflight_tokens=9), False),  # 9 x 16 blocks
-        (0, view(kv_capacity_tokens=160, inflight=9, inflight_tokens=999), True),  # no claim
+        ((100,), view(kv_capacity_tokens=None, inflight=50, inflight_tokens=10**6), True),
+        ((10**6,), view(kv_capacity_tokens=160, inflight=0), True),  # alone: vLLM's to refuse
+        ((80,), view(kv_capacity_tokens=160, inflight=1, inflight_tokens=64), True),  # 64+80
+        ((81,), view(kv_capacity_tokens=160, inflight=1, inflight_tokens=64), False),  # 64+96
+        ((40, 40), view(kv_capacity_tokens=160, inflight=1, inflight_tokens=64), False),  # 64+96
+        ((1,), view(kv_capacity_tokens=160, inflight=9, inflight_tokens=144), False),
+        ((), view(kv_capacity_tokens=160, inflight=9, inflight_tokens=999), True),  # no claim
     ],
 )
-def test_fits_kv(tokens: int, v: BackendView, fits: bool) -> None:
-    assert fits_kv(RouteRequest("m", tokens=tokens), v) is fits
+def test_fits_kv(sequences: tuple[int, ...], v: BackendView, fits: bool) -> None:
+    assert fits_kv(RouteRequest("m", sequences=sequences), v) is fits
+
+
+@pytest.mark.parametrize(
+    ("prompts", "max_tokens", "n", "claim"),
+    [
+        ([9] * 8, 8, 1, 8 * 32),  # 8 prompts: 8 sequences of 17 tokens, 2 blocks each
+        ([9], 8, 3, 3 * 32),  # n = 3: a sequence per choice
+        ([9, 30], 7, 2, 2 * 16 + 2 * 48),  # 16 tokens: 1 block; 37: 3 blocks
+        ([16], 16, 1, 32),  # whole blocks exactly
+    ],
+)
+def test_claim_is_whole_blocks_per_sequence(
+    prompts: list[int], max_tokens: int, n: int, claim: int
+) -> None:
+    sequences = kv_sequences(prompts, OutputPlan(max_tokens, None), n)
+    assert kv_claim(RouteRequest("m", sequences=sequences), B) == claim
 
 
 def test_no_room_anywhere_is_429_with_retry_after_and_room_elsewhere_routes() -> None:
-    full = view(url="a", kv_capacity_tokens=160, inflight=1, inflight_tokens=120)
-    roomy = view(url="b", kv_capacity_tokens=1600, inflight=1, inflight_tokens=120, kv_usage=0.9)
-    req = RouteRequest("m", tokens=100)
+    full = view(url="a", kv_capacity_tokens=160, inflight=1, inflight_tokens=128)
+    roomy = view(url="b", kv_capacity_tokens=1600, inflight=1, inflight_tokens=128, kv_usage=0.9)
+    req = RouteRequest("m", sequences=(100,))
     assert pick_backend(req, [full, roomy]) == "b"  # the fuller scrape loses to real room
     with pytest.raises(Overloaded) as e:
         pick_backend(req, [full], retry_after_s=2.0)
     assert e.value.status == 429 and e.value.headers() == {"Retry-After": "2"}
-    assert "135 of 160 tokens claimed" in e.value.message  # 120 + (B - 1) for whole blocks
+    assert "128 of 160 tokens claimed" in e.value.message
 
 
 # vLLM 0.26.0 and 0.32.0 both give cache_config_info with these labels (0.32 adds more);
@@ -109,8 +135,8 @@ def test_over_capacity_gets_429_and_every_claim_is_given_back(make_gateway, fake
             next(chunks)
             one_claim = _claimed(gw, url)
         wait_for(lambda: _claimed(gw, url) == 0)
-        assert one_claim >= MAX_TOKENS
-        claim = one_claim + B - 1  # its blocks, at most
+        assert one_claim >= MAX_TOKENS and one_claim % B == 0  # whole blocks
+        claim = one_claim
         # room for exactly two: 2 claims + the null block <= capacity < 3 claims + null
         blocks = int(2 * claim) // B + 1 + 1
         assert 2 * claim <= (blocks - 1) * B < 3 * claim
@@ -207,3 +233,125 @@ def _capacity_seen(gw: str, url: str) -> bool:
     """The gateway's scrape has read the fake's new capacity."""
     seen = metric(gw, "lorastack_gateway_backend_kv_capacity_tokens", backend=url)
     return seen == seen and seen > 0  # NaN until reported
+
+
+# Completions with token ids: prompts counted exactly (IDS_9 is 9 tokens), so each
+# sequence's claim is known: ceil((9 + max_tokens) / B) blocks.
+IDS_9 = list(range(100, 109))
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "smollm2", "prompt": IDS_9, **extra}
+
+
+def _post_and_hang(gw: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send a whole request on a raw connection and return it unread: closing it is the
+    client hanging up."""
+    parts = urlsplit(gw)
+    sock = socket.create_connection((parts.hostname, parts.port))
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _waiting(gw: str) -> float:
+    return metric(gw, "lorastack_gateway_kv_admission_waiting")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "claim"),
+    [([IDS_9] * 8, 1, 8 * 2 * B), (IDS_9, 3, 3 * 2 * B)],  # 17 tokens a sequence: 2 blocks
+)
+def test_batched_prompts_and_n_claim_blocks_per_sequence(
+    make_gateway, fake, prompt: list[Any], n: int, claim: int
+) -> None:
+    url, state = fake
+    state.pace_s = 30.0  # held until the test hangs up
+    state.num_gpu_blocks, state.block_size = 1000, B
+    with make_gateway([url], scrape_interval_s=0.1) as gw:
+        wait_for(lambda: _capacity_seen(gw, url))
+        body = completion(prompt=prompt, n=n, max_tokens=8, stream=True)
+        with httpx.stream("POST", f"{gw}/v1/completions", json=body) as r:
+            chunks = r.iter_bytes()  # kept: a dropped iterator closes the response
+            next(chunks)
+            assert _claimed(gw, url) == claim  # what vLLM allocates for them
+        wait_for(lambda: _claimed(gw, url) == 0)
+
+
+def test_a_unary_request_whose_client_hangs_up_gives_its_claim_back(make_gateway, fake) -> None:
+    url, state = fake
+    state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
+    state.pace_s = 30.0  # the answer would take 100 min
+    with make_gateway([url], scrape_interval_s=0.1) as gw:
+        sock = _post_and_hang(gw, "/v1/completions", completion(max_tokens=MAX_TOKENS))
+        wait_for(lambda: _claimed(gw, url) > 0 and len(state.calls("/completions")) == 1)
+        sock.close()
+        wait_for(lambda: _claimed(gw, url) == 0)
+        assert metric(gw, "lorastack_gateway_backend_inflight", backend=url) == 0
+        wait_for(lambda: state.cancelled == 1)  # the upstream call was closed: vLLM aborts
+        assert state.completed == 0
+
+
+def _holding(gw: str, body: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """A stream that holds its claim (its first chunk read) until the block ends."""
+
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        with httpx.stream("POST", f"{gw}/v1/completions", json=body | {"stream": True}) as r:
+            chunks = r.iter_bytes()  # kept: a dropped iterator closes the response
+            next(chunks)
+            yield
+
+    return hold()
+
+
+def test_a_waiting_request_whose_client_leaves_is_never_sent(make_gateway, fake) -> None:
+    url, state = fake
+    state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
+    state.pace_s = 30.0
+    # one claim is 9 + 200 tokens = 14 blocks; 19 usable: room for one at a time
+    state.num_gpu_blocks, state.block_size = 20, B
+    body = completion(max_tokens=MAX_TOKENS)
+    with make_gateway([url], scrape_interval_s=0.1, kv_admit_wait_s=60) as gw:
+        wait_for(lambda: _capacity_seen(gw, url))
+        with _holding(gw, body):
+            sock = _post_and_hang(gw, "/v1/completions", body)
+            wait_for(lambda: _waiting(gw) == 1)
+            sock.close()
+            wait_for(lambda: _waiting(gw) == 0)  # out of the line while the holder runs
+            assert len(state.calls("/completions")) == 1
+            state.pace_s = 0.0
+        wait_for(lambda: _claimed(gw, url) == 0)
+        r = httpx.post(f"{gw}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        # the holder and the last: the one that left was never sent
+        assert len(state.calls("/completions")) == 2
+        assert _claimed(gw, url) == 0
+
+
+def test_a_large_request_is_admitted_before_smaller_ones_that_came_later(
+    make_gateway, fake
+) -> None:
+    url, state = fake
+    state.tokens = [f" t{i}" for i in range(100)]
+    state.pace_s = 30.0
+    state.num_gpu_blocks, state.block_size = 7, B  # 6 usable blocks
+    small = completion(max_tokens=23)  # 32 tokens: 2 blocks, a third of the room
+    large = completion(max_tokens=87)  # 96 tokens: 6 blocks, all of it
+    with make_gateway([url], scrape_interval_s=0.1, kv_admit_wait_s=60) as gw:
+        wait_for(lambda: _capacity_seen(gw, url))
+        with ThreadPoolExecutor(5) as pool, _holding(gw, small):
+            answers = [pool.submit(httpx.post, f"{gw}/v1/completions", json=large, timeout=60)]
+            wait_for(lambda: _waiting(gw) == 1)
+            for i in range(4):  # each would fit beside the holder, but the large came first
+                answers.append(
+                    pool.submit(httpx.post, f"{gw}/v1/completions", json=small, timeout=60)
+                )
+                wait_for(lambda i=i: _waiting(gw) == 2 + i)
+            assert len(state.calls("/completions")) == 1
+            state.pace_s = 0.0  # the rest answer at once once admitted
+        assert [a.result().status_code for a in answers] == [200] * 5
+        sent = [call["max_tokens"] for call in state.calls("/completions")]
+        assert sent == [23, 87, 23, 23, 23, 23]  # the holder, then in order of arrival
+        wait_for(lambda: _claimed(gw, url) == 0)

@@ -77,7 +77,7 @@ class FakeState:
     # (path, every Authorization header it carried: () for none) of every request, the
     # scrapes' GETs and the requests refused for the key included
     authorizations: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
-    cancelled: int = 0  # streams whose client went away before the end
+    cancelled: int = 0  # requests (streamed or not) whose client went away before the end
     completed: int = 0
     active: int = 0  # streams being served now
     generating: int = 0  # requests holding a running slot now

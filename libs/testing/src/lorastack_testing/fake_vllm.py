@@ -27,7 +27,8 @@ text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a
                 requests, or every `fail_every`th), a connection that dies mid-stream
     metrics     the gauges set in the state, plus the requests generating and waiting now;
                 KV-cache usage is `kv_per_request` per generating request when that is set
-    records     every request body received (and its headers), streams completed and cancelled by the client
+    records     every request body received (and its headers), streams completed, requests
+                cancelled by the client
 
 This module routes requests (a table: (method, path) -> handler) and generates (chat
 and completions, streamed or whole, on running slots) and serves the app (`FakeServer`,
@@ -61,6 +62,12 @@ from lorastack_testing.fake_routes import (
 )
 from lorastack_testing.fake_state import FakeState, echo_answer, plan_answer
 from lorastack_testing.net import serve_in_thread
+
+
+async def _disconnect(receive: Any) -> None:
+    """Return once the client has hung up (`http.disconnect`)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _chunk(chat: bool, model: str, n: int, text: str | None, finish: str | None) -> bytes:
@@ -191,7 +198,14 @@ class FakeVLLM:
             start = time.perf_counter()
             if pieces:
                 due = start + s.ttft_s + (len(pieces) - 1) * s.pace_s
-                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    try:  # the client going away aborts the request, as in vLLM
+                        await asyncio.wait_for(_disconnect(req.receive), wait)
+                        s.cancelled += 1
+                        return
+                    except TimeoutError:
+                        pass
         text = "".join(pieces)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         choice.update(

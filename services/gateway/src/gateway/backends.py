@@ -221,6 +221,10 @@ class Backends:
                 out[m.id] = failed.error
         return out
 
+    def block_size(self, url: str) -> int:
+        """Tokens per KV block of the backend at `url`, as last scraped."""
+        return (self.states[url].metrics or BackendMetrics()).block_size
+
     def views(self) -> list[BackendView]:
         out = []
         for st in self.states.values():

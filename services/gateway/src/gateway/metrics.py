@@ -94,14 +94,16 @@ class GatewayMetrics:
         )
         self.backend_kv_claimed = Gauge(
             "lorastack_gateway_backend_kv_claimed_tokens",
-            "prompt + max output tokens of the requests this gateway has open on the backend"
-            " (its KV-cache admission counts these against vllm:cache_config_info)",
+            "KV cache the requests this gateway has open on the backend can take: prompt +"
+            " max output of each sequence, in whole blocks (its KV-cache admission counts"
+            " these against vllm:cache_config_info)",
             b,
             registry=r,
         )
         self.kv_admission_waiting = Gauge(
             "lorastack_gateway_kv_admission_waiting",
-            "requests waiting for KV-cache room on a backend (kv_admit_wait_s at most)",
+            "requests in line for KV-cache room, admitted first come first served"
+            " (kv_admit_wait_s at most)",
             registry=r,
         )
         self.backend_kv_capacity = Gauge(

@@ -38,6 +38,7 @@ class Prepared:
     headers: dict[str, str]
     key: Key
     reserved_tokens: int  # prompt + max output, taken from the key's tokens/min bucket
+    kv_sequences: tuple[int, ...]  # prompt + max output of each sequence (the KV claim)
     reservation: Reservation  # what took them: the refund goes back there
     prompt_tokens: int  # all prompts, as counted here
     adapter: bool
@@ -73,6 +74,11 @@ def plan_output(
 def reserved_tokens(counts: list[int], out: OutputPlan, n: int) -> int:
     """Tokens: every prompt, plus the max output of each of its `n` choices."""
     return sum(counts) + out.max_tokens * n * len(counts)
+
+
+def kv_sequences(counts: list[int], out: OutputPlan, n: int) -> tuple[int, ...]:
+    """Tokens, prompt + max output, of each sequence vLLM runs: `n` per prompt."""
+    return tuple(count + out.max_tokens for count in counts for _ in range(n))
 
 
 def count_header(counts: list[int]) -> str:

@@ -23,7 +23,10 @@ which OpenAI's own API also sends). Events are forwarded as soon as they are com
 (bytes up to the blank line); a read from the backend that holds several events is
 forwarded as one write. Nothing else is buffered. The relay itself (`relay.py`) watches
 for the client hanging up: that cancels it, and the stream's end closes the upstream
-connection, which makes vLLM abort the request.
+connection, which makes vLLM abort the request. Before the relay (the wait for admission)
+and for a whole unary answer, the proxy watches the same way: a client that hangs up
+leaves the admission line unsent, or its upstream call is closed, and its KV claim is
+given back at once.
 """
 
 from __future__ import annotations
@@ -61,15 +64,16 @@ from gateway.prepared import (
     client_headers,
     count_header,
     forward_body,
+    kv_sequences,
     plan_output,
     prompt_prefix,
     reserved_tokens,
     wants_clamp,
 )
-from gateway.relay import SseRelay, StreamEnd
+from gateway.relay import SseRelay, StreamEnd, cancel_on_disconnect
 from gateway.request_body import HeaderFields, header_fields, read_json
 from gateway.request_id import request_id
-from gateway.routing import RouteRequest, Thresholds, Weights, pick_backend
+from gateway.routing import RouteRequest, Thresholds, Weights, kv_claim, pick_backend
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream, UpstreamCall
 from gateway.workers import LargeBody, run_for_body
@@ -103,15 +107,24 @@ class Proxy:
         rid = request_id(fields.get(b"x-request-id"))
         key: Key | None = None
         held = LargeBody()
+        task = asyncio.current_task()
+        assert task is not None
+        left: list[bool] = []  # the watcher appends once the client has hung up
+        watcher: asyncio.Task[None] | None = None
         try:
             key = self.auth.authenticate(fields.get(b"authorization"))
             prep = await self._prepare(request, fields, endpoint, rid, key, held)
             held.release()  # nothing below needs the parsed body (`workers.py`)
+            # the body is read: from here the client hanging up cancels the request, which
+            # leaves the admission line and closes the upstream call (vLLM aborts it, the
+            # claim is given back); a stream's relay watches on its own
+            watcher = asyncio.create_task(cancel_on_disconnect(request.receive, task, left))
             if prep.count_later is None:
                 call = await self._open(prep)
             else:
                 prep, call = await self._open_count(prep)
             if prep.stream:
+                watcher.cancel()
                 done_here = False
                 return SseRelay(
                     call,
@@ -123,9 +136,16 @@ class Proxy:
                     end=endpoint.end,
                 )
             return await self._unary(prep, call, t0)
+        except asyncio.CancelledError:
+            if not left or task.uncancel() > 0:  # not the client leaving: the server stopping
+                raise
+            log.info("request %s: the client left before the answer", rid)
+            return Response(status_code=499)
         except Exception as e:
             return self.fail(e, endpoint.label, rid, key)
         finally:
+            if watcher is not None:
+                watcher.cancel()
             held.release()  # where the preparation failed, once its frames are gone
             if done_here:
                 self.metrics.inflight.dec()
@@ -207,6 +227,7 @@ class Proxy:
             headers=client_headers(rid, counts if count_later is None else None, out),
             key=key,
             reserved_tokens=reserved,
+            kv_sequences=kv_sequences(counts, out, req.n),
             reservation=reservation,
             prompt_tokens=sum(counts),
             adapter=info.parent is not None,
@@ -219,10 +240,10 @@ class Proxy:
     async def _open(self, prep: Prepared) -> UpstreamCall:
         route_req = self.affinity.route_request(prep.model, prep.adapter, prep.session, prep.prefix)
         # its KV claim: prompts (the bound, while counted later) + max output of every choice
-        route_req = replace(route_req, tokens=prep.reserved_tokens)
+        route_req = replace(route_req, sequences=prep.kv_sequences)
         try:
             call = await self.send(route_req, prep.endpoint.path, prep.body, prep.request_id)
-        except GatewayError:
+        except (GatewayError, asyncio.CancelledError):  # not answered: nothing counted as used
             self.auth.refund(prep.reservation, prep.reserved_tokens)
             raise
         self.affinity.served(prep.session, prep.prefix, call.backend)
@@ -230,11 +251,20 @@ class Proxy:
         return call
 
     async def send(self, route_req: RouteRequest, path: str, body: bytes, rid: str) -> UpstreamCall:
-        """POST `body` to the backend routing picks (admission control, retries)."""
+        """POST `body` to the backend routing picks (admission control, retries).
+
+        A request with no KV-cache room anywhere waits up to `kv_admit_wait_s` in the
+        line of such requests (`InflightCounter`), first come first served; one that
+        arrives while others wait joins the line without looking for room."""
         interval = self.settings.scrape_interval_s
+        line = self.backends.inflight
+        wait_s = self.settings.kv_admit_wait_s
+        # a request with no claim takes no room the line waits for: it never joins
+        turn = line.join() if line.waiting and wait_s > 0 and route_req.sequences else None
 
         def pick(tried: Collection[str]) -> str:
-            return pick_backend(
+            nonlocal turn
+            url = pick_backend(
                 route_req,
                 self.backends.views(),
                 thresholds=self.thresholds,
@@ -242,29 +272,52 @@ class Proxy:
                 avoid=tried,
                 retry_after_s=interval,
             )
+            if turn is not None:  # admitted: the next in line looks once this claim counts
+                line.leave(turn)  # (the upstream counts it before its first await)
+                turn = None
+            return url
+
+        def claim(url: str) -> int:
+            return kv_claim(route_req, self.backends.block_size(url))
 
         headers = {"content-type": "application/json", "x-request-id": rid}
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.kv_admit_wait_s
+        deadline = loop.time() + wait_s
         rescraped = False
-        while True:
-            try:
-                return await self.upstream.open(pick, path, body, headers, route_req.tokens)
-            except NoKvRoom:
-                # no KV room anywhere yet: wait for a request to end (bounded), then look
-                # again; vLLM would have queued it too, but here it cannot evict another
+        try:
+            while True:
+                if turn is None or line.is_head(turn):
+                    try:
+                        return await self.upstream.open(pick, path, body, headers, claim)
+                    except NoKvRoom:
+                        # no KV room anywhere yet: wait for a request to end (bounded), then
+                        # look again; vLLM would have queued it too, but could evict another
+                        if loop.time() >= deadline:
+                            raise
+                        if turn is None:
+                            turn = line.join()
+                    except Overloaded:
+                        # saturated by the last scrape, which may be up to scrape_interval_s
+                        # old (on the H200, a burst that had just ended refused all 64 of the
+                        # next): read the backends once more before refusing (refresh()
+                        # shares one read at once)
+                        if rescraped:
+                            raise
+                        rescraped = True
+                        await self.backends.refresh()
+                        continue
                 left = deadline - loop.time()
-                if left <= 0:
-                    raise
-                await self.backends.inflight.released(left)
-            except Overloaded:
-                # saturated by the last scrape, which may be up to scrape_interval_s old (on
-                # the H200, a burst that had just ended refused all 64 of the next): read
-                # the backends once more before refusing (refresh() shares one read at once)
-                if rescraped:
-                    raise
-                rescraped = True
-                await self.backends.refresh()
+                if left <= 0:  # still behind others
+                    raise NoKvRoom(
+                        f"requests that came earlier still wait for KV-cache room after"
+                        f" {wait_s:g} s",
+                        "retry after the Retry-After delay, lower max_tokens, or add replicas",
+                        retry_after_s=interval,
+                    )
+                await line.next_turn(turn, left)
+        finally:
+            if turn is not None:
+                line.leave(turn)
 
     async def _open_count(self, prep: Prepared) -> tuple[Prepared, UpstreamCall]:
         """`_open`, counting the prompt exactly while it waits for the backend (a callback

@@ -79,7 +79,7 @@ class SseRelay(Response):
         task = asyncio.current_task()
         assert task is not None
         left: list[bool] = []  # the watcher appends once the client has hung up
-        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, left))
+        watcher = asyncio.create_task(cancel_on_disconnect(receive, task, left))
         try:
             end = await self._relay(send, scanner)
         except asyncio.CancelledError:
@@ -129,11 +129,10 @@ class SseRelay(Response):
         return end
 
 
-async def _cancel_on_disconnect(
-    receive: Receive, task: asyncio.Task[Any], left: list[bool]
-) -> None:
-    """Wait for the client's `http.disconnect`, then cancel the relay's task (`left` says
-    the cancel is this one). A plain task cancel, not an anyio cancel scope: the scope cost
+async def cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any], left: list[bool]) -> None:
+    """Wait for the client's `http.disconnect`, then cancel `task` (the relay's, or the
+    proxy's while it waits for admission and a unary answer); `left` says the cancel is
+    this one. A plain task cancel, not an anyio cancel scope: the scope cost
     ~3% of the gateway's CPU per streamed request (bench/gateway/history.md)."""
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -14,6 +14,7 @@ is deterministic. No I/O here; the tables behind the affinities live in `affinit
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -40,7 +41,8 @@ class BackendView:
     # None = not reported (then only the scraped usage admits)
     kv_capacity_tokens: int | None = None
     block_size: int = 16  # tokens per KV block
-    inflight_tokens: int = 0  # prompt + max output of the requests counted in `inflight`
+    # KV claims of the requests counted in `inflight`: tokens, whole blocks (`kv_claim`)
+    inflight_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class RouteRequest:
     prefix_blocks: int = 0  # leading prompt blocks hashed (affinity.py)
     # backend url -> how many of those leading blocks it served last
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
-    tokens: int = 0  # prompt + max output: the most KV cache this request can take
+    # tokens, prompt + max output, of each sequence vLLM runs for it (one per prompt and
+    # choice): the most KV cache it can take; empty = no claim
+    sequences: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,26 +185,32 @@ def is_saturated(v: BackendView, t: Thresholds) -> bool:
     return v.kv_usage is not None and v.kv_usage >= t.max_kv_usage and v.waiting >= t.max_waiting
 
 
+def kv_claim(req: RouteRequest, block_size: int) -> int:
+    """Tokens of KV cache `req` can take at most: each sequence rounded up to whole blocks,
+    as vLLM allocates them (a batched prompt or an `n > 1` choice is a sequence of its own)."""
+    return sum(-(-tokens // block_size) * block_size for tokens in req.sequences)
+
+
 def kv_claimed(v: BackendView) -> int:
-    """Tokens of KV cache this gateway's open requests on `v` can take at most, each
-    rounded up to whole blocks as vLLM allocates. Other clients (or gateway replicas) are
-    not in it: the scraped usage (`is_saturated`) corrects for them; mixed in here, a 2-s-old
-    scrape of requests already finished would refuse requests that fit."""
-    return v.inflight_tokens + v.inflight * (v.block_size - 1)
+    """Tokens of KV cache this gateway's open requests on `v` can take at most (`kv_claim`).
+    Other clients (or gateway replicas) are not in it: the scraped usage (`is_saturated`)
+    corrects for them; mixed in here, a 2-s-old scrape of requests already finished would
+    refuse requests that fit."""
+    return v.inflight_tokens
 
 
 def fits_kv(req: RouteRequest, v: BackendView) -> bool:
-    """The request's whole claim (prompt + max output, whole blocks) fits beside what is
-    claimed already, so vLLM never has to preempt a running request to make room.
+    """The request's whole claim (`kv_claim`) fits beside what is claimed already, so vLLM
+    never has to preempt a running request to make room.
 
     Counted by the gateway as it sends, not read from a scrape: 64 requests arriving in one
     millisecond all passed a 2-s-old scrape (issue 39: 82 preemptions, 0 x 429). One
     block of vLLM's pool is its null block. A backend with nothing open takes any request
     (one that can never fit is vLLM's to refuse, by max_model_len)."""
-    if v.kv_capacity_tokens is None or req.tokens <= 0 or v.inflight == 0:
+    if v.kv_capacity_tokens is None or not req.sequences or v.inflight == 0:
         return True
     usable = v.kv_capacity_tokens - v.block_size  # the null block
-    return kv_claimed(v) + req.tokens + v.block_size - 1 <= usable
+    return kv_claimed(v) + kv_claim(req, v.block_size) <= usable
 
 
 def pick_backend(
@@ -227,8 +237,9 @@ def pick_backend(
             f"{v.url}: {kv_claimed(v)} of {v.kv_capacity_tokens} tokens claimed" for v in serving
         )
         raise NoKvRoom(
-            f"no KV-cache room for this request's {req.tokens} tokens (prompt + max output)"
-            f" on any backend serving {req.model!r} ({full})",
+            f"no KV-cache room for this request's {sum(req.sequences)} tokens (prompt + max"
+            f" output, {len(req.sequences)} sequence(s)) on any backend serving"
+            f" {req.model!r} ({full})",
             "retry after the Retry-After delay, lower max_tokens, or add replicas",
             retry_after_s=retry_after_s,
         )
@@ -252,12 +263,17 @@ def pick_backend(
 @dataclass
 class InflightCounter:
     """The gateway's own open requests per backend (single event loop: no lock needed),
-    and how many it ever sent to each (so a scrape can tell which came after it)."""
+    how many it ever sent to each (so a scrape can tell which came after it), and the line
+    of requests waiting for KV-cache room.
+
+    The line is first come, first served: only its head looks for room, and a request
+    that arrives while others wait joins the end instead of taking room they wait for (a
+    large request would otherwise starve behind a stream of small ones)."""
 
     counts: dict[str, int] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)  # prompt + max output, open requests
-    _waiting: list[asyncio.Future[None]] = field(default_factory=list)  # `released` callers
+    tokens: dict[str, int] = field(default_factory=dict)  # KV claims of open requests
+    _line: deque[asyncio.Event] = field(default_factory=deque)  # waiting requests, head first
 
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
         """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`)."""
@@ -266,22 +282,35 @@ class InflightCounter:
             self.sent[url] = self.sent.get(url, 0) + delta
         if tokens:
             self.tokens[url] = self.tokens.get(url, 0) + tokens
-        if delta < 0 and self._waiting:
-            waiting, self._waiting = self._waiting, []
-            for f in waiting:  # in the order they began to wait
-                if not f.done():
-                    f.set_result(None)
+        if delta < 0 and self._line:
+            self._line[0].set()  # room given back: the head looks again
 
     @property
     def waiting(self) -> int:
-        """Callers of `released` waiting now."""
-        return sum(not f.done() for f in self._waiting)
+        """Requests in the line now."""
+        return len(self._line)
 
-    async def released(self, timeout_s: float) -> None:
-        """Return once a request ends (its claim is given back), or after `timeout_s`."""
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting.append(fut)
+    def join(self) -> asyncio.Event:
+        """A place at the end of the line; `leave` it once admitted, refused or cancelled."""
+        turn = asyncio.Event()
+        self._line.append(turn)
+        return turn
+
+    def is_head(self, turn: asyncio.Event) -> bool:
+        return bool(self._line) and self._line[0] is turn
+
+    async def next_turn(self, turn: asyncio.Event, timeout_s: float) -> None:
+        """Return once `turn` heads the line and a claim was given back since it last
+        looked (or the request before it left), or after `timeout_s`."""
         try:
-            await asyncio.wait_for(fut, timeout_s)
+            await asyncio.wait_for(turn.wait(), timeout_s)
         except TimeoutError:
             pass
+        turn.clear()
+
+    def leave(self, turn: asyncio.Event) -> None:
+        """Out of the line; the next head looks for room (some may be left)."""
+        was_head = self.is_head(turn)
+        self._line.remove(turn)
+        if was_head and self._line:
+            self._line[0].set()

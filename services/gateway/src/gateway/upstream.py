@@ -56,7 +56,7 @@ class UpstreamCall:
     watch: _SilenceWatch
     settings: GatewaySettings
     inflight: InflightCounter
-    tokens: int = 0  # KV claim (prompt + max output) counted in `inflight` until closed
+    tokens: int = 0  # KV claim (whole blocks) counted in `inflight` until closed
     closed: bool = field(default=False)
     complete: bool = field(default=False)  # the body was read to its end
 
@@ -265,16 +265,18 @@ class Upstream:
         path: str,
         body: bytes,
         headers: dict[str, str],
-        tokens: int = 0,
+        claim: Callable[[str], int] | None = None,
     ) -> UpstreamCall:
         """POST to the backend `pick(tried)` chooses; retry only before the first byte.
-        `tokens` (prompt + max output) is counted as the backend's KV claim while open."""
+        `claim(backend)` (tokens, whole KV blocks) is counted as the backend's KV claim
+        while the call is open."""
         tried: list[str] = []
         backoff: RetryCallState | None = None  # made at the first retry only
         while True:
             backend = pick(tried)
             tried.append(backend)
             try:
+                tokens = 0 if claim is None else claim(backend)
                 return await self._attempt(backend, path, body, headers, tokens)
             except _Retryable as e:
                 last = e
