@@ -58,7 +58,7 @@ def test_auto_plans_against_the_gpus_free_memory(
         config=RunConfig.model_validate({"dataset": {"path": "x.jsonl"}, "micro_batch": 4}),
         device=torch.device("cuda", 0),
         settings=SimpleNamespace(world_size=1),
-        widest=lambda: 2048,
+        max_row_tokens=lambda: 2048,
         run_dir=tmp_path,
         checkpointed=-1,
     )

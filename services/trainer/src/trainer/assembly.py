@@ -83,7 +83,7 @@ def estimate_memory(
         "quantization": cfg.quantization,
         "compute_bytes": 2 if compute_dtype(device) == torch.bfloat16 else 4,
         "micro_batch": cfg.micro_batch,
-        "seq_len": plan.widest(),
+        "seq_len": plan.max_row_tokens(),
         "cuda": device.type == "cuda",
         "lora_dropout": cfg.lora.dropout,
         "shards": plan.settings.world_size if cfg.distributed == "fsdp" else 1,
@@ -155,7 +155,7 @@ def build_model(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total_steps, warmup, schedule)
     )
-    parts = Components(
+    components = Components(
         peft=peft,
         compiler=compiler,
         train_loss=train_loss,
@@ -163,7 +163,7 @@ def build_model(
         optimizer=optimizer,
         scheduler=scheduler,
     )
-    return parts, compiling
+    return components, compiling
 
 
 def live_run(plan: RunPlan, resumed_at: int | None) -> LiveRun:

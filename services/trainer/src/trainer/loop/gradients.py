@@ -40,7 +40,7 @@ def step_batches(
 
 def accumulate(
     run: RunPlan,
-    parts: Components,
+    components: Components,
     loss_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     batches: list[list[list[Sample]]],
     n_sup: int,
@@ -51,7 +51,7 @@ def accumulate(
     micro-batch while the last one computes."""
     cfg, device, pad = run.config, run.device, run.pad
     world = run.settings.world_size
-    compiled = parts.compiler.active
+    compiled = components.compiler.active
     pack_to = cfg.max_seq_len if cfg.packing else None
     fixed_rows = cfg.micro_batch if compiled else 0  # few shapes for the compiler
     mine = my_share(batches, run.settings.rank, world)
@@ -62,7 +62,7 @@ def accumulate(
         batch = {k: to_device(v, device) for k, v in tensors.items()}
         if compiled:
             (mark_dynamic_width if pack_to is None else mark_dynamic_samples)(batch)
-        with syncing(parts.train_loss, j == len(mine) - 1):
+        with syncing(components.train_loss, j == len(mine) - 1):
             # DDP averages gradients over processes: * world gives their sum
             loss = loss_of(batch) / n_sup * world
             if weight != 1.0:
@@ -74,17 +74,17 @@ def accumulate(
     return step_loss
 
 
-def optimizer_step(parts: Components, max_grad_norm: float) -> tuple[torch.Tensor, float]:
+def optimizer_step(components: Components, max_grad_norm: float) -> tuple[torch.Tensor, float]:
     """Clip the gradients, step the optimizer and the schedule, clear the gradients;
     the gradient norm before clipping (on the device: reading it waits for the GPU) and
     the learning rate the step used."""
     grad_norm = torch.nn.utils.clip_grad_norm_(
-        [p for p in parts.peft.parameters() if p.requires_grad], max_grad_norm
+        [p for p in components.peft.parameters() if p.requires_grad], max_grad_norm
     )
-    lr = float(parts.scheduler.get_last_lr()[0])
-    parts.optimizer.step()
-    parts.scheduler.step()
-    parts.optimizer.zero_grad(set_to_none=True)
+    lr = float(components.scheduler.get_last_lr()[0])
+    components.optimizer.step()
+    components.scheduler.step()
+    components.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
 
 
