@@ -142,13 +142,14 @@ class Recipe:
         self.plan = plan = replace(plan, run_manifest=assembly.run_manifest(plan, prep))
         resume_from = publishing.find_resume_point(plan, prep.store, resume)
         if plan.mode == "train" and settings.is_main:
-            data, test = assembly.publish_splits(cfg, prep)
-            self.plan = plan = replace(plan, data_manifest=data, test_manifest=test)
+            splits = assembly.publish_splits(cfg, prep)
+            self.plan = plan = replace(plan, data_manifest=splits.data, test_manifest=splits.test)
         write_json(plan.run_dir / "run-manifest.json", plan.run_manifest)
         if resume_from is not None and settings.is_main:
             resuming.publish_unuploaded(plan, prep, resume_from)
-        found, checkpointed = assembly.estimate_memory(plan, prep.model_config, session.say)
-        self.plan = plan = replace(plan, memory_estimate=found, checkpointed=checkpointed)
+        memory = assembly.estimate_memory(plan, prep.model_config, session.say)
+        checkpointed = memory.checkpointed
+        self.plan = plan = replace(plan, memory_estimate=memory.estimate, checkpointed=checkpointed)
         batches = Plan(
             cfg.seed,
             [sample.length for sample in train],
@@ -162,7 +163,7 @@ class Recipe:
             session.say(stopping.preflight(plan, session.meter, resume_from))
         session.lap("prepare")
         session.memory_marks["start"] = held_bytes(device)
-        self.components, compiling = assembly.build_model(
+        built = assembly.build_model(
             cfg,
             settings,
             prep.base_dir,
@@ -174,6 +175,7 @@ class Recipe:
             total_steps=steps,
             lap=session.lap,
         )
+        self.components = built.components
         session.memory_marks["loaded"] = held_bytes(device)
         if resume_from is not None:
             self.progress = resuming.restore(resume_from, self.components)
@@ -187,7 +189,7 @@ class Recipe:
             f"training {self.components.trainable:,} LoRA parameters on {device} "
             f"({len(train)} train / {len(val)} validation samples, "
             f"{steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
-            f"{compiling})",
+            f"{built.compile_note})",
         )
 
     def _signalled(self, signum: int, frame: Any) -> None:
@@ -219,11 +221,10 @@ class Recipe:
         session.meter.mark()
         while self.progress.step < plan.total_steps:
             t0 = time.monotonic()
-            batches, n_sup, step_tokens = gradients.step_batches(
-                plan.batches, plan.train_samples, self.progress.step
-            )
+            batch = gradients.step_batches(plan.batches, plan.train_samples, self.progress.step)
+            step_tokens, n_sup = batch.input_tokens, batch.supervised_tokens
             loss_on_device = gradients.accumulate(
-                plan, self.components, self._step_loss, batches, n_sup
+                plan, self.components, self._step_loss, batch.micro_batches, n_sup
             )
             grad_norm, lr = gradients.optimizer_step(self.components, cfg.max_grad_norm)
             step_loss = float(loss_on_device)  # the first wait for the GPU in this step
@@ -248,13 +249,13 @@ class Recipe:
                     plan,
                     self.progress,
                     session.meter,
-                    step_loss,
-                    lr,
-                    float(grad_norm),
-                    step_tokens,
-                    dt,
-                    session_start,
-                    session_tokens,
+                    loss=step_loss,
+                    lr=lr,
+                    grad_norm=float(grad_norm),
+                    tokens=step_tokens,
+                    step_seconds=dt,
+                    session_start=session_start,
+                    session_tokens=session_tokens,
                 )
                 session.say(line, show=session.live.step(values, line))
             evaluated = bool(plan.val_samples) and (

@@ -10,6 +10,7 @@ the step's loss, summed over processes; then clipping and the optimizer step
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -22,11 +23,27 @@ from trainer.model.distributed import my_share, sum_over_ranks, syncing
 from trainer.state import Components, RunPlan
 
 
-def step_batches(
-    plan: Plan, samples: list[Sample], step: int
-) -> tuple[list[list[list[Sample]]], int, int]:
-    """The micro-batches of the step after `step` (all processes), its supervised tokens and
-    its input tokens; refuses a step with nothing to learn."""
+class StepBatches(NamedTuple):
+    """One optimizer step's samples, as step_batches returns them."""
+
+    micro_batches: list[list[list[Sample]]]  # [micro-batch][row][sample], all processes
+    supervised_tokens: int  # tokens the loss counts, whole step, all processes
+    input_tokens: int  # tokens fed in (not padding), whole step, all processes
+
+
+class OptimizerStep(NamedTuple):
+    """What optimizer_step reports about the step it took."""
+
+    grad_norm: torch.Tensor  # before clipping, on the device: reading it waits for the GPU
+    lr: float  # the learning rate the step used
+
+
+def step_batches(plan: Plan, samples: list[Sample], step: int) -> StepBatches:
+    """The micro-batches of the step after `step` (all processes), with its supervised and
+    input token counts.
+
+    Raises SmokeFailed when no token of the step is supervised (nothing to learn).
+    """
     batches = [[[samples[i] for i in row] for row in mb] for mb in plan.step(step)]
     flat = [s for mb in batches for row in mb for s in row]
     n_sup = supervised_count(flat)  # the whole step, all ranks
@@ -35,7 +52,7 @@ def step_batches(
             f"step {step + 1} has no supervised token: every label is masked",
             "check the masking (lorastack data inspect) and loss_on",
         )
-    return batches, n_sup, sum(s.length for s in flat)
+    return StepBatches(batches, n_sup, sum(s.length for s in flat))
 
 
 def accumulate(
@@ -74,7 +91,7 @@ def accumulate(
     return step_loss
 
 
-def optimizer_step(components: Components, max_grad_norm: float) -> tuple[torch.Tensor, float]:
+def optimizer_step(components: Components, max_grad_norm: float) -> OptimizerStep:
     """Clip the gradients, step the optimizer and the schedule, clear the gradients;
     the gradient norm before clipping (on the device: reading it waits for the GPU) and
     the learning rate the step used."""
@@ -85,7 +102,7 @@ def optimizer_step(components: Components, max_grad_norm: float) -> tuple[torch.
     components.optimizer.step()
     components.scheduler.step()
     components.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, lr
+    return OptimizerStep(grad_norm, lr)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
