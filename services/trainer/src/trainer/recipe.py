@@ -227,7 +227,7 @@ class Recipe:
                 plan, self.components, self._step_loss, batch.micro_batches, n_sup
             )
             grad_norm, lr = gradients.optimizer_step(self.components, cfg.max_grad_norm)
-            step_loss = float(loss_on_device)  # the first wait for the GPU in this step
+            step_loss = float(loss_on_device)  # one process: the step's first wait for the GPU
             session.memory_marks.setdefault("resting", held_bytes(plan.device))
             step = self.progress.advance(step_loss, step_tokens, n_sup)
             session_tokens += step_tokens

@@ -1,10 +1,12 @@
-"""One optimizer step's batches and gradients: the step's micro-batches from the plan
-(refused when no token is supervised), this process's share of the step's micro-batches
-(trainer.model.distributed.my_share), each collated, its loss scaled to the step's supervised
-tokens (all processes) and run backward, with the gradient sync (DDP's, FSDP's) only on
-the last one;
-the step's loss, summed over processes; then clipping and the optimizer step
-(optimizer_step). The order of the step's parts is trainer.recipe.Recipe.train's.
+"""One optimizer step's batches, gradients and update.
+
+step_batches takes the step's micro-batches from the batch plan (refusing a step with no
+supervised token); accumulate runs this process's share of them
+(trainer.model.distributed.my_share), each collated, its loss scaled to the step's
+supervised tokens on all processes and run backward, with the gradient sync (DDP's,
+FSDP's) only on the last one, and returns the step's loss summed over processes;
+optimizer_step clips the gradients and steps the optimizer and the schedule. The order of
+the step's parts is trainer.recipe.Recipe.train's.
 """
 
 from __future__ import annotations
@@ -62,10 +64,17 @@ def accumulate(
     batches: list[list[list[Sample]]],
     n_sup: int,
 ) -> torch.Tensor:
-    """Backward over this process's micro-batches of the step (`loss_of` a batch: the sum
-    over its supervised tokens); the step's loss per supervised token (all processes), on
-    the device: nothing here waits for the GPU, so the host collates and copies the next
-    micro-batch while the last one computes."""
+    """Run backward over this process's micro-batches of the step; return the step's loss
+    per supervised token, summed over processes.
+
+    `loss_of` gives a collated batch's loss summed over its supervised tokens; `n_sup` is
+    the step's supervised tokens on all processes. Between micro-batches nothing waits for
+    the GPU, so the host collates and copies the next one while the last one computes. On
+    one process the loss comes back on the device, unread (the caller's read is the step's
+    first wait for the GPU); on several, it is read once after the last micro-batch
+    (`.item()` waits for this process's backward), summed over processes, and comes back
+    on the host.
+    """
     cfg, device, pad = run.config, run.device, run.pad
     world = run.settings.world_size
     compiled = components.compiler.active
