@@ -295,10 +295,10 @@ class Recipe:
         raise stopping.stop_error(
             self.plan,
             session.meter,
-            decision.signum,
-            decision.caps_over,
-            step,
-            session.last_checkpoint,
+            signum=decision.signum,
+            caps_over=decision.caps_over,
+            step=step,
+            checkpoint=session.last_checkpoint,
         )
 
     # ---- save -------------------------------------------------------------------

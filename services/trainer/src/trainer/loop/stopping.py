@@ -92,13 +92,15 @@ def decide_stop(
 def stop_error(
     plan: RunPlan,
     meter: budget.Meter,
+    *,
     signum: int | None,
-    over: list[str],
+    caps_over: list[str],
     step: int,
     checkpoint: Path | None,
 ) -> TrainingInterrupted | CostCapReached:
     """What the run raises once the checkpoint of `step` is saved: the signal's stop, else
-    the cap's (naming the command that resumes it)."""
+    the cap's (naming the command that resumes it). `signum` and `caps_over` are a
+    StopDecision's."""
     if signum is not None:
         return TrainingInterrupted(
             f"{signal.Signals(signum).name} received: stopped after step {step}; "
@@ -108,7 +110,7 @@ def stop_error(
     return budget.stop_error(
         meter.caps,
         meter,
-        over,
+        caps_over,
         step=step,
         total_steps=plan.total_steps,
         checkpoint_ref=f"{plan.config.output}/checkpoints:{step}",
