@@ -1,8 +1,9 @@
 """A compiled run compiles once: over chats of varied lengths, `lorastack train` with
 compile=true (inductor, on the CPU here) builds exactly one graph and breaks it nowhere,
 packed or not, per decoder layer or whole; a packed run takes its layer graph from the
-disk cache that a child process filled meanwhile (trainer.compile_ahead); and compile=auto compiles only where the measured eager steps say the
-compile pays back, choosing the scope that saves the most."""
+disk cache that a child process filled meanwhile (trainer.compile_ahead); and compile=auto
+compiles only where the measured eager steps say the compile pays back, choosing the scope
+that saves the most."""
 
 from __future__ import annotations
 

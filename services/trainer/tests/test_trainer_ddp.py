@@ -103,8 +103,8 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(
     trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
 ) -> None:
     """distributed: fsdp, 2 processes x micro-batch 2 against 1 process x micro-batch 4 (the
-    same 4 samples a step), checkpointed activations: the same losses; the published adapter is a normal PEFT one;
-    killed after a checkpoint, two processes resume bit for bit."""
+    same 4 samples a step), checkpointed activations: the same losses; the published adapter
+    is a normal PEFT one; killed after a checkpoint, two processes resume bit for bit."""
     from safetensors.torch import load_file
 
     from lorastack.chat_data import write_jsonl

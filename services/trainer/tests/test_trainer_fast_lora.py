@@ -167,8 +167,9 @@ def test_compiled_decoder_keeps_no_dequantised_weight_for_backward(
 def test_compile_auto_needs_cuda_and_a_compiler(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """compile=auto compiles on CUDA with a compiler on PATH only (checkpointed or not); compile=true without a compiler is refused with what to change, not a Triton
-    stack trace at the first step."""
+    """compile=auto compiles on CUDA with a compiler on PATH only (checkpointed or not);
+    compile=true without a compiler is refused with what to change, not a Triton stack
+    trace at the first step."""
 
     def use(compile: Any, device: str, checkpointing: bool = True) -> bool:
         config = RunConfig.model_validate(

@@ -58,24 +58,24 @@ def test_auto_plans_against_the_gpus_free_memory(
         config=RunConfig.model_validate({"dataset": {"path": "x.jsonl"}, "micro_batch": 4}),
         device=torch.device("cuda", 0),
         settings=SimpleNamespace(world_size=1),
-        widest=lambda: 2048,
+        max_row_tokens=lambda: 2048,
         run_dir=tmp_path,
         checkpointed=-1,
     )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (140 << 30, 141 << 30))
-    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
+    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
     assert recipe.checkpointed == 0
     assert said[0].startswith("gradient checkpointing auto: 0 of 32 layers recomputed")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 << 30, 80 << 30))
-    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
+    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
     assert 0 < recipe.checkpointed < 32
     assert json.loads((tmp_path / "memory-estimate.json").read_text())["total"] < 24 << 30
     recipe.config = RunConfig.model_validate(
         {"dataset": {"path": "x.jsonl"}, "gradient_checkpointing": False}
     )
-    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
+    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
     assert recipe.checkpointed == 0
     recipe.config = RunConfig.model_validate({"dataset": {"path": "x.jsonl"}})
     recipe.device = torch.device("cpu")
-    _, recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append)  # type: ignore[arg-type]
+    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
     assert recipe.checkpointed == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +37,27 @@ if TYPE_CHECKING:
     from trainer.model.ahead import Ahead
 
 
+class PublishedSplits(NamedTuple):
+    """The manifests of `<output>/data` and of its frozen `<output>/test`."""
+
+    data: Manifest
+    test: Manifest
+
+
+class MemoryPlan(NamedTuple):
+    """The memory estimate and the activation recomputation it planned."""
+
+    estimate: dict[str, int]  # bytes per part (trainer.model.memory.estimate)
+    checkpointed: int  # decoder layers that recompute their activations in backward
+
+
+class BuiltModel(NamedTuple):
+    """What build_model makes: the components and the compile note for the start line."""
+
+    components: Components
+    compile_note: str  # what the "training ..." start line says of compiling (may be "")
+
+
 def run_manifest(plan: RunPlan, prep: Prepared) -> dict[str, Any]:
     """What makes the run the run: data, base, config, code, libraries, template, device."""
     return {
@@ -54,7 +75,7 @@ def run_manifest(plan: RunPlan, prep: Prepared) -> dict[str, Any]:
     }
 
 
-def publish_splits(cfg: RunConfig, prep: Prepared) -> tuple[Manifest, Manifest]:
+def publish_splits(cfg: RunConfig, prep: Prepared) -> PublishedSplits:
     """`<output>/data` and its frozen `<output>/test`, each published once."""
     data = publish_once(
         prep.store,
@@ -68,12 +89,12 @@ def publish_splits(cfg: RunConfig, prep: Prepared) -> tuple[Manifest, Manifest]:
         f"{cfg.output}/test",
         {"frozen_test_of": f"{cfg.output}/data"},
     )
-    return data, test
+    return PublishedSplits(data, test)
 
 
 def estimate_memory(
     plan: RunPlan, model_config: dict[str, Any], say: Callable[[str], None]
-) -> tuple[dict[str, int], int]:
+) -> MemoryPlan:
     """The memory estimate (trainer.model.memory), written as memory-estimate.json and said,
     and how many decoder layers recompute their activations (gradient_checkpointing)."""
     cfg, device = plan.config, plan.device
@@ -83,7 +104,7 @@ def estimate_memory(
         "quantization": cfg.quantization,
         "compute_bytes": 2 if compute_dtype(device) == torch.bfloat16 else 4,
         "micro_batch": cfg.micro_batch,
-        "seq_len": plan.widest(),
+        "seq_len": plan.max_row_tokens(),
         "cuda": device.type == "cuda",
         "lora_dropout": cfg.lora.dropout,
         "shards": plan.settings.world_size if cfg.distributed == "fsdp" else 1,
@@ -104,7 +125,7 @@ def estimate_memory(
     found = estimate(model_config, checkpointed=checkpointed, **args)
     write_json(plan.run_dir / "memory-estimate.json", found)
     say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
-    return found, checkpointed
+    return MemoryPlan(found, checkpointed)
 
 
 def seed_everything(seed: int) -> None:
@@ -125,7 +146,7 @@ def build_model(
     mode: str,
     total_steps: int,
     lap: Callable[[str], None],
-) -> tuple[Components, str]:
+) -> BuiltModel:
     """Seed, load the model (maybe compiled), wrap its loss for training (DDP or FSDP on
     several processes), and make the optimizer and schedule; returns them with the compile
     note for the start line. `lap` times the load (with the compile's start)."""
@@ -155,7 +176,7 @@ def build_model(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total_steps, warmup, schedule)
     )
-    parts = Components(
+    components = Components(
         peft=peft,
         compiler=compiler,
         train_loss=train_loss,
@@ -163,7 +184,7 @@ def build_model(
         optimizer=optimizer,
         scheduler=scheduler,
     )
-    return parts, compiling
+    return BuiltModel(components, compiling)
 
 
 def live_run(plan: RunPlan, resumed_at: int | None) -> LiveRun:

@@ -77,12 +77,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"use 0..{len(items) - 1}",
         )
     item = items[args.index]
-    s = encode(item.conv, prep.tokenizer, config.loss_on)
-    p = s.parts
+    sample = encode(item.conv, prep.tokenizer, config.loss_on)
+    lengths = sample.parts  # tokens per part of the conversation
     print(
         f"{args.split} sample {args.index} (conversation {item.number} of {prep.splits.source}): "
-        f"{s.length} tokens = system {p['system']} + history {p['history']} + target {p['target']}; "
-        f"supervised {s.supervised} (loss_on={config.loss_on}, max_seq_len={config.max_seq_len})"
+        f"{sample.length} tokens = system {lengths['system']} + history {lengths['history']} "
+        f"+ target {lengths['target']}; "
+        f"supervised {sample.supervised} (loss_on={config.loss_on}, max_seq_len={config.max_seq_len})"
     )
     if item.conv.has_tools:
         msgs, template = item.conv.messages, config.chat_template or "the base model's own"
@@ -94,17 +95,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     print("--- rendered context; supervised text between ⟦ and ⟧ ---")
     text, prev = [], False
-    for (a, b), lab in zip(s.offsets, s.labels, strict=True):
+    for (a, b), lab in zip(sample.offsets, sample.labels, strict=True):
         sup = lab != IGNORE
         if sup and not prev:
             text.append("⟦")
         if prev and not sup:
             text.append("⟧")
-        text.append(s.rendered[a:b])
+        text.append(sample.rendered[a:b])
         prev = sup
     print("".join(text) + ("⟧" if prev else ""))
     print("--- tokens (+ = supervised, . = masked) ---")
-    for i, (tid, lab) in enumerate(zip(s.input_ids, s.labels, strict=True)):
+    for i, (tid, lab) in enumerate(zip(sample.input_ids, sample.labels, strict=True)):
         piece = prep.tokenizer.convert_ids_to_tokens(tid)
         print(f"{i:5} {'+' if lab != IGNORE else '.'} {tid:6}  {piece!r}")
     return 0

@@ -66,7 +66,7 @@ from trainer.state import Components, Progress, RunPlan
 
 class Recipe:
     prep: Prepared  # data, tokenizer and base: setup (trainer.data.preparation.prepare)
-    parts: Components  # built by setup (trainer.assembly.build_model)
+    components: Components  # built by setup (trainer.assembly.build_model)
 
     def __init__(
         self,
@@ -86,7 +86,7 @@ class Recipe:
         self.session = Session(
             tail,
             budget.Meter(budget.Caps.of(config, settings.world_size), clock=clock),
-            voice=settings.is_main,
+            is_main_process=settings.is_main,
             live=LiveRun(config.output, 0, None, "", bar=False),  # replaced in setup
             phases={"startup": process_age()},
             lap_at=start,
@@ -95,20 +95,20 @@ class Recipe:
     # ---- setup ------------------------------------------------------------------
 
     def setup(self, *, resume: bool, auto_batch: bool) -> None:
-        plan, s = self.plan, self.session
+        plan, session = self.plan, self.session
         settings = plan.settings
         torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
         if plan.mode != "train":
             shutil.rmtree(plan.run_dir, ignore_errors=True)
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         if settings.is_main:
-            s.plotter = Plotter()
+            session.plotter = Plotter()
         device = resolve_device(plan.config.device, settings.local_rank)  # before the data
         use_expandable_segments(device, settings.cuda_alloc_conf)
         self.plan = plan = replace(plan, device=device)
 
         def compile_early(model_config: dict[str, Any]) -> None:
-            s.ahead = compile_ahead.start(
+            session.ahead = compile_ahead.start(
                 plan.config, settings, plan.mode, plan.run_dir, model_config, device, auto_batch
             )
 
@@ -118,7 +118,7 @@ class Recipe:
         encoded = prep.encoded  # lives on only in the samples the mode selects
         self.prep = prep = replace(prep, encoded={})
         eot, pad = end_of_turn_id(prep.tokenizer), prep.tokenizer.pad_token_id
-        s.say(prep.report.render())
+        session.say(prep.report.render())
         refuse_unless_ok(prep.report)
         # smoke and overfit runs adjust steps and schedule
         cfg, train, val = modes.select_samples(
@@ -135,20 +135,21 @@ class Recipe:
                 prep.model_config,
                 device,
                 eot=eot,
-                seq=plan.widest(),
-                say=s.say,
+                seq=plan.max_row_tokens(),
+                say=session.say,
             )
             self.plan = plan = replace(plan, config=cfg)
         self.plan = plan = replace(plan, run_manifest=assembly.run_manifest(plan, prep))
         resume_from = publishing.find_resume_point(plan, prep.store, resume)
         if plan.mode == "train" and settings.is_main:
-            data, test = assembly.publish_splits(cfg, prep)
-            self.plan = plan = replace(plan, data_manifest=data, test_manifest=test)
+            splits = assembly.publish_splits(cfg, prep)
+            self.plan = plan = replace(plan, data_manifest=splits.data, test_manifest=splits.test)
         write_json(plan.run_dir / "run-manifest.json", plan.run_manifest)
         if resume_from is not None and settings.is_main:
             resuming.publish_unuploaded(plan, prep, resume_from)
-        found, checkpointed = assembly.estimate_memory(plan, prep.model_config, s.say)
-        self.plan = plan = replace(plan, memory_estimate=found, checkpointed=checkpointed)
+        memory = assembly.estimate_memory(plan, prep.model_config, session.say)
+        checkpointed = memory.checkpointed
+        self.plan = plan = replace(plan, memory_estimate=memory.estimate, checkpointed=checkpointed)
         batches = Plan(
             cfg.seed,
             [sample.length for sample in train],
@@ -158,36 +159,37 @@ class Recipe:
         )
         steps = total_steps(cfg, batches.steps_per_epoch())
         self.plan = plan = replace(plan, batches=batches, total_steps=steps)
-        if plan.mode == "train" and s.meter.caps.any:  # before the model loads
-            s.say(stopping.preflight(plan, s.meter, resume_from))
-        s.lap("prepare")
-        s.memory_marks["start"] = held_bytes(device)
-        self.parts, compiling = assembly.build_model(
+        if plan.mode == "train" and session.meter.caps.any:  # before the model loads
+            session.say(stopping.preflight(plan, session.meter, resume_from))
+        session.lap("prepare")
+        session.memory_marks["start"] = held_bytes(device)
+        built = assembly.build_model(
             cfg,
             settings,
             prep.base_dir,
             prep.model_config,
             device,
             checkpointed=checkpointed,
-            ahead=s.ahead,
+            ahead=session.ahead,
             mode=plan.mode,
             total_steps=steps,
-            lap=s.lap,
+            lap=session.lap,
         )
-        s.memory_marks["loaded"] = held_bytes(device)
+        self.components = built.components
+        session.memory_marks["loaded"] = held_bytes(device)
         if resume_from is not None:
-            self.progress = resuming.restore(resume_from, self.parts)
-            s.meter.hours_before = self.progress.wall_before / 3600
-            s.say(f"resumed from {resume_from} at step {self.progress.step}")
-        s.old_handlers = stopping.install_handlers(self._signalled)
-        s.live = assembly.live_run(plan, self.progress.resumed_at)
+            self.progress = resuming.restore(resume_from, self.components)
+            session.meter.hours_before = self.progress.wall_before / 3600
+            session.say(f"resumed from {resume_from} at step {self.progress.step}")
+        session.old_handlers = stopping.install_handlers(self._signalled)
+        session.live = assembly.live_run(plan, self.progress.resumed_at)
         if settings.metrics_port is not None and settings.is_main:
-            s.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
-        s.say(
-            f"training {self.parts.trainable:,} LoRA parameters on {device} "
+            session.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
+        session.say(
+            f"training {self.components.trainable:,} LoRA parameters on {device} "
             f"({len(train)} train / {len(val)} validation samples, "
             f"{steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
-            f"{compiling})",
+            f"{built.compile_note})",
         )
 
     def _signalled(self, signum: int, frame: Any) -> None:
@@ -197,7 +199,7 @@ class Recipe:
     def _step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return cast(
             torch.Tensor,
-            self.parts.train_loss(
+            self.components.train_loss(
                 batch["input_ids"],
                 batch.get("attention_mask"),
                 batch["labels"],
@@ -210,51 +212,52 @@ class Recipe:
     # ---- train ------------------------------------------------------------------
 
     def train(self) -> None:
-        plan, s = self.plan, self.session
+        plan, session = self.plan, self.session
         cfg, world = plan.config, plan.settings.world_size
         session_start, session_tokens, session_steps = time.monotonic(), 0, 0
         # a resumed run that had stopped early
-        if self.progress.val_losses and evaluation.early_stop(cfg, self.progress, s.say):
+        if self.progress.val_losses and evaluation.early_stop(cfg, self.progress, session.say):
             return
-        s.meter.mark()
+        session.meter.mark()
         while self.progress.step < plan.total_steps:
             t0 = time.monotonic()
-            batches, n_sup, step_tokens = gradients.step_batches(
-                plan.batches, plan.train_samples, self.progress.step
+            batch = gradients.step_batches(plan.batches, plan.train_samples, self.progress.step)
+            step_tokens, n_sup = batch.input_tokens, batch.supervised_tokens
+            loss_on_device = gradients.accumulate(
+                plan, self.components, self._step_loss, batch.micro_batches, n_sup
             )
-            loss_on_device = gradients.accumulate(plan, self.parts, self._step_loss, batches, n_sup)
-            grad_norm, lr = gradients.optimizer_step(self.parts, cfg.max_grad_norm)
-            step_loss = float(loss_on_device)  # the first wait for the GPU in this step
-            s.memory_marks.setdefault("resting", held_bytes(plan.device))
+            grad_norm, lr = gradients.optimizer_step(self.components, cfg.max_grad_norm)
+            step_loss = float(loss_on_device)  # one process: the step's first wait for the GPU
+            session.memory_marks.setdefault("resting", held_bytes(plan.device))
             step = self.progress.advance(step_loss, step_tokens, n_sup)
             session_tokens += step_tokens
             dt = time.monotonic() - t0
             session_steps += 1
-            line = self.parts.compiler.after_step(
-                self.parts.peft,
+            line = self.components.compiler.after_step(
+                self.components.peft,
                 session_steps,
                 dt,
                 plan.total_steps - step,
                 lambda choice: rank0_decides(choice, world),
             )
             if line:
-                s.say(line)
+                session.say(line)
             if not math.isfinite(step_loss):
                 raise SmokeFailed(f"the loss is {step_loss} at step {step}", "lower lr")
             if step % cfg.log_every == 0 or step == plan.total_steps:
                 line, values = progress.log_step(
                     plan,
                     self.progress,
-                    s.meter,
-                    step_loss,
-                    lr,
-                    float(grad_norm),
-                    step_tokens,
-                    dt,
-                    session_start,
-                    session_tokens,
+                    session.meter,
+                    loss=step_loss,
+                    lr=lr,
+                    grad_norm=float(grad_norm),
+                    tokens=step_tokens,
+                    step_seconds=dt,
+                    session_start=session_start,
+                    session_tokens=session_tokens,
                 )
-                s.say(line, show=s.live.step(values, line))
+                session.say(line, show=session.live.step(values, line))
             evaluated = bool(plan.val_samples) and (
                 step % cfg.eval_every == 0 or step == plan.total_steps
             )
@@ -269,31 +272,41 @@ class Recipe:
                 or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
             ):
                 self.save_checkpoint()
-            if evaluated and evaluation.early_stop(cfg, self.progress, s.say):
+            if evaluated and evaluation.early_stop(cfg, self.progress, session.say):
                 break
             self.stop_if_asked()
 
     def evaluate(self) -> None:
         """The validation loss at this step, recorded in the progress."""
-        step, s = self.progress.step, self.session
-        val = evaluation.evaluate(self.plan, self.parts, step, self._step_loss, s.live, s.say)
+        step, session = self.progress.step, self.session
+        val = evaluation.evaluate(
+            self.plan, self.components, step, self._step_loss, session.live, session.say
+        )
         self.progress.val_losses[step] = val
 
     def stop_if_asked(self) -> None:
         """After a step: on a signal or a reached cap, checkpoint this step and raise."""
-        s, step = self.session, self.progress.step
-        s.stop_signal, over, stop = stopping.asked(self.plan, s.meter, s.stop_signal, step)
-        if not stop:
+        session, step = self.session, self.progress.step
+        decision = stopping.decide_stop(self.plan, session.meter, session.stop_signal, step)
+        session.stop_signal = decision.signum
+        if not decision.stop:
             return
         self.checkpoint_unless_saved()
-        raise stopping.stop_error(self.plan, s.meter, s.stop_signal, over, step, s.last_checkpoint)
+        raise stopping.stop_error(
+            self.plan,
+            session.meter,
+            signum=decision.signum,
+            caps_over=decision.caps_over,
+            step=step,
+            checkpoint=session.last_checkpoint,
+        )
 
     # ---- save -------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
-        s = self.session
-        s.last_checkpoint = resuming.save_checkpoint(
-            self.plan, self.prep, self.parts, self.progress, s.meter, s.say
+        session = self.session
+        session.last_checkpoint = resuming.save_checkpoint(
+            self.plan, self.prep, self.components, self.progress, session.meter, session.say
         )
 
     def checkpoint_unless_saved(self) -> None:
@@ -303,9 +316,9 @@ class Recipe:
     # ---- finish -------------------------------------------------------------------
 
     def finish(self) -> TrainResult:
-        plan, prep, s = self.plan, self.prep, self.session
-        s.lap("steps")
-        done = publishing.already_finished(plan, prep, self.progress, s.say)
+        plan, prep, session = self.plan, self.prep, self.session
+        session.lap("steps")
+        done = publishing.already_finished(plan, prep, self.progress, session.say)
         if done is not None:
             return done
         step = self.progress.step
@@ -314,39 +327,41 @@ class Recipe:
         self.checkpoint_unless_saved()
         train_series = read_series(plan.metrics_dir, "metrics", "loss")
         plot = plan.run_dir / "loss.png"
-        if s.plotter is not None:
+        if session.plotter is not None:
             title = f"{plan.config.output} ({plan.mode})"
-            s.plotter.plot(train_series, self.progress.val_losses, plot, title)
+            session.plotter.plot(train_series, self.progress.val_losses, plot, title)
         completion = record_completion(
-            plan, self.parts, self.progress, s.meter, s.memory_marks, s.say
+            plan, self.components, self.progress, session.meter, session.memory_marks, session.say
         )
         result = train_result(plan, prep, self.progress, completion)
         result.verdict = modes.verdict(
-            plan, prep, self.parts, self.progress, s.last_checkpoint, train_series
+            plan, prep, self.components, self.progress, session.last_checkpoint, train_series
         )
         if plan.mode == "train" and plan.settings.is_main:
             completion["selected"] = publishing.select_adapter(
-                plan, prep.store, self.progress, s.say
+                plan, prep.store, self.progress, session.say
             )
-            result.adapter = publishing.publish_adapter(plan, prep, step, completion, plot, s.say)
+            result.adapter = publishing.publish_adapter(
+                plan, prep, step, completion, plot, session.say
+            )
             completion["adapter_digest"] = result.adapter.digest
-        s.lap("finish")
-        completion["phases_s"] = s.phases
-        s.say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in s.phases.items()))
+        session.lap("finish")
+        completion["phases_s"] = session.phases
+        session.say("time: " + ", ".join(f"{k} {v:.1f} session" for k, v in session.phases.items()))
         if plan.settings.is_main:
             write_json(plan.run_dir / "training-complete.json", completion)
         if result.verdict is not None:
-            modes.say_verdict(plan.mode, result.verdict, s.say)
+            modes.say_verdict(plan.mode, result.verdict, session.say)
         return result
 
     def cleanup(self) -> None:
-        s, settings = self.session, self.plan.settings
-        if s.plotter is not None:
-            s.plotter.close()
-        if s.ahead is not None:
-            s.ahead.stop()
-        s.live.close(linger_s=settings.metrics_linger_s)
-        stopping.restore_handlers(s.old_handlers)
+        session, settings = self.session, self.plan.settings
+        if session.plotter is not None:
+            session.plotter.close()
+        if session.ahead is not None:
+            session.ahead.stop()
+        session.live.close(linger_s=settings.metrics_linger_s)
+        stopping.restore_handlers(session.old_handlers)
         shut_down(settings.world_size)
 
 
@@ -381,8 +396,10 @@ def run_training(
         result = recipe.finish()
     except Exception as e:
         prep = getattr(recipe, "prep", None)  # None: the run failed before its data was ready
-        step, s = recipe.progress.step, recipe.session
-        error = failure.report_failure(recipe.plan, prep, step, s.meter, s.tail, s.say, e)
+        step, session = recipe.progress.step, recipe.session
+        error = failure.report_failure(
+            recipe.plan, prep, step, session.meter, session.tail, session.say, e
+        )
         if error is e:
             raise
         raise error from e
@@ -390,9 +407,15 @@ def run_training(
         recipe.cleanup()
         logging.getLogger().removeHandler(tail)
     modes.refuse_failed(mode, result.verdict)
-    plan, s = recipe.plan, recipe.session
+    plan, session = recipe.plan, recipe.session
     published = {"adapter": result.adapter, "data": result.data, "test": result.test}
     result.hook = hooks.after_success(
-        plan, recipe.prep.store, recipe.progress.step, s.meter, published, dict(os.environ), s.say
+        plan,
+        recipe.prep.store,
+        recipe.progress.step,
+        session.meter,
+        published,
+        dict(os.environ),
+        session.say,
     )
     return result

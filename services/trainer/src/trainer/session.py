@@ -1,8 +1,9 @@
 """What one session of a run holds and changes as it goes, beside its frozen plan
-(trainer.state.RunPlan) and its progress (trainer.state.Progress): the log tail and the
-voice that says a line, the meter that bills the session, the seconds of each phase,
-the live metrics, rank 0's plotter, the child compiling ahead, the memory marks, the
-last checkpoint written, a stop signal received and the signal handlers it replaced.
+(trainer.state.RunPlan) and its progress (trainer.state.Progress): the log tail and
+whether this process shows its lines (only the main process does), the meter that bills
+the session, the seconds of each phase, the live metrics, rank 0's plotter, the child
+compiling ahead, the memory marks, the last checkpoint written, a stop signal received
+and the signal handlers it replaced.
 
 Only the recipe (trainer.recipe) holds a Session and changes it; a stage gets the one
 thing of it that it uses (`say`, the meter, the live metrics) and returns what it makes.
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 class Session:
     tail: LogTail  # the last log lines, for the support memo
     meter: Meter  # billed time, all sessions
-    voice: bool  # this process shows its lines (rank 0: one voice under torchrun)
+    is_main_process: bool  # rank 0 under torchrun: the one process that shows its lines
     live: LiveRun  # a quiet one until setup starts the real one
     # seconds per phase of this session (completion record, last line): imports and
     # set-up before the recipe, data, model, steps, saving and publishing
@@ -43,7 +44,7 @@ class Session:
     def say(self, line: str, show: bool = True) -> None:
         """Print a progress line (above the progress bar, if any) and keep it for the
         support bundle."""
-        show = show and self.voice
+        show = show and self.is_main_process
         if show and self.live.bar is not None:
             self.live.bar.write(line)
         elif show:

@@ -69,8 +69,9 @@ class RunPlan:
     def metrics_dir(self) -> Path:
         return self.run_dir / "metrics"
 
-    def widest(self) -> int:
-        """Tokens per row of the widest micro-batch."""
+    def max_row_tokens(self) -> int:
+        """Tokens in a row of the widest micro-batch: max_seq_len when packing, else the
+        longest training sample."""
         if self.config.packing:
             return self.config.max_seq_len
         return max(s.length for s in self.train_samples)

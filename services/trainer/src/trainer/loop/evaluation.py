@@ -23,7 +23,7 @@ from trainer.state import Components, Progress, RunPlan
 
 def evaluate(
     plan: RunPlan,
-    parts: Components,
+    components: Components,
     step: int,
     step_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     live: LiveRun,
@@ -31,18 +31,20 @@ def evaluate(
 ) -> float:
     """The validation loss per supervised token at `step`, written, sent and said.
     `step_loss` is the training step's loss of a batch (the recipe's)."""
-    parts.peft.eval()
+    components.peft.eval()
     total, count = 0.0, 0
     mb = plan.config.micro_batch
     # FSDP: only a forward through the root has the root's weights whole
-    loss_of = step_loss if is_sharded(parts.train_loss) else partial(batch_loss, parts.peft)
+    loss_of = (
+        step_loss if is_sharded(components.train_loss) else partial(batch_loss, components.peft)
+    )
     with torch.no_grad():
         for i in range(0, len(plan.val_samples), mb):
             chunk = plan.val_samples[i : i + mb]
             batch = {k: v.to(plan.device) for k, v in collate(chunk, plan.pad).items()}
             total += loss_of(batch).item()
             count += supervised_count(chunk)
-    parts.peft.train()
+    components.peft.train()
     val = total / max(1, count)
     if plan.settings.is_main:
         write_json(plan.metrics_dir / f"eval-step-{step}.json", {"step": step, "val_loss": val})

@@ -6,8 +6,8 @@ bar on a terminal (plain lines otherwise, as in a log file or a container's outp
 label `run` = the config's output name) are what the Grafana dashboard's training row
 plots: step, loss, validation loss, learning rate, tokens/s, tokens and supervised tokens,
 GPU memory allocated/reserved, GPU utilisation and power (NVML, where present), ETA, cost
-so far and the cost cap. The server starts only when a port is set (LORASTACK_METRICS_PORT) and stops
-with the run.
+so far and the cost cap. The server starts only when a port is set
+(LORASTACK_METRICS_PORT) and stops with the run.
 """
 
 from __future__ import annotations

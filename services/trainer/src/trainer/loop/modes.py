@@ -74,7 +74,7 @@ def select_samples(
 def smoke_verdict(
     plan: RunPlan,
     prep: Prepared,
-    parts: Components,
+    components: Components,
     progress: Progress,
     last_checkpoint: Path | None,
     series: dict[int, float],
@@ -97,7 +97,7 @@ def smoke_verdict(
         saved = load_file(str(last_checkpoint / "adapter" / "adapter_model.safetensors"))
         from peft import get_peft_model_state_dict
 
-        live = get_peft_model_state_dict(parts.peft)
+        live = get_peft_model_state_dict(components.peft)
         reload_ok = (
             bool(saved)
             and set(saved) == set(live)
@@ -109,9 +109,9 @@ def smoke_verdict(
     )
     conv = (prep.splits.validation or prep.splits.train)[0].conv
     ids = torch.tensor([prompt_ids(conv, prep.tokenizer)], device=plan.device)
-    parts.peft.eval()
+    components.peft.eval()
     with torch.no_grad():
-        out = parts.peft.generate(
+        out = components.peft.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=SMOKE_NEW_TOKENS,
@@ -147,14 +147,14 @@ def overfit_verdict(progress: Progress, samples: int) -> dict[str, Any]:
 def verdict(
     plan: RunPlan,
     prep: Prepared,
-    parts: Components,
+    components: Components,
     progress: Progress,
     last_checkpoint: Path | None,
     series: dict[int, float],
 ) -> dict[str, Any] | None:
     """The verdict a smoke or overfit run ends with (None for a training run)."""
     if plan.mode == "smoke":
-        return smoke_verdict(plan, prep, parts, progress, last_checkpoint, series)
+        return smoke_verdict(plan, prep, components, progress, last_checkpoint, series)
     if plan.mode == "overfit":
         return overfit_verdict(progress, len(plan.train_samples))
     return None

@@ -7,6 +7,7 @@ trainer.publish.failure.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from trainer.loop.budget import Meter
 from trainer.loop.live import gpu_reading
@@ -18,19 +19,32 @@ from trainer.model.memory import human
 from trainer.state import Progress, RunPlan
 
 
+class StepReport(NamedTuple):
+    """What log_step reports of a step."""
+
+    line: str  # the step line the recipe shows
+    values: dict[str, float]  # the live metrics' values (trainer.loop.live.LiveRun.step)
+
+
 def log_step(
     plan: RunPlan,
     progress: Progress,
     meter: Meter,
+    *,
     loss: float,
     lr: float,
     grad_norm: float,
     tokens: int,
-    dt: float,
+    step_seconds: float,
     session_start: float,
     session_tokens: int,
-) -> tuple[str, dict[str, float]]:
-    """Write the step record; the step's line and its values for the live metrics."""
+) -> StepReport:
+    """Write the step record (rank 0); return the step's line and its live-metric values.
+
+    `tokens` are the step's input tokens, `step_seconds` its wall time; `session_start`
+    (time.monotonic()) and `session_tokens` are this session's, for the throughput and ETA.
+    """
+    dt = step_seconds
     elapsed = time.monotonic() - session_start
     tps = session_tokens / elapsed if elapsed > 0 else 0.0
     steps_done = max(1, len(progress.losses))
@@ -72,7 +86,7 @@ def log_step(
         "elapsed_hours": meter.hours(),
         **gpu_reading(plan.device),
     }
-    return line, values
+    return StepReport(line, values)
 
 
 def duration(seconds: float) -> str:

@@ -12,7 +12,7 @@ import json
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainer.errors import CostCapReached, TrainingInterrupted
 from trainer.loop import budget
@@ -66,29 +66,41 @@ def restore_handlers(old: dict[int, Any]) -> None:
     old.clear()
 
 
-def asked(
+class StopDecision(NamedTuple):
+    """What decide_stop found after a step, the same on every process."""
+
+    signum: int | None  # the signal every process stops on (rank 0's), None: no signal
+    caps_over: list[str]  # the caps the next step would pass (rank 0's clock decides)
+    stop: bool  # the run stops after this step
+
+
+def decide_stop(
     plan: RunPlan, meter: budget.Meter, stop_signal: int | None, step: int
-) -> tuple[int | None, list[str], bool]:
-    """After a step: the signal every process stops on (rank 0's), the caps the next step
-    would pass (rank 0's clock decides), and whether the run stops here. Every process
-    stops after the same step (torchrun passes a signal on to each, not at the same
-    instant): the checkpoint of a sharded model is gathered by all."""
+) -> StopDecision:
+    """Whether the run stops after `step`, on a signal or a cap, decided by rank 0.
+
+    Every process stops after the same step (torchrun passes a signal on to each, not at
+    the same instant): the checkpoint of a sharded model is gathered by all. One
+    broadcast a step under several processes.
+    """
     capped = plan.mode == "train" and meter.caps.any
     mine = (stop_signal, meter.check() if capped else [])
     signum, over = rank0_decides(mine, plan.settings.world_size)  # one broadcast a step
-    return signum, over, signum is not None or bool(over and step < plan.total_steps)
+    return StopDecision(signum, over, signum is not None or bool(over and step < plan.total_steps))
 
 
 def stop_error(
     plan: RunPlan,
     meter: budget.Meter,
+    *,
     signum: int | None,
-    over: list[str],
+    caps_over: list[str],
     step: int,
     checkpoint: Path | None,
 ) -> TrainingInterrupted | CostCapReached:
     """What the run raises once the checkpoint of `step` is saved: the signal's stop, else
-    the cap's (naming the command that resumes it)."""
+    the cap's (naming the command that resumes it). `signum` and `caps_over` are a
+    StopDecision's."""
     if signum is not None:
         return TrainingInterrupted(
             f"{signal.Signals(signum).name} received: stopped after step {step}; "
@@ -98,7 +110,7 @@ def stop_error(
     return budget.stop_error(
         meter.caps,
         meter,
-        over,
+        caps_over,
         step=step,
         total_steps=plan.total_steps,
         checkpoint_ref=f"{plan.config.output}/checkpoints:{step}",

@@ -1,1 +1,5 @@
-"""The model a run trains: loading with LoRA, the fused LoRA layer, attention over packed rows, the loss, compiling, memory estimates and several processes (DDP, FSDP)."""
+"""The model a run trains.
+
+Loading with LoRA, the fused LoRA layer, attention over packed rows, the loss, compiling,
+memory estimates and several processes (DDP, FSDP).
+"""

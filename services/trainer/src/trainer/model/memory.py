@@ -1,10 +1,11 @@
 """Memory and disk estimates before a run: pure arithmetic over the model's config.json.
 
 The breakdown (bytes): weights by dtype/quantisation, LoRA parameters, their gradients,
-AdamW state, activations and logits (and, sharded by FSDP, the weights gathered whole). Activations are a rule of thumb (per token per
-layer ~ (10*hidden + 4*intermediate) values kept for backward; one layer's worth with
-gradient checkpointing, for the layers it covers); the measured peak at the end says how
-close it was. `plan_checkpointing` picks how many layers to recompute so the estimate fits.
+AdamW state, activations and logits (and, sharded by FSDP, the weights gathered whole).
+Activations are a rule of thumb (per token per layer ~ (10*hidden + 4*intermediate)
+values kept for backward; one layer's worth with gradient checkpointing, for the layers
+it covers); the measured peak at the end says how close it was. `plan_checkpointing`
+picks how many layers to recompute so the estimate fits.
 """
 
 from __future__ import annotations

@@ -1,1 +1,5 @@
-"""What a run keeps and hands on: checkpoints and resuming, the artifact store, the stop at the cost cap (its arithmetic is trainer.loop.budget), the completion record, hooks, and what a failed run leaves behind."""
+"""What a run keeps and hands on.
+
+Checkpoints and resuming, the artifact store, the completion record, hooks, and what a
+failed run leaves behind. Stopping at a signal or the cost cap is trainer.loop.stopping.
+"""

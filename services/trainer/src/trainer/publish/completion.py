@@ -61,7 +61,7 @@ def train_result(
 
 
 def measured_parts(
-    device: torch.device, parts: Components, marks: dict[str, int], peak: int
+    device: torch.device, components: Components, marks: dict[str, int], peak: int
 ) -> dict[str, int | None]:
     """The parts of trainer.model.memory.PARTS as measured. `marks` holds bytes held
     (torch's allocations on a GPU, RSS on the CPU) before the model loads (`start`), after
@@ -82,9 +82,12 @@ def measured_parts(
             "step": step,
             "total": total,
         }
-    held = sum(t.nbytes for t in (*parts.peft.parameters(), *parts.peft.buffers()))
+    held = sum(t.nbytes for t in (*components.peft.parameters(), *components.peft.buffers()))
     state = sum(
-        v.nbytes for s in parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        v.nbytes
+        for s in components.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
     )
     return {
         "weights_and_adapter": held,
@@ -96,7 +99,7 @@ def measured_parts(
 
 def record_completion(
     plan: RunPlan,
-    parts: Components,
+    components: Components,
     progress: Progress,
     meter: Meter,
     memory_marks: dict[str, int],
@@ -110,7 +113,7 @@ def record_completion(
     peak = peak_bytes(device)
     measured = memory_now(device)
     memory = against_measured(
-        plan.memory_estimate, measured_parts(device, parts, memory_marks, peak)
+        plan.memory_estimate, measured_parts(device, components, memory_marks, peak)
     )
     completion = {
         "mode": plan.mode,
@@ -128,13 +131,13 @@ def record_completion(
         "final_val_loss": progress.val_losses.get(progress.step),
         "best_val_loss": min(progress.val_losses.values()) if progress.val_losses else None,
         "final_train_loss": progress.losses.get(progress.step),
-        "trainable_params": parts.trainable,
+        "trainable_params": components.trainable,
         "billed_hours": billed_h,
         "price_per_gpu_hour": cfg.price_per_gpu_hour,
         "cost": round(billed_h * cfg.price_per_gpu_hour, 6),
         "device": device_facts(device),
         "nvml": nvml_reading(device) or None,  # the nvidia-smi reading at the end
-        "compile": compile_report() if parts.compiler.active else None,
+        "compile": compile_report() if components.compiler.active else None,
     }
     say(
         f"memory: estimated {human(plan.memory_estimate.get('total', 0))}, measured peak "

@@ -26,7 +26,7 @@ from trainer.state import Components, Progress, RunPlan
 def save_checkpoint(
     plan: RunPlan,
     prep: Prepared,
-    parts: Components,
+    components: Components,
     progress: Progress,
     meter: Meter,
     say: Callable[[str], None],
@@ -34,15 +34,15 @@ def save_checkpoint(
     """Write (rank 0), publish (a "train" run) and prune the checkpoint of this step; every
     process calls it (an FSDP model is gathered by all). Returns the folder (rank 0's, on
     the other processes)."""
-    gathered = sharding.gather(parts.train_loss, parts.optimizer)  # every process, FSDP
+    gathered = sharding.gather(components.train_loss, components.optimizer)  # every process, FSDP
     if not plan.settings.is_main:
         return checkpoint.step_dir(plan.ckpt_root, progress.step)  # rank 0's
     folder = checkpoint.save(
         plan.ckpt_root,
         progress.step,
-        parts.peft,
-        parts.optimizer,
-        parts.scheduler,
+        components.peft,
+        components.optimizer,
+        components.scheduler,
         saved_state(progress, plan.batches.steps_per_epoch(), meter.seconds()),
         plan.run_manifest,
         gathered,
@@ -97,11 +97,11 @@ def publish_unuploaded(plan: RunPlan, prep: Prepared, folder: Path) -> None:
         publishing.publish_checkpoint(plan, prep, step, folder, {}, None)
 
 
-def restore(folder: Path, parts: Components) -> Progress:
+def restore(folder: Path, components: Components) -> Progress:
     """Load the checkpoint into the model, optimizer and scheduler and set the RNG states;
     return the progress it kept: step, counters, wall time and validation losses."""
     state = checkpoint.load_into(
-        folder, parts.peft, parts.optimizer, parts.scheduler, parts.train_loss
+        folder, components.peft, components.optimizer, components.scheduler, components.train_loss
     )
     step = int(state["step"])
     progress = Progress(
