@@ -179,6 +179,11 @@ class VllmServer:
         )
         if self.platform == "cpu" and float(self.kv_cache_gib).is_integer():
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # GiB
+        if self.platform == "cpu":
+            # vLLM runs eager on CPU, but its sampler still torch.compiles a helper for any
+            # request that asks for logprobs (the parity check does), and inductor needs a C++
+            # compiler that the serving image does not carry: the engine would die. Eager.
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # vLLM reads VLLM_API_KEY as --api-key; in the environment it stays out of the
