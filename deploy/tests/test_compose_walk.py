@@ -82,6 +82,20 @@ print("PROBE " + json.dumps(out))
 pytestmark = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no Docker")
 
 
+def prometheus_value(prometheus: str, query: str, timeout_s: float = 120) -> float:
+    """The value of an instant query, asked until it has one (a scrape every 5 s)."""
+    deadline = time.monotonic() + timeout_s
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            result = json.load(resp)["data"]["result"]
+        if result:
+            say(f"  {query} = {result[0]['value'][1]}")
+            return float(result[0]["value"][1])
+        assert time.monotonic() < deadline, f"Prometheus has no {query}"
+        time.sleep(5)
+
+
 def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
@@ -309,6 +323,10 @@ def test_the_readme_walk_on_the_cpu_override(
     for query, n in found.items():
         say(f"  {n} series  {query}")
     assert not empty, f"dashboard queries without data: {empty}"
+    # what is served is what was trained: the supervisor's parity verdict on the adapter,
+    # as Prometheus (and its alert ServedModelDiffersFromTrained) sees it
+    parity = 'lorastack_inference_parity_ok{model="chat/adapter-v1"}'
+    assert prometheus_value(prometheus, parity) == 1.0
 
     # 12. The merged model instead of base + adapter.
     compose.env["SERVE_CONFIG"] = "serve-merged.yaml"
@@ -322,3 +340,4 @@ def test_the_readme_walk_on_the_cpu_override(
     reply = client.chat.completions.create(model="chat-merged", messages=ask, max_tokens=16)
     say(f"chat-merged: {reply.choices[0].message.content!r}")
     assert (reply.choices[0].message.content or "").strip()
+    assert prometheus_value(prometheus, 'lorastack_inference_parity_ok{model="chat-merged"}') == 1.0

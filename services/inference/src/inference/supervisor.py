@@ -4,15 +4,20 @@ Owns the state machine and the adapter registry; it does not know HTTP routes (m
 or metric names (metrics.py). One background thread runs the loop:
 
     starting -> warming -> ready --(vLLM exits)--> restarting --(backoff)--> starting ...
+                       `-> refused (the served model contradicts its parity reference)
 
-`ready` is true only after vLLM answered /v1/models AND a warm-up completion. When vLLM
+`ready` is true only after vLLM answered /v1/models AND a warm-up completion AND what it
+serves passed its parity check (inference.parity: the reference recorded where the model
+was trained, replayed through vLLM; an adapter that fails is unloaded, the model that fails
+leaves the server `refused`, never ready, under `parity: refuse` or `auto`). When vLLM
 exits, ready goes false at once, its last log lines are kept with the engine's root cause
 (the first exception of vLLM's engine process, `engine_log.py`: the API server's own
 traceback only says "see root cause above"), and it is started again after
 min(restart_backoff_max_s, restart_backoff_s × 2^(failures−1)) seconds; the failure count
 resets once a start reaches ready. `max_identical_failures` starts in a row that die of
-the same cause end the loop (state `failed`): restarting cannot fix a missing module. Adapters loaded at runtime are passed
-as --lora-modules to the next start, so a restart keeps them.
+the same cause end the loop (state `failed`): restarting cannot fix a missing module.
+Adapters loaded at runtime are passed as --lora-modules to the next start, so a restart
+keeps them, and are checked for parity as they load.
 
 The exit record and the restart rules are restarts.py; the KV-cache comparison it logs
 and reports is kv_report.py; the /status body is status_report.py.
