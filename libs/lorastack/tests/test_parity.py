@@ -14,6 +14,7 @@ from lorastack.parity import (
     Reference,
     Replay,
     default_policy,
+    describe,
     judge,
     limits_for,
     serving_dtype,
@@ -169,3 +170,13 @@ def test_auto_serves_in_a_dtype_chosen_on_purpose(
         [reference(d) for d in refs], platform=platform, checkpoint_dtype=checkpoint, with_lora=lora
     )
     assert chosen == dtype and why
+
+
+def test_a_verdict_reads_as_one_line_wherever_it_is_shown() -> None:
+    ref = reference(quantization="nf4")
+    warned = judge("m", ref, faithful(ref, shift=5.0), served_dtype="bfloat16")
+    assert describe(warned.as_dict()) == warned.summary()
+    assert warned.summary().startswith("parity m: FAIL (warned); top-1 100.0% of 12 tokens")
+    assert describe({"model": "b", "ok": None, "reference": None}) == (
+        "parity b: not checked (it carries no parity reference)"
+    )

@@ -29,6 +29,7 @@ from gateway.settings import GatewaySettings
 from inference.settings import InferenceSettings
 from lorastack import pidfile as pidfile_mod
 from lorastack.errors import NotFound, Refused
+from lorastack.parity import describe
 from lorastack.settings import CommonSettings, child_env
 
 # the services' own defaults
@@ -131,20 +132,9 @@ def parity_lines(supervisor_url: str) -> list[str]:
     lines = []
     if dtype := body.get("dtype"):
         lines.append(f"served in {dtype['served']}: {dtype['why']}")
-    for name, v in (body.get("parity") or {}).items():
-        if v.get("ok") is None:
-            why = v.get("error") or "it carries no parity reference"
-            lines.append(f"parity {name}: not checked ({why})")
-            continue
-        verdict = (
-            "pass" if v["ok"] else f"FAIL ({'refused' if v['policy'] == 'refuse' else 'warned'})"
-        )
-        lines.append(
-            f"parity {name}: {verdict}; top-1 {v['top1_agreement']:.1%} of {v['positions']} tokens,"
-            f" max |Δ log-prob| {v['max_abs_logprob_delta']:.3f},"
-            f" greedy identical {v['greedy_identical']}/{v['probes']} ({v['precision']})"
-        )
-        lines += [f"  {problem}" for problem in v["problems"]]
+    for record in (body.get("parity") or {}).values():
+        lines.append(describe(record))
+        lines += [f"  {problem}" for problem in record.get("problems", [])]
     return lines
 
 

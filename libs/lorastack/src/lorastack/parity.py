@@ -189,13 +189,25 @@ class Verdict:
         }
 
     def summary(self) -> str:
-        """One line: the verdict and its numbers."""
-        state = "pass" if self.ok else ("FAIL (refused)" if self.policy == "refuse" else "FAIL")
-        return (
-            f"parity {self.model}: {state}; top-1 {self.top1_agreement:.1%} of "
-            f"{self.positions} tokens, max |Δ log-prob| {self.max_abs_logprob_delta:.3f}, "
-            f"greedy identical {self.greedy_identical}/{self.probes} ({self.precision})"
-        )
+        """One line: the verdict and its numbers (`describe`)."""
+        return describe(self.as_dict())
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line of a verdict as /status shows it (Verdict.as_dict), or why none was made."""
+    name = record["model"]
+    if record.get("ok") is None:
+        why = record.get("error") or "it carries no parity reference"
+        return f"parity {name}: not checked ({why})"
+    if record["ok"]:
+        state = "pass"
+    else:
+        state = "FAIL (refused)" if record["policy"] == "refuse" else "FAIL (warned)"
+    return (
+        f"parity {name}: {state}; top-1 {record['top1_agreement']:.1%} of "
+        f"{record['positions']} tokens, max |Δ log-prob| {record['max_abs_logprob_delta']:.3f}, "
+        f"greedy identical {record['greedy_identical']}/{record['probes']} ({record['precision']})"
+    )
 
 
 def judge(
