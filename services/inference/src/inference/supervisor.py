@@ -37,7 +37,6 @@ from inference import parity, vllm_api
 from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
 from inference.chat_format import ChatFormat, check_adapter, vllm_flags
 from inference.engine import VllmServer
-from inference.engine_log import RootCause
 from inference.errors import EngineFailed
 from inference.kv_cache import (
     KvEstimate,
@@ -46,7 +45,7 @@ from inference.kv_cache import (
     parse_kv_log,
 )
 from inference.kv_report import KV_LOG_FORMAT, kv_comparison, kv_log_line
-from inference.restarts import ExitRecord, backoff_delay, read_exit, same_cause_run
+from inference.restarts import RestartHistory, backoff_delay
 from inference.settings import InferenceSettings
 from inference.status_report import status_body
 from lorastack.errors import Conflict, NotFound, Refused
@@ -89,15 +88,11 @@ class Supervisor:
         self.server: VllmServer | None = None
         self.state = "created"
         self.ready = False
-        self.restarts = 0  # starts after the first
-        self.failures = 0  # consecutive starts that did not reach ready
+        self.history = RestartHistory()  # restarts, failed starts, exits, root cause
         self.started_at = 0.0  # unix time of the current start
         self.last_error = ""
-        self.exits: list[ExitRecord] = []  # newest last, at most 10
         self.vllm_kv: VllmKvReport | None = None
         self.vllm_cache_config: dict[str, str] | None = None
-        self.root_cause: RootCause | None = None  # of the last exit
-        self.same_failures = 0  # failed starts in a row with that same root cause
         self.parity = parity.ParityChecks(
             settings.parity, served_dtype=plan.dtype, api_key=self._vllm_key
         )
@@ -182,7 +177,7 @@ class Supervisor:
                 with self._lock:
                     if self._stop.is_set():
                         break
-                    self.failures, self.same_failures = 0, 0
+                    self.history.reached_ready()
                     if refused:
                         self.state, self.last_error = "refused", refused
                     else:
@@ -199,58 +194,28 @@ class Supervisor:
             if self._stop.is_set():
                 server.stop()
                 break
-            cause = self._record_exit(server)
+            cause = self.history.record_exit(server, self.started_at, self.settings.log_tail_lines)
             server.stop()
             with self._lock:
-                self.failures += 1
-                if self._give_up(cause):
+                self.ready = False
+                if cause is not None:
+                    self.last_error = (
+                        f"vLLM exited (status {self.history.exits[-1].returncode}): {cause}"
+                    )
+                limit = self.settings.max_identical_failures
+                if reason := self.history.give_up(cause, limit):
+                    self.state, self.last_error = "failed", reason
                     break
-                self.restarts += 1
                 self.state = "restarting"
             delay = backoff_delay(
-                self.failures, self.settings.restart_backoff_s, self.settings.restart_backoff_max_s
+                self.history.failures,
+                self.settings.restart_backoff_s,
+                self.settings.restart_backoff_max_s,
             )
-            log.warning("restarting vLLM in %.1f s (restart %d)", delay, self.restarts)
+            log.warning("restarting vLLM in %.1f s (restart %d)", delay, self.history.restarts)
             self._stop.wait(delay)
         with self._lock:
             self.ready = False
-
-    def _record_exit(self, server: VllmServer) -> RootCause | None:
-        record, cause = read_exit(server, self.started_at, self.settings.log_tail_lines)
-        tail = record.log_tail
-        with self._lock:
-            self.ready = False
-            self.exits = [*self.exits[-9:], record]
-            if cause is not None:
-                self.root_cause = cause
-                self.last_error = f"vLLM exited (status {record.returncode}): {cause}"
-        log.warning(
-            "vLLM exited (status %s) after %.0f s; last lines:\n%s",
-            record.returncode,
-            record.uptime_s,
-            "\n".join(tail[-10:]),
-        )
-        if cause is not None:
-            log.error("vLLM's root cause (%s): %s; %s", cause.process or "vLLM", cause, cause.hint)
-        return cause
-
-    def _give_up(self, cause: RootCause | None) -> bool:
-        """Count a failed start; True (state `failed`) once `max_identical_failures` in a
-        row died of the same cause. Called with the lock held."""
-        previous = self.exits[-2].root_cause if len(self.exits) >= 2 else None
-        self.same_failures = same_cause_run(previous, cause, self.same_failures)
-        limit = self.settings.max_identical_failures
-        if cause is None or self.same_failures < limit:
-            return False
-        self.state, self.ready = "failed", False
-        self.last_error = f"vLLM failed {limit} times in a row: {cause}"
-        log.error(
-            "vLLM failed %d times in a row with the same root cause, %s: not restarting it (%s)",
-            limit,
-            cause,
-            cause.hint,
-        )
-        return True
 
     def _read_vllm_figures(self, server: VllmServer) -> None:
         report = parse_kv_log(server.read_log())
@@ -406,7 +371,7 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         with self._lock:
             server = self.server
-            exits = list(self.exits)
+            exits = list(self.history.exits)
             state, ready = self.state, self.ready
         return status_body(
             state=state,
@@ -418,9 +383,9 @@ class Supervisor:
             chat_format=self.plan.chat.describe(),
             server=server,
             started_at=self.started_at,
-            restarts=self.restarts,
+            restarts=self.history.restarts,
             last_error=self.last_error,
-            root_cause=self.root_cause,
+            root_cause=self.history.root_cause,
             last_exit=exits[-1] if exits else None,
             kv_cache=self.kv_comparison(),
             log_tail_lines=self.settings.log_tail_lines,
