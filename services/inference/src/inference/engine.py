@@ -123,6 +123,7 @@ class VllmServer:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.platform: Platform = platform or detect_platform()
         self.log_path = self.workdir / "vllm.log"
+        self.pid_path = self.workdir / "vllm.pid"
         self.starts = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -178,12 +179,12 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             VLLM_DO_NOT_TRACK="1",
         )
-        if self.platform == "cpu" and float(self.kv_cache_gib).is_integer():
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # GiB
         if self.platform == "cpu":
-            # vLLM runs eager on CPU, but its sampler still torch.compiles a helper for any
-            # request that asks for logprobs (the parity check does), and inductor needs a C++
-            # compiler that the serving image does not carry: the engine would die. Eager.
+            if float(self.kv_cache_gib).is_integer():
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # GiB
+            # vLLM's sampler torch.compiles a helper for any request that asks for logprobs
+            # (the parity check does), and inductor needs a C++ compiler that the serving
+            # image does not carry: the engine would die
             env.setdefault("TORCHDYNAMO_DISABLE", "1")
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -239,9 +240,6 @@ class VllmServer:
         )
         self.starts += 1
 
-    @property
-    def pid_path(self) -> Path:
-        return self.workdir / "vllm.pid"
 
     def stop_leftover(self, grace_s: float = 10.0) -> bool:
         """End the vLLM group a killed supervisor left running from this workdir. The pid
@@ -384,10 +382,9 @@ class VllmServer:
         return "\n".join(line.decode("utf-8", "replace") for line in lines)
 
     def read_log(self) -> str:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
+        return ""
 
     def __enter__(self) -> VllmServer:
         self.start()
