@@ -7,8 +7,8 @@ here, before anything starts. Each process runs in its own session (so `down`
 stops vLLM's engine processes too), logs to HOME/logs/<name>.log and leaves its pid, create
 time and command line in HOME/run/<name>.pid (`lorastack.pidfile`): `down`, `up` and `status`
 act on that pid only while it is still the process we started; a stale or reused pid is
-reported, its file removed, and nothing is signalled. `up` returns once each service
-answers /ready.
+reported, its file removed, and nothing is signalled. `up` starts the services together
+and returns once each answers /ready.
 """
 
 from __future__ import annotations
@@ -145,13 +145,14 @@ def tail(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
-def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
+def launch(settings: CommonSettings, svc: Service) -> subprocess.Popen[bytes] | None:
+    """Start the service's process; None when it already runs and answers /ready."""
     pidfile, logfile = _paths(settings, svc.name)
     if (running := _ours(pidfile).process) is not None:
         pid = running.pid
         if is_ready(svc.ready_url):
             print(f"  {svc.name} already running (pid {pid})", flush=True)
-            return
+            return None
         raise Refused(
             f"{svc.name} runs (pid {pid}) but is not ready",
             f"wait, or 'lorastack down' first; log: {logfile}",
@@ -170,7 +171,19 @@ def start(settings: CommonSettings, svc: Service, timeout_s: float) -> None:
         )
     pidfile_mod.write_pidfile(pidfile, proc.pid)  # None when it already exited: see below
     print(f"  {svc.name}: pid {proc.pid}, log {logfile}", flush=True)
-    started = time.monotonic()
+    return proc
+
+
+def wait_ready(
+    settings: CommonSettings,
+    svc: Service,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float,
+    started: float,
+) -> None:
+    """Block until the launched service answers /ready (`started`: its launch, monotonic);
+    stop it and raise Refused, with its log's tail, when it exits, gives up or times out."""
+    pidfile, logfile = _paths(settings, svc.name)
     last_note = started
     while not is_ready(svc.ready_url):
         if proc.poll() is not None:
@@ -223,8 +236,20 @@ def up(
             "give a serve YAML (services/inference/README.md), or run 'lorastack demo'",
         )
     svcs = services(settings, serve_config, gateway_port)
-    for svc in svcs:
-        start(settings, svc, timeout_s)
+    # all at once: the gateway starts (imports, tokenizers) while vLLM loads, and answers
+    # /ready once its backend does
+    started = time.monotonic()
+    launched: list[tuple[Service, subprocess.Popen[bytes]]] = []
+    try:
+        for svc in svcs:
+            if (proc := launch(settings, svc)) is not None:
+                launched.append((svc, proc))
+        for svc, proc in launched:
+            wait_ready(settings, svc, proc, timeout_s, started)
+    except Refused:
+        for svc, _ in launched:  # nothing this call started is left half-up
+            stop(settings, svc.name)
+        raise
     return svcs
 
 
