@@ -28,7 +28,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy/k8s"
-TARGETS = ["deploy/k8s/base", "deploy/k8s/overlays/multi-gpu-training"]
+TARGETS = [
+    "deploy/k8s/base",
+    "deploy/k8s/overlays/multi-gpu-training",
+    "deploy/k8s/overlays/autoscale",
+]
 PLACEHOLDER = re.compile(r"REPLACE_ME\w*")
 
 HOW = {
