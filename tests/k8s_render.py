@@ -32,6 +32,7 @@ TARGETS = [
     "deploy/k8s/base",
     "deploy/k8s/overlays/multi-gpu-training",
     "deploy/k8s/overlays/autoscale",
+    "deploy/k8s/overlays/multi-node-training",
 ]
 PLACEHOLDER = re.compile(r"REPLACE_ME\w*")
 

@@ -27,6 +27,7 @@ COMPOSE_FILES = ("compose.yaml", *OVERRIDES)
 SECRET_WORDS = ("PASSWORD", "SECRET", "KEY", "TOKEN")
 OPTIONAL_SECRETS = {"HF_TOKEN"}  # only gated repos need one: ${HF_TOKEN:-} (empty), no value
 K8S_VERSION = "1.31.0"
+MULTI_NODE = "deploy/k8s/overlays/multi-node-training"
 
 
 LONG_RUNNING = ("minio", "inference", "gateway", "prometheus", "grafana")
@@ -440,6 +441,29 @@ def test_multi_gpu_overlay_runs_torchrun() -> None:
     job = next(d for d in docs if d["kind"] == "Job")
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][0] == "torchrun" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+
+
+def test_multi_node_overlay_runs_torchrun_over_an_indexed_job() -> None:
+    """torchrun's --nnodes is the Job's pod count, its rendezvous endpoint pod 0's name
+    under the headless Service the pods' subdomain names, and it resumes from the store."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(MULTI_NODE)}
+    job = docs[("Job", "trainer")]["spec"]
+    pod = job["template"]["spec"]
+    (c,) = pod["containers"]
+    args = c["args"]
+    flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+    assert job["completionMode"] == "Indexed"
+    assert int(flag["--nnodes"]) == job["completions"] == job["parallelism"]
+    assert int(flag["--nproc-per-node"]) == int(c["resources"]["requests"]["nvidia.com/gpu"])
+    assert flag["--rdzv-backend"] == "c10d" and flag["--resume"] == "auto"
+    host, port = flag["--rdzv-endpoint"].rsplit(":", 1)
+    service = docs[("Service", pod["subdomain"])]["spec"]
+    assert host == f"trainer-0.{pod['subdomain']}"  # an Indexed Job's pod 0
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"]
+    assert service["selector"].items() <= job["template"]["metadata"]["labels"].items()
+    assert int(port) in {p["port"] for p in service["ports"]}
+    policy = docs[("NetworkPolicy", "trainer-nodes")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == service["selector"]
 
 
 def settings_fields() -> set[str]:

@@ -37,6 +37,7 @@ FOLDERS = [
     "deploy/k8s/base",
     "deploy/k8s/overlays/multi-gpu-training",
     "deploy/k8s/overlays/autoscale",
+    "deploy/k8s/overlays/multi-node-training",
 ]
 
 
