@@ -28,7 +28,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy/k8s"
-TARGETS = ["deploy/k8s/base", "deploy/k8s/overlays/multi-gpu-training"]
+TARGETS = [
+    "deploy/k8s/base",
+    "deploy/k8s/overlays/multi-gpu-training",
+    "deploy/k8s/overlays/autoscale",
+    "deploy/k8s/overlays/multi-node-training",
+]
 PLACEHOLDER = re.compile(r"REPLACE_ME\w*")
 
 HOW = {

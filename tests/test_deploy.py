@@ -6,6 +6,7 @@ Prometheus configuration with promtool, and the Kubernetes manifests rendered by
 
 from __future__ import annotations
 
+import inspect
 import re
 import secrets
 import shutil
@@ -26,6 +27,7 @@ COMPOSE_FILES = ("compose.yaml", *OVERRIDES)
 SECRET_WORDS = ("PASSWORD", "SECRET", "KEY", "TOKEN")
 OPTIONAL_SECRETS = {"HF_TOKEN"}  # only gated repos need one: ${HF_TOKEN:-} (empty), no value
 K8S_VERSION = "1.31.0"
+MULTI_NODE = "deploy/k8s/overlays/multi-node-training"
 
 
 LONG_RUNNING = ("minio", "inference", "gateway", "prometheus", "grafana")
@@ -346,18 +348,92 @@ def test_k8s_manifests_render_and_validate(folder: str) -> None:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
 
 
-def test_k8s_gateway_lists_every_inference_replica_and_gpus_are_requested() -> None:
+def test_k8s_gateway_follows_the_inference_replicas_and_gpus_are_requested() -> None:
+    """The gateway finds the replicas by the headless Service's DNS name and port, so a
+    scaled StatefulSet needs no change to the gateway."""
     docs = {(d["kind"], d["metadata"]["name"]): d for d in render("deploy/k8s/base")}
     sts = docs[("StatefulSet", "inference")]
-    replicas = sts["spec"]["replicas"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    service = docs[("Service", sts["spec"]["serviceName"])]
+    assert service["spec"]["clusterIP"] == "None"  # headless: one A record per ready pod
+    assert not service["spec"].get("publishNotReadyAddresses")
     gw = docs[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
-    backends = yaml.safe_load(
-        next(e["value"] for e in gw["env"] if e["name"] == "LORASTACK_BACKENDS")
-    )
-    assert backends == [f"http://inference-{i}.inference:8000" for i in range(replicas)]
+    env = {e["name"]: e.get("value") for e in gw["env"]}
+    assert "LORASTACK_BACKENDS" not in env
+    name, port = env["LORASTACK_BACKENDS_DNS"].rsplit(":", 1)
+    assert name.split(".")[0] == service["metadata"]["name"]
+    openai = next(p for p in service["spec"]["ports"] if p["name"] == "openai")
+    assert int(port) == openai["port"]
+
+
+def _seconds(env: list[dict[str, Any]], name: str) -> float:
+    return float(next(e["value"] for e in env if e["name"] == name))
+
+
+def test_k8s_a_leaving_inference_replica_drains_within_its_grace_period() -> None:
+    """preStop outlasts the gateways' DNS lookup interval plus the record's TTL (so no new
+    request comes once SIGTERM arrives), and the grace period holds preStop + the
+    supervisor's drain + vLLM's stop."""
+    from inference.engine import VllmServer
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("deploy/k8s/base")}
+    pod = docs[("StatefulSet", "inference")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = _seconds(container["env"], "LORASTACK_DRAIN_TIMEOUT_S")
+    stop_grace = inspect.signature(VllmServer.stop).parameters["grace_s"].default
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + stop_grace
+    gw = docs[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
+    interval = _seconds(gw["env"], "LORASTACK_BACKENDS_DNS_INTERVAL_S")
+    dns_ttl_s = 5  # CoreDNS's TTL of a headless Service's records (its default)
+    assert pre_stop > interval + dns_ttl_s
+
+
+def test_k8s_disruption_budgets_cover_gateway_and_inference() -> None:
+    docs = render("deploy/k8s/base")
+    budgets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    workloads = {
+        d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    for name in ("gateway", "inference"):
+        labels = workloads[name]["spec"]["template"]["metadata"]["labels"]
+        selector = budgets[name]["selector"]["matchLabels"]
+        assert selector.items() <= labels.items(), f"{name}'s budget selects no pod of it"
+    assert budgets["gateway"]["minAvailable"] < workloads["gateway"]["spec"]["replicas"]
+    assert budgets["inference"]["maxUnavailable"] == 1
+
+
+def test_k8s_autoscale_overlay_scales_inference_on_the_gateways_metrics() -> None:
+    """The HPA scales the StatefulSet within bounds that leave a replica to drain, scales
+    down slower than up, and every series its adapter rules query is one the gateway
+    exports (a renamed metric would leave the HPA without data, silently)."""
+    from gateway.discovery import DiscoveryMetrics
+    from gateway.metrics import GatewayMetrics
+
+    docs = render("deploy/k8s/overlays/autoscale")
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    spec = hpa["spec"]
+    target = spec["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("StatefulSet", "inference")
+    assert 2 <= spec["minReplicas"] < spec["maxReplicas"]
+    down, up = spec["behavior"]["scaleDown"], spec["behavior"]["scaleUp"]
+    assert down["stabilizationWindowSeconds"] >= 300 > up["stabilizationWindowSeconds"]
+    assert all(p["value"] == 1 for p in down["policies"])  # one replica drains at a time
+    (rules,) = [d for d in docs if d["metadata"]["name"] == "prometheus-adapter-rules"]
+    rules_list = yaml.safe_load(rules["data"]["rules.yaml"])
+    served = {r["name"]["as"] for r in rules_list}
+    assert {m["external"]["metric"]["name"] for m in spec["metrics"]} <= served
+    metrics = GatewayMetrics()
+    DiscoveryMetrics(metrics)
+    exported = {m.name for m in metrics.registry.collect()}
+    queried = {
+        name
+        for r in rules_list
+        for name in re.findall(r"\b(lorastack_[a-z_]+)\b", r["metricsQuery"] + r["seriesQuery"])
+    }
+    assert queried and queried <= exported, sorted(queried - exported)
 
 
 def test_multi_gpu_overlay_runs_torchrun() -> None:
@@ -365,6 +441,29 @@ def test_multi_gpu_overlay_runs_torchrun() -> None:
     job = next(d for d in docs if d["kind"] == "Job")
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][0] == "torchrun" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+
+
+def test_multi_node_overlay_runs_torchrun_over_an_indexed_job() -> None:
+    """torchrun's --nnodes is the Job's pod count, its rendezvous endpoint pod 0's name
+    under the headless Service the pods' subdomain names, and it resumes from the store."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(MULTI_NODE)}
+    job = docs[("Job", "trainer")]["spec"]
+    pod = job["template"]["spec"]
+    (c,) = pod["containers"]
+    args = c["args"]
+    flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+    assert job["completionMode"] == "Indexed"
+    assert int(flag["--nnodes"]) == job["completions"] == job["parallelism"]
+    assert int(flag["--nproc-per-node"]) == int(c["resources"]["requests"]["nvidia.com/gpu"])
+    assert flag["--rdzv-backend"] == "c10d" and flag["--resume"] == "auto"
+    host, port = flag["--rdzv-endpoint"].rsplit(":", 1)
+    service = docs[("Service", pod["subdomain"])]["spec"]
+    assert host == f"trainer-0.{pod['subdomain']}"  # an Indexed Job's pod 0
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"]
+    assert service["selector"].items() <= job["template"]["metadata"]["labels"].items()
+    assert int(port) in {p["port"] for p in service["ports"]}
+    policy = docs[("NetworkPolicy", "trainer-nodes")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == service["selector"]
 
 
 def settings_fields() -> set[str]:

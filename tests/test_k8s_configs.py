@@ -33,7 +33,12 @@ from lorastack_testing.net import free_port
 from lorastack_testing.redis_server import redis_binary, require_redis_server
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ["deploy/k8s/base", "deploy/k8s/overlays/multi-gpu-training"]
+FOLDERS = [
+    "deploy/k8s/base",
+    "deploy/k8s/overlays/multi-gpu-training",
+    "deploy/k8s/overlays/autoscale",
+    "deploy/k8s/overlays/multi-node-training",
+]
 
 
 def secret_data(secret: dict[str, Any]) -> dict[str, str]:

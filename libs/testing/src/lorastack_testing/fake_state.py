@@ -8,6 +8,7 @@ and the upper-case test task that the evaluation tests score live here beside th
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class FakeState:
     fail_count: int = 0  # ... to this many requests, then serve normally
     fail_every: int = 0  # answer every Nth completion request with HTTP 500 (0: never)
     die_after_tokens: int | None = None  # kill the connection after this many tokens
+    hold: threading.Event | None = None  # set: streams wait for it after their first token
     prompt_tokens: int | None = 10  # what usage reports; None: the prompt's words
     send_usage: bool = True  # honour stream_options.include_usage
     embeds: bool = False  # serve /v1/embeddings (an embedding model)

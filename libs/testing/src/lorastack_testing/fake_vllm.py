@@ -23,6 +23,8 @@ text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a
                 loaded is refused (400) unless `load_inplace`, an unknown unload is 404
     embeddings  `embeds`: /v1/embeddings answers a 4-float vector per input (float or
                 base64, as the `openai` client asks); unset, the route is a 404
+    hold        `hold` (a threading.Event): each stream waits for it after its first token,
+                so a test decides when open streams end
     failures    an HTTP error before the first byte (`fail_status` for `fail_count`
                 requests, or every `fail_every`th), a connection that dies mid-stream
     metrics     the gauges set in the state, plus the requests generating and waiting now;
@@ -291,6 +293,8 @@ class FakeVLLM:
                     more = {"type": "http.response.body", "body": b"".join(events)}
                     await send(more | {"more_body": True})
                     events = []
+                    if i == 0 and s.hold is not None:  # the test says when the rest comes
+                        await asyncio.to_thread(s.hold.wait)
             tail = b""
             wants_usage = (body.get("stream_options") or {}).get("include_usage")
             if wants_usage and s.send_usage:
@@ -340,9 +344,9 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def serve_fake(state: FakeState, port: int = 0) -> Iterator[str]:
+def serve_fake(state: FakeState, port: int = 0, host: str = "127.0.0.1") -> Iterator[str]:
     """`with serve_fake(state) as url:` the fake on loopback; `state` stays live."""
-    with serve_in_thread(FakeVLLM(state), port) as url:
+    with serve_in_thread(FakeVLLM(state), port, host) as url:
         yield url
 
 

@@ -31,12 +31,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, port: int = 0) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on 127.0.0.1:port (0: any free one) in a thread;
-    yields its base URL and stops the server on exit."""
+def serve_in_thread(app: Any, port: int = 0, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run an ASGI app with uvicorn on host:port (0: any free one) in a thread; yields its
+    base URL and stops the server on exit (open requests get uvicorn's 2-s graceful
+    shutdown, as a replica's server has at SIGTERM). `host` may be any 127.0.0.0/8 address
+    (Linux routes them all to loopback): replicas on one port, told apart by address."""
     config = uvicorn.Config(
         app,
-        host="127.0.0.1",
+        host=host,
         port=port,
         log_level="critical",
         lifespan="on",
@@ -52,7 +54,7 @@ def serve_in_thread(app: Any, port: int = 0) -> Iterator[str]:
         time.sleep(0.01)
     bound = int(server.servers[0].sockets[0].getsockname()[1]) if port == 0 else port
     try:
-        yield f"http://127.0.0.1:{bound}"
+        yield f"http://{host}:{bound}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

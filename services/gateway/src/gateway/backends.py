@@ -6,6 +6,10 @@ answers again. The model catalog is the union of the models of the backends that
 up. Tokenizers of newly seen base models are loaded in a worker thread here, so the
 first request does not pay for it.
 
+With `backends_dns` the set of backends follows DNS (discovery.py adds them, and drains
+the ones that leave: a draining backend is neither scraped nor routed to, and its open
+requests finish); otherwise it is the fixed `backends` list.
+
 Owns: backend state, the model catalog, tokenizer lookup per model (and asks
 `declared.py` whether a model no backend lists is a declared adapter being loaded).
 Does not own: scoring (routing.py), parsing (scrape.py), proxying (upstream.py).
@@ -24,6 +28,7 @@ import anyio
 import httpx
 
 from gateway.declared import DeclaredAdapters
+from gateway.discovery import DnsFollower
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -50,6 +55,7 @@ class BackendState:
     max_num_seqs: int | None = None  # vLLM's running slots (configured: /metrics lacks it)
     sent_at_scrape: int = 0  # the gateway's sent count when the last good scrape began
     embeds: bool | None = None  # serves /v1/embeddings; None = not probed since it came up
+    draining: bool = False  # left backends_dns: no new request, open ones finish
 
 
 class Backends:
@@ -73,6 +79,7 @@ class Backends:
         self.inflight = InflightCounter()
         self.last_refresh = 0.0  # monotonic seconds
         self._refresh_lock = asyncio.Lock()
+        self.follower = DnsFollower(settings, self, metrics) if settings.backends_dns else None
 
     # --- refresh -------------------------------------------------------------
     async def _scrape_one(self, st: BackendState) -> None:
@@ -89,6 +96,8 @@ class Backends:
             if st.up or st.error == "not scraped yet":
                 log.warning("backend %s is down: %s", st.url, e)
             st.up, st.error, st.embeds = False, f"{type(e).__name__}: {e}", None
+        if self.states.get(st.url) is not st:
+            return  # forgotten while it was scraped: leave no series behind
         self.metrics.mirror_backend(st.url, st.up, st.metrics if st.up else None)
 
     async def refresh(self) -> None:
@@ -97,7 +106,9 @@ class Backends:
         async with self._refresh_lock:
             if self.last_refresh >= asked:
                 return  # another caller refreshed while this one waited
-            await asyncio.gather(*(self._scrape_one(st) for st in self.states.values()))
+            await asyncio.gather(
+                *(self._scrape_one(st) for st in self.states.values() if not st.draining)
+            )
             self.last_refresh = time.monotonic()
             await self.declared.refresh()
             for info in self.catalog().values():
@@ -110,19 +121,36 @@ class Backends:
                         log.error("tokenizer for %s: %s (retried later)", info.id, e)
 
     async def run(self) -> None:
-        """The background loop; cancelled when the app stops."""
-        while True:
-            try:
-                await self.refresh()
-            except Exception:  # keep refreshing whatever one round did
-                log.exception("backend refresh failed")
-            await asyncio.sleep(self.settings.scrape_interval_s)
+        """The background loop (and the DNS follower's); cancelled when the app stops."""
+        follow = asyncio.create_task(self.follower.run()) if self.follower else None
+        try:
+            while True:
+                try:
+                    await self.refresh()
+                except Exception:  # keep refreshing whatever one round did
+                    log.exception("backend refresh failed")
+                await asyncio.sleep(self.settings.scrape_interval_s)
+        finally:
+            if follow is not None:
+                follow.cancel()
+
+    # --- membership (discovery.py, with backends_dns) -----------------------------
+    async def add(self, url: str, max_num_seqs: int | None) -> None:
+        """A replica that appeared: scraped at once, routed to once that answers."""
+        st = self.states[url] = BackendState(url, max_num_seqs=max_num_seqs)
+        await self._scrape_one(st)
+
+    def forget(self, url: str) -> None:
+        """Drop a drained backend (nothing is open on it any more)."""
+        self.states.pop(url, None)
+        for table in (self.inflight.counts, self.inflight.sent, self.inflight.tokens):
+            table.pop(url, None)
 
     # --- lookups -------------------------------------------------------------
     def catalog(self) -> dict[str, ModelInfo]:
         out: dict[str, ModelInfo] = {}
         for st in self.states.values():
-            if st.up:
+            if st.up and not st.draining:
                 for mid, info in st.models.items():
                     out.setdefault(mid, info)
         return out
@@ -137,6 +165,8 @@ class Backends:
             info = self.catalog().get(name)
         if info is None and not any(st.up for st in self.states.values()):
             down = "; ".join(f"{st.url}: {st.error}" for st in self.states.values())
+            if self.follower is not None and not self.states:
+                down = f"no replica found at {self.settings.backends_dns}"
             raise UpstreamUnavailable(
                 f"no backend is up, so no model is served ({down[:500]})",
                 "retry later; check the inference service",
@@ -233,7 +263,7 @@ class Backends:
             out.append(
                 BackendView(
                     url=st.url,
-                    healthy=st.up,
+                    healthy=st.up and not st.draining,
                     models=frozenset(st.models),
                     kv_usage=m.kv_usage,
                     running=m.running,

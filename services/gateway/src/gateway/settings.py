@@ -44,7 +44,24 @@ class GatewaySettings(CommonSettings):
     port: int = Field(8080, ge=1, le=65535)
     backends: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"],
-        description="vLLM base URLs (without /v1)",
+        description="vLLM base URLs (without /v1); a fixed list (compose). With backends_dns"
+        " the replicas are found by DNS instead and this must stay unset",
+    )
+    backends_dns: str | None = Field(
+        None,
+        description="NAME:PORT of a headless Service (e.g."
+        " inference.lorastack.svc.cluster.local:8000): every A record of NAME is a backend"
+        " http://ADDRESS:PORT, looked up every backends_dns_interval_s; a replica is added"
+        " when it appears and answers, drained (no new request, open ones finish) when it"
+        " goes (discovery.py)",
+    )
+    backends_dns_interval_s: float = Field(
+        5.0, gt=0, le=300, description="seconds between lookups of backends_dns"
+    )
+    backends_dns_nameserver: str | None = Field(
+        None,
+        description="IP[:PORT] of the DNS server to ask for backends_dns; unset: the system's"
+        " (/etc/resolv.conf, the cluster's DNS in a pod)",
     )
     tokenizers: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
@@ -200,6 +217,40 @@ class GatewaySettings(CommonSettings):
         # a URL may hold "=" (a query): the value follows the last one
         return _split_map(v, "backend_max_num_seqs must be JSON or url=N,url=N", last=True)
 
+    @field_validator("backends_dns")
+    @classmethod
+    def _dns_target(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            return None
+        if v is not None:
+            dns_target(v)  # raises ValueError naming the form
+        return v
+
+    @field_validator("backends_dns_nameserver")
+    @classmethod
+    def _nameserver(cls, v: str | None) -> str | None:
+        if v is not None and v.strip():
+            nameserver(v)
+            return v.strip()
+        return None
+
+    @model_validator(mode="after")
+    def _static_or_dns(self) -> GatewaySettings:
+        if self.backends_dns is None:
+            return self
+        if "backends" in self.model_fields_set:
+            raise ValueError(
+                "backends and backends_dns are both set: use backends_dns (replicas found by"
+                " DNS) or backends (a fixed list), not both"
+            )
+        if self.backend_max_num_seqs:
+            raise ValueError(
+                "backend_max_num_seqs names URLs, which backends_dns does not know in advance:"
+                " set serve_config (its max_num_seqs holds for every replica) instead"
+            )
+        self.backends = []  # found at run time
+        return self
+
     @model_validator(mode="after")
     def _slots_of_backends(self) -> GatewaySettings:
         slots = {_base_url(u): n for u, n in self.backend_max_num_seqs.items()}
@@ -310,6 +361,41 @@ def _split_map(v: Any, form: str, *, last: bool = False) -> Any:
     if any(len(p) != 2 for p in pairs):
         raise ValueError(form)
     return {k.strip(): val.strip() for k, val in pairs}
+
+
+def dns_target(value: str) -> tuple[str, int]:
+    """(name, port) of a `backends_dns` value NAME:PORT; ValueError saying the form."""
+    name, sep, port = value.strip().rpartition(":")
+    if not sep or not name or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"backends_dns {value!r} must be NAME:PORT, e.g."
+            " inference.lorastack.svc.cluster.local:8000"
+        )
+    return name.rstrip("."), int(port)
+
+
+def nameserver(value: str) -> tuple[str, int]:
+    """(IP, port) of a `backends_dns_nameserver` value IP[:PORT] (port 53 by default)."""
+    host, _, port = value.strip().rpartition(":")
+    if _is_ip(value.strip().strip("[]")):  # no port (an IPv6 address holds ':' itself)
+        host, port = value.strip(), "53"
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ValueError(
+            f"backends_dns_nameserver {value!r} must be IP[:PORT], e.g. 10.96.0.10:53"
+        ) from None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"backends_dns_nameserver {value!r}: the port must be 1..65535")
+    return host.strip("[]"), int(port)
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _base_url(url: str) -> str:

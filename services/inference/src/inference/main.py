@@ -213,6 +213,9 @@ def create_app(
         try:
             yield
         finally:
+            # SIGTERM: let open requests end (the pod's preStop delay has already let the
+            # gateways stop sending new ones), then stop vLLM
+            await anyio.to_thread.run_sync(supervisor.drain, settings.drain_timeout_s)
             reconciler.stop()
             follower.stop()
             supervisor.stop()

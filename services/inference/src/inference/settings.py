@@ -117,6 +117,14 @@ class InferenceSettings(CommonSettings):
         description="starts in a row that die of the same root cause before the supervisor"
         " stops restarting vLLM (state `failed`, the cause on /status)",
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="at shutdown (SIGTERM), seconds to wait for vLLM's running and waiting"
+        " requests to end before it is stopped; /ready answers 503 meanwhile. Keep it below"
+        " the pod's terminationGracePeriodSeconds less its preStop delay; 0 = stop at once",
+    )
     log_tail_lines: int = Field(50, ge=1, le=2000, description="vLLM log lines kept on /status")
     extra_vllm_args: list[str] = Field(default_factory=list, description="passed to vLLM as is")
 

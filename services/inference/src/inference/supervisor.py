@@ -5,6 +5,7 @@ or metric names (metrics.py). One background thread runs the loop:
 
     starting -> warming -> ready --(vLLM exits)--> restarting --(backoff)--> starting ...
                        `-> refused (the served model contradicts its parity reference)
+    any --(SIGTERM)--> draining (not ready; vLLM's open requests end) -> stopping -> stopped
 
 `ready` is true only after vLLM answered /v1/models AND a warm-up completion AND what it
 serves passed its parity check (inference.parity: the reference recorded where the model
@@ -83,6 +84,7 @@ class Supervisor:
         self._factory = server_factory
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._draining = threading.Event()  # shutting down: never ready again
         self._thread: threading.Thread | None = None
         self._adapters: dict[str, ServedAdapter] = {a.served_name: a for a in plan.adapters}
         self.server: VllmServer | None = None
@@ -102,6 +104,28 @@ class Supervisor:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="vllm-supervisor", daemon=True)
         self._thread.start()
+
+    def drain(self, timeout_s: float, poll_s: float = 0.2) -> bool:
+        """Not ready any more (state `draining`: the readiness probe fails and the headless
+        Service stops listing this replica), then wait until vLLM runs and queues nothing,
+        at most `timeout_s` seconds. True when it emptied (or no vLLM runs)."""
+        with self._lock:
+            self._draining.set()
+            self.ready = False
+            self.state = "draining"
+            server = self.server
+        if server is None or not server.running:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while (busy := vllm_api.busy_requests(vllm_api.get_metrics(server.base_url))) > 0:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "drain: %d request(s) still open after %.0f s; stopping", busy, timeout_s
+                )
+                return False
+            time.sleep(poll_s)
+        log.info("drain: no request open; stopping vLLM")
+        return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -175,7 +199,7 @@ class Supervisor:
                 self._read_vllm_figures(server)
                 refused = self._check_served_parity(server)
                 with self._lock:
-                    if self._stop.is_set():
+                    if self._stop.is_set() or self._draining.is_set():
                         break
                     self.history.reached_ready()
                     if refused:

@@ -66,6 +66,23 @@ def get_metrics(base_url: str, timeout_s: float = 5.0) -> str:
     return r.text if r.status_code == 200 else ""
 
 
+BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def busy_requests(metrics_text: str) -> int:
+    """Requests vLLM runs or queues now, from its /metrics text (summed over engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return int(
+        sum(
+            s.value
+            for family in text_string_to_metric_families(metrics_text)
+            for s in family.samples
+            if s.name in BUSY_METRICS
+        )
+    )
+
+
 def load_lora(
     base_url: str,
     served_name: str,

@@ -1,0 +1,215 @@
+"""Backends found by DNS: the replicas behind a headless Service, followed as they come and go.
+
+Kubernetes publishes a headless Service (`clusterIP: None`) as one A record per *ready* pod
+(`publishNotReadyAddresses` is false by default): a pod whose readiness probe fails, or
+that is being deleted, leaves the answer. Every `backends_dns_interval_s` the follower
+looks the name up and compares the addresses with the backends it knows
+(`plan_membership`):
+
+    appeared   added, and scraped at once; routed to once its /v1/models and /metrics
+               answer (as a static backend is)
+    gone       drained: routing sends it nothing new, its open requests finish on their
+               own connections, and once none is open it is forgotten (its metric series
+               too, so sums over backends count only the live ones)
+    back       a draining backend that reappears (its readiness flapped) serves again
+
+A failed lookup (timeout, SERVFAIL) changes nothing: a DNS outage must not empty the
+gateway. An answer without addresses (NXDOMAIN, no A record) means no replica is ready,
+and drains them all.
+
+Why DNS and not the EndpointSlice API: no RBAC, no Kubernetes client and no service
+account token in the gateway pod (automountServiceAccountToken stays false), and the same
+setting follows any DNS that lists replicas (compose's `--scale` gives several A records).
+The price: a pod's leaving is seen up to one interval late, which the inference pod's
+preStop delay covers (docs/scaling.md).
+
+Owns: the lookup, the membership plan, the discovery metrics.
+Does not own: scraping and the backends' state (backends.py), routing (routing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
+from prometheus_client import Counter, Gauge
+
+from gateway.metrics import UPSTREAM_ERROR_KINDS, GatewayMetrics
+from gateway.settings import GatewaySettings, dns_target, nameserver, served_max_num_seqs
+
+if TYPE_CHECKING:
+    from gateway.backends import Backends
+
+log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 2.0  # seconds, all tries of one lookup together
+
+
+class MembershipPlan(NamedTuple):
+    add: frozenset[str]  # found, not known: add
+    drain: frozenset[str]  # serving, no longer found: stop routing to it
+    resume: frozenset[str]  # draining, found again: route to it again
+
+
+def plan_membership(
+    found: frozenset[str], serving: frozenset[str], draining: frozenset[str]
+) -> MembershipPlan:
+    """What to change so the backends follow what DNS `found` (backend URLs)."""
+    return MembershipPlan(
+        add=found - serving - draining, drain=serving - found, resume=found & draining
+    )
+
+
+def make_resolver(server: str | None) -> dns.asyncresolver.Resolver:
+    """dnspython's resolver: the system's (/etc/resolv.conf, with its search domains and
+    ndots), or one that asks only `server` (IP[:PORT])."""
+    if server is None:
+        resolver = dns.asyncresolver.Resolver()
+    else:
+        host, port = nameserver(server)
+        resolver = dns.asyncresolver.Resolver(configure=False)
+        resolver.nameservers = [host]
+        resolver.port = port
+    resolver.lifetime = LOOKUP_TIMEOUT_S
+    return resolver
+
+
+class DiscoveryMetrics:
+    """The follower's counters, in the gateway's registry."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        r = metrics.registry
+        self.discovered = Counter(
+            "lorastack_gateway_backends_discovered_total",
+            "backends that appeared in backends_dns and were added",
+            registry=r,
+        )
+        self.removed = Counter(
+            "lorastack_gateway_backends_removed_total",
+            "backends that left backends_dns and were forgotten once drained",
+            registry=r,
+        )
+        self.draining = Gauge(
+            "lorastack_gateway_backends_draining",
+            "backends that left backends_dns with requests still open on them",
+            registry=r,
+        )
+        self.drained_requests = Counter(
+            "lorastack_gateway_drained_requests_total",
+            "requests open on a backend when it left backends_dns, let finish on it (one"
+            " its replica broke off is also in lorastack_gateway_upstream_errors_total)",
+            registry=r,
+        )
+        self.lookup_errors = Counter(
+            "lorastack_gateway_dns_lookup_errors_total",
+            "lookups of backends_dns that failed (the backends stayed as they were)",
+            registry=r,
+        )
+
+
+def forget_series(metrics: GatewayMetrics, url: str) -> None:
+    """Drop a forgotten backend's per-backend series (a gauge would keep its last value)."""
+    gauges = (
+        metrics.backend_up,
+        metrics.backend_kv,
+        metrics.backend_running,
+        metrics.backend_waiting,
+        metrics.backend_preemptions,
+        metrics.backend_inflight,
+        metrics.backend_kv_claimed,
+        metrics.backend_kv_capacity,
+    )
+    for gauge in gauges:
+        with contextlib.suppress(KeyError):
+            gauge.remove(url)
+    for kind in UPSTREAM_ERROR_KINDS:
+        with contextlib.suppress(KeyError):
+            metrics.upstream_errors.remove(url, kind)
+
+
+class DnsFollower:
+    """Keeps `backends` equal to the A records of `backends_dns`, draining the ones that go."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        backends: Backends,
+        metrics: GatewayMetrics,
+        resolver: dns.asyncresolver.Resolver | None = None,
+    ) -> None:
+        assert settings.backends_dns is not None
+        self.name, self.port = dns_target(settings.backends_dns)
+        self.interval_s = settings.backends_dns_interval_s
+        self.backends = backends
+        self.metrics = metrics
+        self.counts = DiscoveryMetrics(metrics)
+        self.resolver = resolver or make_resolver(settings.backends_dns_nameserver)
+        # every replica runs the same serve config: its running slots hold for each
+        self.max_num_seqs = (
+            served_max_num_seqs(settings.serve_config) if settings.serve_config else None
+        )
+        self.open_at_drain: dict[str, int] = {}  # url -> requests open when it began draining
+
+    async def lookup(self) -> frozenset[str] | None:
+        """Backend URLs the name resolves to now; None when the lookup failed."""
+        try:
+            answer = await self.resolver.resolve(self.name, "A", search=True)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return frozenset()  # no ready replica
+        except dns.exception.DNSException as e:
+            self.counts.lookup_errors.inc()
+            log.warning("lookup of %s failed (backends kept as they are): %s", self.name, e)
+            return None
+        return frozenset(f"http://{rr.to_text()}:{self.port}" for rr in answer)
+
+    async def sync(self) -> None:
+        """One round: look up, then add, drain, resume and forget as the answer says."""
+        found = await self.lookup()
+        if found is not None:
+            states = self.backends.states
+            draining = frozenset(u for u, st in states.items() if st.draining)
+            plan = plan_membership(found, frozenset(states) - draining, draining)
+            for url in sorted(plan.resume):
+                states[url].draining = False
+                self.open_at_drain.pop(url, None)
+                log.info("backend %s is back in %s", url, self.name)
+            for url in sorted(plan.drain):
+                states[url].draining = True
+                self.open_at_drain[url] = self.backends.inflight.counts.get(url, 0)
+                log.info(
+                    "backend %s left %s: draining (%d open)",
+                    url,
+                    self.name,
+                    self.open_at_drain[url],
+                )
+            self.counts.discovered.inc(len(plan.add))
+            for url in sorted(plan.add):
+                log.info("backend %s found in %s", url, self.name)
+            await asyncio.gather(*(self.backends.add(u, self.max_num_seqs) for u in plan.add))
+        self.forget_drained()
+
+    def forget_drained(self) -> None:
+        """Forget draining backends that have nothing open any more."""
+        for url, st in list(self.backends.states.items()):
+            if st.draining and self.backends.inflight.counts.get(url, 0) <= 0:
+                self.backends.forget(url)
+                forget_series(self.metrics, url)
+                self.counts.removed.inc()
+                self.counts.drained_requests.inc(self.open_at_drain.pop(url, 0))
+                log.info("backend %s drained and forgotten", url)
+        draining = sum(st.draining for st in self.backends.states.values())
+        self.counts.draining.set(draining)
+
+    async def run(self) -> None:
+        """Look up every interval until cancelled (one failed round does not stop it)."""
+        while True:
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("following %s failed this round", self.name)
+            await asyncio.sleep(self.interval_s)
