@@ -240,7 +240,6 @@ class VllmServer:
         )
         self.starts += 1
 
-
     def stop_leftover(self, grace_s: float = 10.0) -> bool:
         """End the vLLM group a killed supervisor left running from this workdir. The pid
         file names the group's leader and the supervisor that started it, each by pid and

@@ -3,20 +3,25 @@ and its cache_config_info metric), as /status and /metrics show it and the log l
 after each start says it.
 
 Owns: that comparison, pure over plain data. Does not own: the estimate and parsing
-vLLM's figures (kv_cache.py), reading them from vLLM (supervisor.py).
+vLLM's figures (kv_cache.py), asking vLLM for them (supervisor.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from inference.kv_cache import (
     KvEstimate,
     VllmKvReport,
+    parse_cache_config_info,
+    parse_kv_log,
     relative_difference,
     tokens_from_cache_config,
 )
+
+log = logging.getLogger("inference.supervisor")
 
 KV_PROMISE_PCT = 3.0  # the estimate is within this of vLLM's figure (README), percent
 KV_LOG_FORMAT = "KV cache: estimated %s tokens, vLLM logged %s, vLLM metrics %s (difference %s%%)%s"
@@ -68,3 +73,32 @@ def kv_log_line(kv: dict[str, Any], engine_args: list[str]) -> tuple[int, tuple[
         diff,
         why if off else "",
     )
+
+
+class KvFigures:
+    """The supervisor's KV figures: its estimate and vLLM's latest report (its log line and
+    cache_config_info), kept across restarts when a start reports none."""
+
+    def __init__(self, estimate: KvEstimate) -> None:
+        self.estimate = estimate
+        self._lock = threading.Lock()
+        self.report: VllmKvReport | None = None
+        self.cache_config: dict[str, str] | None = None
+
+    def read(self, vllm_log: str, metrics_text: str) -> None:
+        report, info = parse_kv_log(vllm_log), parse_cache_config_info(metrics_text)
+        with self._lock:
+            self.report = report or self.report
+            self.cache_config = info or self.cache_config
+
+    def comparison(self) -> dict[str, Any]:
+        with self._lock:
+            report, info = self.report, self.cache_config
+        return kv_comparison(self.estimate, report, info)
+
+    def log(self, engine_args: list[str]) -> None:
+        """The comparison's log line after a start, and the estimate's warnings."""
+        level, args = kv_log_line(self.comparison(), engine_args)
+        log.log(level, KV_LOG_FORMAT, *args)
+        for w in self.estimate.warnings:
+            log.warning("KV cache: %s", w)

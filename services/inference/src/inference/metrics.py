@@ -32,7 +32,7 @@ class SupervisorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         sup = self.supervisor
-        kv = sup.kv_comparison()
+        kv = sup.kv.comparison()
         est = kv["estimate"]
         ready = GaugeMetricFamily(
             "lorastack_inference_ready", "1 when vLLM is loaded and answered a warm-up request"

@@ -39,13 +39,8 @@ from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
 from inference.chat_format import ChatFormat, check_adapter, vllm_flags
 from inference.engine import VllmServer
 from inference.errors import EngineFailed
-from inference.kv_cache import (
-    KvEstimate,
-    VllmKvReport,
-    parse_cache_config_info,
-    parse_kv_log,
-)
-from inference.kv_report import KV_LOG_FORMAT, kv_comparison, kv_log_line
+from inference.kv_cache import KvEstimate
+from inference.kv_report import KvFigures
 from inference.restarts import RestartHistory, backoff_delay
 from inference.settings import InferenceSettings
 from inference.status_report import status_body
@@ -93,8 +88,7 @@ class Supervisor:
         self.history = RestartHistory()  # restarts, failed starts, exits, root cause
         self.started_at = 0.0  # unix time of the current start
         self.last_error = ""
-        self.vllm_kv: VllmKvReport | None = None
-        self.vllm_cache_config: dict[str, str] | None = None
+        self.kv = KvFigures(plan.estimate)  # the estimate and what vLLM reported
         self.parity = parity.ParityChecks(
             settings.parity, served_dtype=plan.dtype, api_key=self._vllm_key
         )
@@ -116,14 +110,9 @@ class Supervisor:
             server = self.server
         if server is None or not server.running:
             return True
-        deadline = time.monotonic() + timeout_s
-        while (busy := vllm_api.busy_requests(vllm_api.get_metrics(server.base_url))) > 0:
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "drain: %d request(s) still open after %.0f s; stopping", busy, timeout_s
-                )
-                return False
-            time.sleep(poll_s)
+        if busy := vllm_api.wait_idle(server.base_url, timeout_s, poll_s):
+            log.warning("drain: %d request(s) still open after %.0f s; stopping", busy, timeout_s)
+            return False
         log.info("drain: no request open; stopping vLLM")
         return True
 
@@ -196,7 +185,7 @@ class Supervisor:
                 vllm_api.warm_up(
                     server.base_url, self.settings.resolved_served_name, api_key=self._vllm_key
                 )
-                self._read_vllm_figures(server)
+                self.kv.read(server.read_log(), vllm_api.get_metrics(server.base_url))
                 refused = self._check_served_parity(server)
                 with self._lock:
                     if self._stop.is_set() or self._draining.is_set():
@@ -206,7 +195,7 @@ class Supervisor:
                         self.state, self.last_error = "refused", refused
                     else:
                         self.ready, self.state, self.last_error = True, "ready", ""
-                self._log_comparison()
+                self.kv.log(self.engine_args)
                 while not self._stop.wait(0.5) and server.running:
                     pass
             except EngineFailed as e:
@@ -240,19 +229,6 @@ class Supervisor:
             self._stop.wait(delay)
         with self._lock:
             self.ready = False
-
-    def _read_vllm_figures(self, server: VllmServer) -> None:
-        report = parse_kv_log(server.read_log())
-        info = parse_cache_config_info(vllm_api.get_metrics(server.base_url))
-        with self._lock:
-            self.vllm_kv = report or self.vllm_kv
-            self.vllm_cache_config = info or self.vllm_cache_config
-
-    def _log_comparison(self) -> None:
-        level, args = kv_log_line(self.kv_comparison(), self.engine_args)
-        log.log(level, KV_LOG_FORMAT, *args)
-        for w in self.plan.estimate.warnings:
-            log.warning("KV cache: %s", w)
 
     # -- parity: is what vLLM serves what was trained? (lorastack.parity) -----------------
 
@@ -387,11 +363,6 @@ class Supervisor:
 
     # -- reporting ---------------------------------------------------------------------
 
-    def kv_comparison(self) -> dict[str, Any]:
-        with self._lock:
-            report, info = self.vllm_kv, self.vllm_cache_config
-        return kv_comparison(self.plan.estimate, report, info)
-
     def status(self) -> dict[str, Any]:
         with self._lock:
             server = self.server
@@ -411,7 +382,7 @@ class Supervisor:
             last_error=self.last_error,
             root_cause=self.history.root_cause,
             last_exit=exits[-1] if exits else None,
-            kv_cache=self.kv_comparison(),
+            kv_cache=self.kv.comparison(),
             log_tail_lines=self.settings.log_tail_lines,
             dtype={"served": self.plan.dtype, "why": self.plan.dtype_reason},
             parity=self.parity.results(),

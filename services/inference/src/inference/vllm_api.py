@@ -7,6 +7,7 @@ supervisor and the routes never see raw HTTP errors.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,15 @@ def busy_requests(metrics_text: str) -> int:
             if s.name in BUSY_METRICS
         )
     )
+
+
+def wait_idle(base_url: str, timeout_s: float, poll_s: float = 0.2) -> int:
+    """Poll vLLM's /metrics until it runs and queues nothing, at most `timeout_s` seconds;
+    returns the requests still open (0 when it emptied)."""
+    deadline = time.monotonic() + timeout_s
+    while (busy := busy_requests(get_metrics(base_url))) > 0 and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return busy
 
 
 def load_lora(
