@@ -100,14 +100,20 @@ class Workers:
 
     def pids(self) -> list[int]:
         """The workers (the spawned children; not multiprocessing's resource tracker)."""
-        kids = self.parent.children()
-        return sorted(p.pid for p in kids if "spawn_main" in " ".join(p.cmdline()))
+        pids = []
+        for kid in self.parent.children():
+            # a killed worker is a zombie until the parent reaps it: not a worker any more
+            with contextlib.suppress(psutil.NoSuchProcess):  # ZombieProcess included
+                if kid.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(kid.cmdline()):
+                    pids.append(kid.pid)
+        return sorted(pids)
 
     def _holder(self, local: tuple[str, int]) -> int | None:
         for pid in self.pids():
-            for c in psutil.Process(pid).net_connections(kind="tcp"):
-                if c.raddr and (c.raddr.ip, c.raddr.port) == local[:2]:
-                    return pid
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for c in psutil.Process(pid).net_connections(kind="tcp"):
+                    if c.raddr and (c.raddr.ip, c.raddr.port) == local[:2]:
+                        return pid
         return None
 
     def connect(self, pid: int) -> http.client.HTTPConnection:

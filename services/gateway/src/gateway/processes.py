@@ -20,6 +20,8 @@ shutdown) and removes the run folder.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -52,6 +54,7 @@ UVICORN_OPTIONS: dict[str, Any] = {
 QUICK_EXIT_S = 5.0  # a worker that exits sooner than this after its start failed to start
 MAX_QUICK_EXITS = 3  # in a row, in one slot: the parent gives up (the error is in the log)
 STOP_WAIT_S = 15.0  # seconds a stopping worker has before it is killed
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 _spawn = multiprocessing.get_context("spawn")
 multiprocessing.allow_connection_pickling()  # a socket goes to a spawned worker
@@ -65,8 +68,15 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def run_worker(settings: GatewaySettings, slot: WorkerSlot, sock: socket.socket) -> None:
-    """A worker's process: the app on the parent's socket, until SIGTERM or SIGINT."""
+def run_worker(
+    settings: GatewaySettings, slot: WorkerSlot, sock: socket.socket, parent: int
+) -> None:
+    """A worker's process: the app on the parent's socket, until SIGTERM or SIGINT, or
+    until the parent dies (even by SIGKILL: no worker keeps serving without it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the prctl
+        return
     import uvicorn
 
     from gateway.main import create_app
@@ -97,7 +107,9 @@ def serve(settings: GatewaySettings) -> int:
 
     def start(slot: int) -> None:
         place = WorkerSlot(slot, claims, metrics_dir)
-        proc = _spawn.Process(target=run_worker, args=(settings, place, sock), daemon=False)
+        proc = _spawn.Process(
+            target=run_worker, args=(settings, place, sock, os.getpid()), daemon=False
+        )
         proc.start()
         procs[slot] = (proc, time.monotonic())
 
