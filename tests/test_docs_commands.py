@@ -44,6 +44,8 @@ NOT_RUN = {
     "lorastack gateway": "a server that runs until stopped (services/gateway/tests start it)",
     "lorastack gateway --port 8080 --backend http://127.0.0.1:8000": "a server, as above",
     "lorastack gateway --port 8081 --backend http://127.0.0.1:8000": "a server, as above",
+    "lorastack gateway --workers 4 --port 8080 --backend http://127.0.0.1:8000": "a server,"
+    " as above (services/gateway/tests/test_gateway_processes.py starts two workers)",
     "lorastack serve serve.yaml": "starts vLLM on a model (tests/test_gateway_vllm.py)",
 }
 # Exit codes other than 0 that a line's run may give, and why.

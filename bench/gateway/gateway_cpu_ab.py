@@ -37,7 +37,16 @@ from lorastack_testing.net import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_latency import load
-from harness import REPO, chat_bodies, cpu_set, machine, start_fake, start_gateway, wait_http
+from harness import (
+    REPO,
+    chat_bodies,
+    cpu_set,
+    cpu_times,
+    machine,
+    start_fake,
+    start_gateway,
+    wait_http,
+)
 
 
 def main() -> None:
@@ -52,6 +61,9 @@ def main() -> None:
     p.add_argument("--keep-alive", action="store_true", help="clients keep connections")
     p.add_argument("--tokens", type=int, default=16, help="tokens per answer")
     p.add_argument("--pace", type=float, default=0.01, help="seconds between tokens (fake)")
+    p.add_argument(
+        "--workers", type=int, default=1, help="gateway worker processes, both arms (new: N)"
+    )
     for who in ("gateway", "upstream", "client"):
         p.add_argument(f"--pin-{who}", metavar="CPUS", help=f"run the {who} on these CPUs")
     a = p.parse_args()
@@ -62,6 +74,7 @@ def main() -> None:
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
     env.pop("PYTHONPATH", None)
+    env["LORASTACK_WORKERS"] = str(a.workers)
     fake_port = free_port()
     fake = start_fake(fake_port, a.tokens, a.pace, env, a.pin_upstream)
     ports = {"old": free_port(), "new": free_port()}
@@ -85,19 +98,17 @@ def main() -> None:
         for i in range(a.rounds):
             row: dict[str, Any] = {"round": i + 1, "order": []}
             for arm in ("old", "new") if i % 2 == 0 else ("new", "old"):
-                t0 = procs[arm].cpu_times()
+                t0 = cpu_times(procs[arm])  # the workers' too
                 r = loop.run_until_complete(
                     load(
                         ports[arm], body, a.concurrency, a.seconds, spread, keep_alive=a.keep_alive
                     )
                 )
-                t1 = procs[arm].cpu_times()
+                t1 = cpu_times(procs[arm])
                 n = max(1, r["requests"])
                 row["order"].append(arm)
                 row[arm] = {
-                    "cpu_ms_per_request": round(
-                        (t1.user + t1.system - t0.user - t0.system) / n * 1000, 3
-                    ),
+                    "cpu_ms_per_request": round((sum(t1) - sum(t0)) / n * 1000, 3),
                     "requests": r["requests"],
                     "errors": r["errors"],
                     "ttft_p50_ms": r["ttft_p50_ms"],
@@ -123,6 +134,7 @@ def main() -> None:
                 else "one per request",
                 "tokens_per_answer": a.tokens,
                 "pace_s": a.pace,
+                "gateway_workers": a.workers,
             },
             "cpu_ms_per_request_median": {"old": med("old"), "new": med("new")},
             "new_over_old_median": round(statistics.median(ratios), 3),

@@ -53,6 +53,7 @@ from harness import (
     added,
     chat_bodies,
     cpu_set,
+    cpu_times,
     gateway_state,
     machine,
     metrics_excerpt,
@@ -189,6 +190,7 @@ async def load_with_excerpt(
 async def soak(
     gw_port: int, body: bytes, proc: psutil.Process, seconds: float, concurrency: int
 ) -> dict[str, Any]:
+    # with --workers N: the parent's RSS and connections only (its workers hold the streams)
     before = gateway_state(proc, gw_port)
     done = abandoned = errors = 0
     stop = time.perf_counter() + seconds
@@ -250,14 +252,14 @@ def cpu_per_request(
     """CPU milliseconds (user + system, and system alone) the gateway and the fake spend
     per request at 16 streams (less sensitive to other load on the machine than latency)."""
     procs = {"gateway": gw, "fake_upstream": psutil.Process(fake_pid)}
-    before = {k: p.cpu_times() for k, p in procs.items()}
+    before = {k: cpu_times(p) for k, p in procs.items()}  # the gateway's workers too
     r = loop.run_until_complete(load(gw_port, body, 16, seconds, spread))
     n = max(1, r["requests"])
     out: dict[str, float] = {}
     for k, p in procs.items():
-        t0, t1 = before[k], p.cpu_times()
-        out[k] = round((t1.user + t1.system - t0.user - t0.system) / n * 1000, 2)
-        out[f"{k}_system"] = round((t1.system - t0.system) / n * 1000, 2)
+        t0, t1 = before[k], cpu_times(p)
+        out[k] = round((sum(t1) - sum(t0)) / n * 1000, 2)
+        out[f"{k}_system"] = round((t1[1] - t0[1]) / n * 1000, 2)
     return out
 
 
@@ -295,6 +297,12 @@ def main() -> None:
         "gateway): the cost of the extra hop alone",
     )
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds (0 = none)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway worker processes (lorastack gateway --workers)",
+    )
     p.add_argument("--soak-concurrency", type=int, default=32)
     for who in ("gateway", "upstream", "client"):
         p.add_argument(
@@ -317,7 +325,8 @@ def main() -> None:
     fake_port, gw_port = free_port(), free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
     fake = start_fake(fake_port, a.tokens, a.pace, env, a.pin_upstream)
-    gw = start_gateway(gw_port, fake_port, a.tokenizer, env, a.pin_gateway)
+    gw_env = dict(env, LORASTACK_WORKERS=str(a.workers))
+    gw = start_gateway(gw_port, fake_port, a.tokenizer, gw_env, a.pin_gateway)
     peers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
     if a.peer_nginx:
         nginx_port = free_port()

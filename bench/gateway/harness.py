@@ -99,9 +99,10 @@ def start_gateway(
     tokenizers: dict[str, str] | None = None,
     upstreams: list[int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """`lorastack gateway` (one uvicorn worker) in front of the fake, counting tokens with
-    the `tokenizer` folder; admission lets every stream of the bench wait. `tokenizers`
-    (model -> folder) replaces the one mapping; `upstreams` are more fakes behind it."""
+    """`lorastack gateway` (one uvicorn worker, or `LORASTACK_WORKERS` in `env`) in front
+    of the fake, counting tokens with the `tokenizer` folder; admission lets every stream
+    of the bench wait. `tokenizers` (model -> folder) replaces the one mapping;
+    `upstreams` are more fakes behind it."""
     gw_env = dict(
         env,
         LORASTACK_TOKENIZERS=json.dumps(tokenizers or {"smollm2": tokenizer}),
@@ -111,6 +112,19 @@ def start_gateway(
     for one in (upstream, *(upstreams or [])):
         cmd += ["--backend", f"http://127.0.0.1:{one}"]
     return subprocess.Popen(cmd, env=gw_env, preexec_fn=pinned(pin))
+
+
+def cpu_times(proc: psutil.Process) -> tuple[float, float]:
+    """(user, system) CPU seconds of `proc` and its live children (the workers of
+    `lorastack gateway --workers N`)."""
+    user = system = 0.0
+    for p in (proc, *proc.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        user, system = user + t.user, system + t.system
+    return user, system
 
 
 def wait_http(port: int, path: str, timeout: float = 120.0) -> None:

@@ -40,6 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import BackendView, InflightCounter
 from gateway.scrape import BackendMetrics, ModelInfo, probe_embeddings, scrape_backend
 from gateway.settings import GatewaySettings
+from gateway.shared_claims import Inflight
 from gateway.tokens import CountingTokenizer, TokenizerCache
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Backends:
         tokenizers: TokenizerCache,
         client: httpx.AsyncClient,
         declared: DeclaredAdapters | None = None,
+        inflight: Inflight | None = None,
     ) -> None:
         self.settings = settings
         self.declared = declared or DeclaredAdapters(settings)
@@ -76,7 +78,8 @@ class Backends:
             url: BackendState(url, max_num_seqs=settings.backend_max_num_seqs.get(url))
             for url in settings.backends
         }
-        self.inflight = InflightCounter()
+        # this process's counts, or every worker's (`shared_claims.py`)
+        self.inflight: Inflight = inflight or InflightCounter()
         self.last_refresh = 0.0  # monotonic seconds
         self._refresh_lock = asyncio.Lock()
         self.follower = DnsFollower(settings, self, metrics) if settings.backends_dns else None

@@ -1,4 +1,5 @@
-"""`lorastack gateway`: run the OpenAI-compatible gateway with uvicorn (one worker);
+"""`lorastack gateway [--workers N]`: run the OpenAI-compatible gateway with uvicorn (one
+process, or N worker processes on one port: `processes.py`);
 `lorastack gateway keys add|list|revoke`: manage the keys file (`keys.py`)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.main import create_app
+    from gateway.processes import UVICORN_OPTIONS, serve
 
     overrides: dict[str, Any] = {}
     if args.port is not None:
@@ -37,18 +39,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         overrides["host"] = args.host
     if args.backend:
         overrides["backends"] = args.backend
+    if args.workers is not None:
+        overrides["workers"] = args.workers
     settings = _settings(**overrides)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",  # named, not "auto": a missing package fails here instead of
-        http="httptools",  # silently falling back to asyncio + h11 (several times slower)
-        log_level="warning",
-        access_log=False,
-        proxy_headers=False,  # GatewayApp applies them to the routes that read them
-        timeout_graceful_shutdown=10,
-    )
+    if settings.workers > 1:
+        return serve(settings)  # N processes on the port, state shared (`processes.py`)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **UVICORN_OPTIONS)
     return 0
 
 
@@ -121,6 +117,14 @@ def register(sub: Any) -> None:
         action="append",
         metavar="URL",
         help="a vLLM base URL; repeat for replicas (default LORASTACK_BACKENDS)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes on the port, about one core each (default 1, LORASTACK_WORKERS);"
+        " KV admission stays exact across them; per-key limits then need LORASTACK_REDIS_URL",
     )
     p.set_defaults(handler=cmd_gateway)
     keys = p.add_subparsers(dest="gateway_command", metavar="{keys}").add_parser(

@@ -32,6 +32,7 @@ from gateway.proxy import Proxy
 from gateway.request_id import request_id
 from gateway.scrape import ModelInfo
 from gateway.settings import GatewaySettings
+from gateway.shared_claims import SharedInflight, WorkerSlot
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream, upstream_auth
 from gateway.workers import share_the_gil
@@ -131,12 +132,16 @@ def model_card(m: ModelInfo, created: int) -> dict[str, Any]:
     }
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    metrics = GatewayMetrics()
+def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> FastAPI:
+    """The gateway app; `worker`: one of the processes of `--workers N` (`processes.py`),
+    which counts its requests and metrics where every worker reads them."""
+    metrics = GatewayMetrics(worker.metrics_dir if worker else None)
     scrape_client = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.connect_timeout_s), headers=upstream_auth(settings)
     )
-    backends = Backends(settings, metrics, TokenizerCache(settings), scrape_client)
+    shared = SharedInflight(worker.claims, worker.slot) if worker else None
+    tokenizers = TokenizerCache(settings)
+    backends = Backends(settings, metrics, tokenizers, scrape_client, inflight=shared)
     upstream = Upstream(settings, metrics, backends.inflight)
     auth = Authenticator.from_settings(settings, metrics)
     proxy = Proxy(settings, backends, upstream, auth, metrics)

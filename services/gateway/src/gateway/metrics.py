@@ -2,11 +2,22 @@
 
 Per-backend gauges mirror what the last scrape of that backend's `/metrics` said; the
 gateway's own histograms time every proxied request as its client saw it.
+
+With `--workers N` each worker writes its values to files in `multiprocess_dir`
+(prometheus_client's multiprocess mode: `PROMETHEUS_MULTIPROC_DIR`, which the parent sets
+before any worker imports the library) and /metrics, served by any worker, reads them
+all: counters and histograms summed over the workers (a dead worker's counts stay in),
+requests in flight summed over the live ones, and a gauge that every worker sets to the
+same thing (a scrape, the shared KV claims) as the live worker that set it last.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Final
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.scrape import BackendMetrics
 
@@ -28,6 +39,9 @@ UPSTREAM_ERROR_KINDS = ("connect", "status_5xx", "timeout", "broken_stream")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# a gauge every worker sets alike (from its scrape, or the shared counts): the live
+# worker's that set it last
+_SCRAPED: Final = "livemostrecent"
 
 
 class RouteSeries:
@@ -52,7 +66,8 @@ class RouteSeries:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir  # set: every worker's values (`render`)
         self._series: dict[tuple[str, str], RouteSeries] = {}
         self.registry = r = CollectorRegistry(auto_describe=True)
         b = ["backend"]
@@ -60,36 +75,42 @@ class GatewayMetrics:
             "lorastack_gateway_backend_up",
             "1 when the last scrape of the backend succeeded",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_kv = Gauge(
             "lorastack_gateway_backend_kv_cache_usage",
             "the backend's vllm:kv_cache_usage_perc (0..1) at the last scrape",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_running = Gauge(
             "lorastack_gateway_backend_requests_running",
             "the backend's vllm:num_requests_running at the last scrape",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_waiting = Gauge(
             "lorastack_gateway_backend_requests_waiting",
             "the backend's vllm:num_requests_waiting at the last scrape",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_preemptions = Gauge(
             "lorastack_gateway_backend_preemptions",
             "the backend's vllm:num_preemptions_total at the last scrape",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_inflight = Gauge(
             "lorastack_gateway_backend_inflight",
             "requests this gateway has open on the backend",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_kv_claimed = Gauge(
@@ -98,18 +119,21 @@ class GatewayMetrics:
             " max output of each sequence, in whole blocks (its KV-cache admission counts"
             " these against vllm:cache_config_info)",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.kv_admission_waiting = Gauge(
             "lorastack_gateway_kv_admission_waiting",
             "requests in line for KV-cache room, admitted first come first served"
             " (kv_admit_wait_s at most)",
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         self.backend_kv_capacity = Gauge(
             "lorastack_gateway_backend_kv_capacity_tokens",
             "the backend's KV cache in tokens (vllm:cache_config_info), NaN when not reported",
             b,
+            multiprocess_mode=_SCRAPED,
             registry=r,
         )
         labels = ["model", "route"]
@@ -164,7 +188,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.inflight = Gauge(
-            "lorastack_gateway_inflight_requests", "requests being proxied now", registry=r
+            "lorastack_gateway_inflight_requests",
+            "requests being proxied now",
+            multiprocess_mode="livesum",
+            registry=r,
         )
         k = ["key"]  # the key's name, never its secret
         self.key_requests = Counter(
@@ -196,6 +223,7 @@ class GatewayMetrics:
             "1 while the Redis holding the shared per-key limits answers; 0: this replica"
             " counts its own limits until it answers again (exported only with redis_url)",
             ["redis"],
+            multiprocess_mode="livemin",
             registry=r,
         )
         self.redis_errors = Counter(
@@ -230,4 +258,9 @@ class GatewayMetrics:
         self.backend_kv_capacity.labels(url).set(float("nan") if cap is None else cap)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Prometheus text: this process's metrics, or every worker's (`multiprocess_dir`)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        MultiProcessCollector(every, path=str(self.multiprocess_dir))
+        return generate_latest(every)

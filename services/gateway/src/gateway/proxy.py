@@ -6,7 +6,8 @@ auth -> body limits -> parse -> model check (exists, and the key may use it) -> 
 token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
 pass the response through (SSE chunk by chunk) -> metrics.
 
-Owns: that flow and its I/O (auth, backends, upstream, metrics). Its pure pieces live
+Owns: that flow and its I/O (auth, backends, upstream, metrics); the wait for KV-cache
+room before the upstream is `admission.py`'s. Its pure pieces live
 apart: reading the body (`request_body.py`), what differs per path (`endpoints.py`), and
 the request it forwards, built step by step (`prepared.py`). The steps whose work grows
 with a large body run on worker threads (`workers.py`), never on the loop.
@@ -35,13 +36,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from gateway.admission import Admission
 from gateway.affinity import SESSION_HEADER, Affinity, session_key
 from gateway.auth import Authenticator, Key
 from gateway.backends import Backends
@@ -49,8 +50,6 @@ from gateway.counting import count_prompts
 from gateway.endpoints import Endpoint
 from gateway.errors import (
     GatewayError,
-    NoKvRoom,
-    Overloaded,
     UpstreamTimeout,
     as_gateway_error,
     error_response,
@@ -73,7 +72,7 @@ from gateway.prepared import (
 from gateway.relay import SseRelay, StreamEnd, cancel_on_disconnect
 from gateway.request_body import HeaderFields, header_fields, read_json
 from gateway.request_id import request_id
-from gateway.routing import RouteRequest, Thresholds, Weights, kv_claim, pick_backend
+from gateway.routing import RouteRequest, Thresholds, Weights
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream, UpstreamCall
 from gateway.workers import LargeBody, run_for_body
@@ -95,8 +94,9 @@ class Proxy:
         self.upstream = upstream
         self.auth = auth
         self.metrics = metrics
-        self.thresholds = Thresholds(settings.admit_max_kv_usage, settings.admit_max_waiting)
         self.weights = Weights(prefix=settings.prefix_weight, session=settings.session_weight)
+        thresholds = Thresholds(settings.admit_max_kv_usage, settings.admit_max_waiting)
+        self.admission = Admission(settings, backends, upstream, thresholds, self.weights)
         self.affinity = Affinity(settings.affinity_table_size)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -251,73 +251,8 @@ class Proxy:
         return call
 
     async def send(self, route_req: RouteRequest, path: str, body: bytes, rid: str) -> UpstreamCall:
-        """POST `body` to the backend routing picks (admission control, retries).
-
-        A request with no KV-cache room anywhere waits up to `kv_admit_wait_s` in the
-        line of such requests (`InflightCounter`), first come first served; one that
-        arrives while others wait joins the line without looking for room."""
-        interval = self.settings.scrape_interval_s
-        line = self.backends.inflight
-        wait_s = self.settings.kv_admit_wait_s
-        # a request with no claim takes no room the line waits for: it never joins
-        turn = line.join() if line.waiting and wait_s > 0 and route_req.sequences else None
-
-        def pick(tried: Collection[str]) -> str:
-            nonlocal turn
-            url = pick_backend(
-                route_req,
-                self.backends.views(),
-                thresholds=self.thresholds,
-                weights=self.weights,
-                avoid=tried,
-                retry_after_s=interval,
-            )
-            if turn is not None:  # admitted: the next in line looks once this claim counts
-                line.leave(turn)  # (the upstream counts it before its first await)
-                turn = None
-            return url
-
-        def claim(url: str) -> int:
-            return kv_claim(route_req, self.backends.block_size(url))
-
-        headers = {"content-type": "application/json", "x-request-id": rid}
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        rescraped = False
-        try:
-            while True:
-                if turn is None or line.is_head(turn):
-                    try:
-                        return await self.upstream.open(pick, path, body, headers, claim)
-                    except NoKvRoom:
-                        # no KV room anywhere yet: wait for a request to end (bounded), then
-                        # look again; vLLM would have queued it too, but could evict another
-                        if loop.time() >= deadline:
-                            raise
-                        if turn is None:
-                            turn = line.join()
-                    except Overloaded:
-                        # saturated by the last scrape, which may be up to scrape_interval_s
-                        # old (on the H200, a burst that had just ended refused all 64 of the
-                        # next): read the backends once more before refusing (refresh()
-                        # shares one read at once)
-                        if rescraped:
-                            raise
-                        rescraped = True
-                        await self.backends.refresh()
-                        continue
-                left = deadline - loop.time()
-                if left <= 0:  # still behind others
-                    raise NoKvRoom(
-                        f"requests that came earlier still wait for KV-cache room after"
-                        f" {wait_s:g} s",
-                        "retry after the Retry-After delay, lower max_tokens, or add replicas",
-                        retry_after_s=interval,
-                    )
-                await line.next_turn(turn, left)
-        finally:
-            if turn is not None:
-                line.leave(turn)
+        """POST `body` to the backend routing picks, once admitted (`admission.py`)."""
+        return await self.admission.open(route_req, path, body, rid)
 
     async def _open_count(self, prep: Prepared) -> tuple[Prepared, UpstreamCall]:
         """`_open`, counting the prompt exactly while it waits for the backend (a callback

@@ -14,8 +14,9 @@ is deterministic. No I/O here; the tables behind the affinities live in `affinit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from gateway.errors import NoKvRoom, Overloaded, UpstreamUnavailable
@@ -284,6 +285,11 @@ class InflightCounter:
             self.tokens[url] = self.tokens.get(url, 0) + tokens
         if delta < 0 and self._line:
             self._line[0].set()  # room given back: the head looks again
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """What `shared_claims.SharedInflight` locks across workers: one loop needs nothing."""
+        yield
 
     @property
     def waiting(self) -> int:

@@ -185,6 +185,14 @@ class GatewaySettings(CommonSettings):
         " it; unset = each process counts its own. Unreachable: each replica falls back to its"
         " own limits (logged; lorastack_gateway_redis_up 0) until it answers again",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="worker processes serving the port (`lorastack gateway --workers N`), one"
+        " core each: the KV claims and the admission line are shared between them exactly"
+        " (`shared_claims.py`); with N > 1, per-key limits and budgets need redis_url",
+    )
     redis_timeout_s: float = Field(
         0.25, gt=0, le=10, description="connect and reply timeout of one Redis call (seconds)"
     )
@@ -277,6 +285,18 @@ class GatewaySettings(CommonSettings):
                 " e.g. redis://127.0.0.1:6379/0)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _limits_shared(self) -> GatewaySettings:
+        limited = self.keys_file or self.key_requests_per_min or self.key_tokens_per_min
+        if self.workers > 1 and limited and self.redis_url is None:
+            raise ValueError(
+                f"workers {self.workers} with per-key limits (keys_file, key_requests_per_min"
+                " or key_tokens_per_min) needs redis_url: each worker would count its own,"
+                " letting a key through up to N times its limit; set LORASTACK_REDIS_URL, or"
+                " run one worker"
+            )
+        return self
 
     @model_validator(mode="after")
     def _keys_when_auth(self) -> GatewaySettings:

@@ -32,8 +32,8 @@ from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, Up
 from gateway.h1client import Connection, H1Client, Pool
 from gateway.h1wire import H1Error, request_bytes
 from gateway.metrics import GatewayMetrics
-from gateway.routing import InflightCounter
 from gateway.settings import GatewaySettings
+from gateway.shared_claims import Inflight
 
 RETRY_STATUSES = (502, 503)
 MAX_ERROR_BODY = 64 * 1024  # bytes of an upstream error body kept
@@ -55,7 +55,7 @@ class UpstreamCall:
     pool: Pool
     watch: _SilenceWatch
     settings: GatewaySettings
-    inflight: InflightCounter
+    inflight: Inflight
     tokens: int = 0  # KV claim (whole blocks) counted in `inflight` until closed
     closed: bool = field(default=False)
     complete: bool = field(default=False)  # the body was read to its end
@@ -182,7 +182,7 @@ def upstream_auth(settings: GatewaySettings) -> dict[str, str]:
 
 class Upstream:
     def __init__(
-        self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: InflightCounter
+        self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: Inflight
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -201,12 +201,13 @@ class Upstream:
     async def _attempt(
         self, backend: str, path: str, body: bytes, headers: dict[str, str], tokens: int = 0
     ) -> UpstreamCall:
+        """One try on `backend`, whose request and claim `open` has counted in `inflight`
+        (given back here when the try fails)."""
         s = self.settings
-        pool = self._client.pool(backend)
-        self.inflight.add(backend, 1, tokens)  # before any await: the next pick sees it
         conn: Connection | None = None
         watch: _SilenceWatch | None = None
         try:
+            pool = self._client.pool(backend)
             try:
                 conn = await pool.acquire()
                 watch = _SilenceWatch(conn, s.first_byte_timeout_s)
@@ -273,10 +274,14 @@ class Upstream:
         tried: list[str] = []
         backoff: RetryCallState | None = None  # made at the first retry only
         while True:
-            backend = pick(tried)
+            # the pick and its claim in one hold of the count: no other request (of any
+            # worker, `shared_claims.py`) takes the room between them
+            with self.inflight.exclusive():
+                backend = pick(tried)
+                tokens = 0 if claim is None else claim(backend)
+                self.inflight.add(backend, 1, tokens)
             tried.append(backend)
             try:
-                tokens = 0 if claim is None else claim(backend)
                 return await self._attempt(backend, path, body, headers, tokens)
             except _Retryable as e:
                 last = e

@@ -1,0 +1,181 @@
+"""`lorastack gateway --workers N`: N worker processes serving one port, and the parent
+that starts them and replaces any that dies.
+
+The parent binds the listening socket once and hands it to each worker (spawned, as
+uvicorn's own `--workers` does): every worker accepts on it, so the connections waiting
+in its queue outlive a worker's death. Each worker runs `create_app(settings, WorkerSlot)`
+under uvicorn. What the workers must agree on exactly lives in a run folder the parent
+makes: the KV claims and the admission line (`shared_claims.py`) and the metric files
+(`metrics.py`); per-key limits and budgets are Redis's (`settings.workers` requires
+`redis_url` for them). The backend scrapes, tokenizers, keys file and affinity tables are
+each worker's own: copies that are only read, or routing hints.
+
+A worker that dies (killed, crashed) loses the streams it was relaying: their clients see
+the connection close before the last event, and their backend connections close, so
+vLLM aborts them. The parent then zeroes the worker's slot of the shared counts, marks
+its metric files dead and starts a new worker in its place. SIGTERM or SIGINT to the
+parent stops the workers (each finishes its streams for up to 10 s, uvicorn's graceful
+shutdown) and removes the run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from gateway.settings import GatewaySettings
+from gateway.shared_claims import SharedInflight, WorkerSlot
+
+log = logging.getLogger(__name__)
+
+# uvicorn's options, one worker or N: loop and http named, not "auto", so a missing package
+# fails at start instead of silently falling back to asyncio + h11 (several times slower)
+UVICORN_OPTIONS: dict[str, Any] = {
+    "loop": "uvloop",
+    "http": "httptools",
+    "log_level": "warning",
+    "access_log": False,
+    "proxy_headers": False,  # GatewayApp applies them to the routes that read them
+    "timeout_graceful_shutdown": 10,
+}
+QUICK_EXIT_S = 5.0  # a worker that exits sooner than this after its start failed to start
+MAX_QUICK_EXITS = 3  # in a row, in one slot: the parent gives up (the error is in the log)
+STOP_WAIT_S = 15.0  # seconds a stopping worker has before it is killed
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+_spawn = multiprocessing.get_context("spawn")
+multiprocessing.allow_connection_pickling()  # a socket goes to a spawned worker
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGINT reached the parent."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run_worker(
+    settings: GatewaySettings, slot: WorkerSlot, sock: socket.socket, parent: int
+) -> None:
+    """A worker's process: the app on the parent's socket, until SIGTERM or SIGINT, or
+    until the parent dies (even by SIGKILL: no worker keeps serving without it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the prctl
+        return
+    import uvicorn
+
+    from gateway.main import create_app
+
+    config = uvicorn.Config(create_app(settings, slot), **UVICORN_OPTIONS)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket the workers share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+
+
+def serve(settings: GatewaySettings) -> int:
+    """Run `settings.workers` workers on `settings.port` until SIGTERM or SIGINT; 0 then,
+    1 when a worker kept failing at its start."""
+    run_dir = Path(tempfile.mkdtemp(prefix="lorastack-gateway-"))
+    metrics_dir = run_dir / "metrics"
+    metrics_dir.mkdir()
+    claims = run_dir / "claims"
+    SharedInflight.create(claims, settings.workers)
+    shared = SharedInflight(claims, 0)
+    # prometheus_client reads it at its import, in each spawned worker
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    sock = listen(settings.host, settings.port)
+    procs: dict[int, tuple[BaseProcess, float]] = {}
+
+    def start(slot: int) -> None:
+        place = WorkerSlot(slot, claims, metrics_dir)
+        proc = _spawn.Process(
+            target=run_worker, args=(settings, place, sock, os.getpid()), daemon=False
+        )
+        proc.start()
+        procs[slot] = (proc, time.monotonic())
+
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    quick = dict.fromkeys(range(settings.workers), 0)
+    code = 0
+    try:
+        for slot in range(settings.workers):
+            start(slot)
+        log.warning("gateway: %d workers on %s:%d", settings.workers, settings.host, settings.port)
+        while True:
+            ended = wait([proc.sentinel for proc, _ in procs.values()])
+            for slot, (proc, since) in list(procs.items()):
+                if proc.sentinel not in ended:
+                    continue
+                proc.join()
+                shared.clear_slot(slot)  # its streams died with it: so did their claims
+                _mark_dead(proc.pid, metrics_dir)
+                quick[slot] = quick[slot] + 1 if time.monotonic() - since < QUICK_EXIT_S else 0
+                if quick[slot] >= MAX_QUICK_EXITS:
+                    log.error(
+                        "gateway worker %d exited %d times within %g s of its start (exit"
+                        " code %s): stopping; its error is above",
+                        slot,
+                        quick[slot],
+                        QUICK_EXIT_S,
+                        proc.exitcode,
+                    )
+                    code = 1
+                    raise _Stop("a worker keeps failing")
+                log.warning(
+                    "gateway worker %d (pid %s) exited with code %s: its streams are lost;"
+                    " starting another",
+                    slot,
+                    proc.pid,
+                    proc.exitcode,
+                )
+                start(slot)
+    except _Stop:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop_all([proc for proc, _ in procs.values()])
+        sock.close()
+        shared.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
+
+
+def _stop_all(procs: list[BaseProcess]) -> None:
+    """SIGTERM to every worker (uvicorn's graceful shutdown), SIGKILL to a late one."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _mark_dead(pid: int | None, metrics_dir: Path) -> None:
+    """Drop a dead worker's live gauges (its counters and histograms stay in the sums)."""
+    from prometheus_client import multiprocess
+
+    if pid is not None:
+        multiprocess.mark_process_dead(pid, str(metrics_dir))

@@ -1,0 +1,295 @@
+"""`lorastack gateway --workers N`: the counts the workers share (`shared_claims.py`) in
+one process, then two real worker processes behind the fake vLLM, each request sent on
+a connection the test knows the worker of (read from the workers' sockets), so what
+crosses workers is chosen, not left to the kernel."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from test_gateway_proxy import CHAT, METRICS_KEY, metric
+
+from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
+from gateway.settings import GatewaySettings
+from gateway.shared_claims import SharedInflight
+from lorastack_testing.fake_vllm import FakeState, serve_fake
+from lorastack_testing.net import free_port, wait_for
+from lorastack_testing.redis_server import require_redis_server, serve_redis
+
+FREE_KEY = "sk-free-" + "0123456789abcdef" * 2
+LIMITED_KEY = "sk-limited-" + "0123456789abcdef" * 2
+MAX_TOKENS = 1000
+# 189 blocks of 16 tokens: room for two claims of prompt (1..504 tokens: the gateway may
+# claim an upper bound of this short chat) + MAX_TOKENS, never three (the null block aside)
+BLOCKS, B = 189, 16
+BOUND = 504
+
+
+# --- the shared counts, in one process ----------------------------------------------
+def test_two_workers_counts_add_up_and_a_cleared_slot_drops_only_its_own(tmp_path) -> None:
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = SharedInflight(path, 0), SharedInflight(path, 1)
+    one.add("http://a", 1, 320)
+    two.add("http://a", 1, 160)
+    two.add("http://b", 1, 16)
+    assert one.counts == {"http://a": 2, "http://b": 1}
+    assert one.tokens == {"http://a": 480, "http://b": 16}
+    one.clear_slot(1)  # the parent, once worker 1 died
+    assert two.counts == {"http://a": 1, "http://b": 0} and two.tokens["http://a"] == 320
+    assert two.sent == {"http://a": 2, "http://b": 1}  # never cleared: scrapes compare it
+    one.add("http://a", -1, -320)
+    assert one.counts["http://a"] == 0 and one.tokens["http://a"] == 0
+
+
+def test_the_admission_line_is_one_line_across_workers(tmp_path) -> None:
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = SharedInflight(path, 0), SharedInflight(path, 1)
+    first = one.join()
+    second = two.join()
+    third = one.join()
+    assert one.waiting == two.waiting == 3
+    assert one.is_head(first) and not two.is_head(second) and not one.is_head(third)
+    one.leave(first)
+    assert two.is_head(second) and not one.is_head(third)  # it came before `third`
+    two.leave(second)
+    assert one.is_head(third)
+    one.leave(third)
+    assert two.waiting == 0
+
+
+def test_a_pick_holds_every_workers_lock(tmp_path) -> None:
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = SharedInflight(path, 0), SharedInflight(path, 1)
+    # re-entered within a worker, and held against every other
+    with one.exclusive(), one.exclusive(), pytest.raises(BlockingIOError):
+        fcntl.flock(two._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(two._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the hold ends
+    fcntl.flock(two._fd, fcntl.LOCK_UN)
+
+
+def test_limits_with_several_workers_need_redis(tmp_path) -> None:
+    with pytest.raises(ValueError, match="redis_url"):
+        GatewaySettings(home=tmp_path, workers=2, key_requests_per_min=10)
+    assert GatewaySettings(home=tmp_path, workers=2).workers == 2  # no limits: no Redis
+
+
+# --- two worker processes -------------------------------------------------------------
+class Workers:
+    """The gateway's parent process, its port, and connections to a chosen worker."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        self.parent = psutil.Process(proc.pid)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._spare: list[http.client.HTTPConnection] = []
+
+    def pids(self) -> list[int]:
+        """The workers (the spawned children; not multiprocessing's resource tracker)."""
+        pids = []
+        for kid in self.parent.children():
+            # a killed worker is a zombie until the parent reaps it: not a worker any more
+            with contextlib.suppress(psutil.NoSuchProcess):  # ZombieProcess included
+                if kid.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(kid.cmdline()):
+                    pids.append(kid.pid)
+        return sorted(pids)
+
+    def _holder(self, local: tuple[str, int]) -> int | None:
+        for pid in self.pids():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for c in psutil.Process(pid).net_connections(kind="tcp"):
+                    if c.raddr and (c.raddr.ip, c.raddr.port) == local[:2]:
+                        return pid
+        return None
+
+    def connect(self, pid: int) -> http.client.HTTPConnection:
+        """A kept-alive connection that worker `pid` accepted."""
+        for _ in range(200):
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+            conn.connect()
+            assert conn.sock is not None
+            local = conn.sock.getsockname()
+            holder: list[int | None] = [None]
+
+            def accepted(local: tuple[str, int] = local, holder: list[int | None] = holder) -> bool:
+                holder[0] = self._holder(local)
+                return holder[0] is not None
+
+            wait_for(accepted, "a worker accepted the connection", 10)
+            if holder[0] == pid:
+                return conn
+            self._spare.append(conn)  # kept open, so the next connect may land elsewhere
+        raise AssertionError(f"no connection reached worker {pid}")
+
+    def close(self) -> None:
+        for conn in self._spare:
+            conn.close()
+
+
+def _post(conn: http.client.HTTPConnection, key: str, **extra: Any) -> http.client.HTTPResponse:
+    body = json.dumps({**CHAT, "max_tokens": MAX_TOKENS, **extra})
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    conn.request("POST", "/v1/chat/completions", body, headers)
+    return conn.getresponse()
+
+
+def _held_stream(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+    """A stream that is answering (its first event read) and holds its KV claim."""
+    r = _post(conn, FREE_KEY, stream=True)
+    assert r.status == 200, r.read()
+    assert b"data: " in r.read1(65536)
+    return r
+
+
+def _refused(conn: http.client.HTTPConnection, key: str, code: str) -> None:
+    r = _post(conn, key, stream=True)
+    body = json.loads(r.read())
+    assert r.status == 429 and body["error"]["code"] == code, body
+
+
+def _claimed(gw: Workers, backend: str) -> float:
+    return metric(gw.url, "lorastack_gateway_backend_kv_claimed_tokens", backend=backend)
+
+
+@pytest.fixture(scope="module")
+def two_workers(embedded_model: Path, tmp_path_factory) -> Iterator[tuple[Workers, FakeState, str]]:
+    require_redis_server()
+    tmp = tmp_path_factory.mktemp("workers")
+    keys = tmp / "keys.yaml"
+    save_keys(
+        keys,
+        KeysFile(
+            keys=[
+                KeyEntry(name="free", sha256=hash_secret(FREE_KEY)),
+                KeyEntry(name="limited", sha256=hash_secret(LIMITED_KEY), requests_per_min=2),
+            ]
+        ),
+    )
+    state = FakeState(num_gpu_blocks=BLOCKS, block_size=B)
+    state.tokens = [f" t{i}" for i in range(8)]
+    state.pace_s = 30.0  # a stream lasts minutes: only the test ends one
+    with serve_fake(state) as backend, serve_redis() as redis_url:
+        port = free_port()
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            LORASTACK_HOME=str(tmp / "home"),
+            LORASTACK_TOKENIZERS=json.dumps({"smollm2": str(embedded_model)}),
+            LORASTACK_KEYS_FILE=str(keys),
+            LORASTACK_METRICS_KEY=METRICS_KEY,
+            LORASTACK_REDIS_URL=redis_url,
+            LORASTACK_KV_ADMIT_WAIT_S="0",
+            LORASTACK_SCRAPE_INTERVAL_S="0.2",
+        )
+        cmd = [sys.executable, "-m", "lorastack.cli", "gateway", "--workers", "2"]
+        cmd += ["--port", str(port), "--backend", backend]
+        proc = subprocess.Popen(cmd, env=env)
+        gw = Workers(proc, port)
+        try:
+            wait_for(lambda: len(gw.pids()) == 2, "two workers", 60)
+            for pid in gw.pids():  # each worker answers ready (it has scraped the fake)
+                conn = gw.connect(pid)
+                wait_for(lambda c=conn: _ready(c), f"worker {pid} ready", 120)
+                conn.close()
+            yield gw, state, backend
+        finally:
+            gw.close()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ready(conn: http.client.HTTPConnection) -> bool:
+    conn.request("GET", "/ready")
+    r = conn.getresponse()
+    r.read()
+    return r.status == 200
+
+
+def test_claims_limits_and_metrics_add_up_across_workers(two_workers) -> None:
+    gw, state, backend = two_workers
+    a, b = gw.pids()
+    on_a = [gw.connect(a) for _ in range(3)]
+    on_b = [gw.connect(b) for _ in range(3)]
+    before = metric(gw.url, "lorastack_gateway_request_duration_seconds_count")
+    # KV claims: room for two streams in all; one admitted by each worker fills it
+    first = _held_stream(on_a[0])
+    one_claim = _claimed(gw, backend)
+    assert MAX_TOKENS < one_claim <= MAX_TOKENS + BOUND and one_claim % B == 0
+    second = _held_stream(on_b[0])
+    assert _claimed(gw, backend) == 2 * one_claim
+    _refused(on_a[1], FREE_KEY, "overloaded")  # worker a sees b's claim, and b a's
+    _refused(on_b[1], FREE_KEY, "overloaded")
+    assert len(state.calls()) == 2 and state.preemptions == 0
+    first.close()
+    on_a[0].close()  # its client hung up: worker a gives the claim back
+    wait_for(lambda: _claimed(gw, backend) == one_claim, "the claim given back")
+    third = _held_stream(on_b[1])  # worker b admits into the room a gave back
+    third.close()
+    second.close()
+    on_b[0].close()
+    on_b[1].close()
+    wait_for(lambda: _claimed(gw, backend) == 0, "every claim given back")
+
+    # key limits (Redis): 2 requests a minute for `limited`, whichever worker takes them
+    state.pace_s = 0.0
+    for conn in (on_a[2], on_b[2]):
+        r = _post(conn, LIMITED_KEY)
+        assert r.status == 200, r.read()
+        r.read()
+    _refused(on_a[2], LIMITED_KEY, "rate_limit_exceeded")
+    _refused(on_b[2], LIMITED_KEY, "rate_limit_exceeded")
+
+    # /metrics, from either worker, counts both workers' requests
+    answered = metric(gw.url, "lorastack_gateway_request_duration_seconds_count") - before
+    assert answered == 5  # 3 streams (the client left: 499) + 2 answers (200)
+    rejected = metric(gw.url, "lorastack_gateway_rejections_total", reason="overloaded")
+    assert rejected == 2
+    assert metric(gw.url, "lorastack_gateway_inflight_requests") == 0
+    state.pace_s = 30.0
+    for conn in (on_a[2], on_b[2]):
+        conn.close()
+
+
+def test_a_killed_worker_loses_only_its_streams_and_is_replaced(two_workers) -> None:
+    gw, state, backend = two_workers
+    a, b = gw.pids()
+    conn_a, conn_b = gw.connect(a), gw.connect(b)
+    lost, kept = _held_stream(conn_a), _held_stream(conn_b)
+    one_claim = _claimed(gw, backend) / 2
+    cancelled = state.cancelled
+    os.kill(a, signal.SIGKILL)
+    with contextlib.suppress(ConnectionError, http.client.IncompleteRead):
+        assert lost.read() == b""  # its stream ends before its last event
+    wait_for(lambda: state.cancelled == cancelled + 1, "the dead worker's stream aborted")
+    wait_for(lambda: len(gw.pids()) == 2 and a not in gw.pids(), "a new worker", 60)
+    wait_for(lambda: _claimed(gw, backend) == one_claim, "the dead worker's claims dropped")
+    assert state.cancelled == cancelled + 1  # the other worker's stream goes on
+    assert kept.fp is not None and not kept.isclosed()
+    new = next(pid for pid in gw.pids() if pid != b)
+    conn_new = gw.connect(new)
+    wait_for(lambda: _ready(conn_new), "the new worker ready", 120)
+    second = _held_stream(conn_new)  # the new worker admits beside b's stream
+    assert _claimed(gw, backend) == 2 * one_claim
+    for r, conn in ((kept, conn_b), (second, conn_new)):
+        r.close()
+        conn.close()
+    wait_for(lambda: _claimed(gw, backend) == 0, "every claim given back")
+    conn_a.close()
