@@ -39,7 +39,8 @@ from gateway.errors import ModelNotAllowed, RateLimited, Unauthorized
 from gateway.keys import KeyEntry, load_keys
 from gateway.limits import Budget, Limiter, MemoryLimiter, Reservation, TokenBucket
 from gateway.metrics import GatewayMetrics
-from gateway.settings import GatewaySettings, split_alias
+from gateway.setting_values import split_alias
+from gateway.settings import GatewaySettings
 from lorastack.errors import ConfigError
 from lorastack.secrets import API_KEY_MIN_CHARS, secret_problem
 

@@ -40,7 +40,8 @@ import dns.resolver
 from prometheus_client import Counter, Gauge
 
 from gateway.metrics import UPSTREAM_ERROR_KINDS, GatewayMetrics
-from gateway.settings import GatewaySettings, dns_target, nameserver, served_max_num_seqs
+from gateway.setting_values import dns_target, nameserver, served_max_num_seqs
+from gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
     from gateway.backends import Backends

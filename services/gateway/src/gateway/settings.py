@@ -14,29 +14,25 @@ auth is refused unless `gateway_allow_unauthenticated` says so.
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from lorastack.errors import LorastackError
-from lorastack.manifest import served_name
+from gateway.setting_values import (
+    base_url,
+    dns_target,
+    is_loopback,
+    nameserver,
+    served_max_num_seqs,
+    served_tokenizers,
+    split_alias,
+    split_list,
+    split_map,
+)
 from lorastack.secrets import ADMIN_KEY_MIN_CHARS, API_KEY_MIN_CHARS, secret_problem
 from lorastack.settings import CommonSettings
-
-
-def _split_list(v: Any) -> Any:
-    if isinstance(v, str):
-        s = v.strip()
-        if s.startswith("["):
-            return json.loads(s)
-        return [p.strip() for p in s.split(",") if p.strip()]
-    return v
 
 
 class GatewaySettings(CommonSettings):
@@ -200,7 +196,7 @@ class GatewaySettings(CommonSettings):
     @field_validator("backends", "api_keys", mode="before")
     @classmethod
     def _lists(cls, v: Any) -> Any:
-        return _split_list(v)
+        return split_list(v)
 
     @field_validator("backends")
     @classmethod
@@ -209,7 +205,7 @@ class GatewaySettings(CommonSettings):
         for url in v:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend {url!r} must start with http:// or https://")
-            out.append(_base_url(url))
+            out.append(base_url(url))
         if len(set(out)) != len(out):
             raise ValueError(f"backends repeat a URL: {out}")
         return out
@@ -217,13 +213,13 @@ class GatewaySettings(CommonSettings):
     @field_validator("tokenizers", mode="before")
     @classmethod
     def _map(cls, v: Any) -> Any:
-        return _split_map(v, "tokenizers must be JSON or model=source,model=source")
+        return split_map(v, "tokenizers must be JSON or model=source,model=source")
 
     @field_validator("backend_max_num_seqs", mode="before")
     @classmethod
     def _slots(cls, v: Any) -> Any:
         # a URL may hold "=" (a query): the value follows the last one
-        return _split_map(v, "backend_max_num_seqs must be JSON or url=N,url=N", last=True)
+        return split_map(v, "backend_max_num_seqs must be JSON or url=N,url=N", last=True)
 
     @field_validator("backends_dns")
     @classmethod
@@ -261,7 +257,7 @@ class GatewaySettings(CommonSettings):
 
     @model_validator(mode="after")
     def _slots_of_backends(self) -> GatewaySettings:
-        slots = {_base_url(u): n for u, n in self.backend_max_num_seqs.items()}
+        slots = {base_url(u): n for u, n in self.backend_max_num_seqs.items()}
         unknown = sorted(set(slots) - set(self.backends))
         if unknown:
             raise ValueError(f"backend_max_num_seqs names URLs that are not backends: {unknown}")
@@ -346,111 +342,3 @@ class GatewaySettings(CommonSettings):
         if self.auth_enabled is not None:
             return self.auth_enabled
         return bool(self.api_keys or self.api_keys_file or self.keys_file)
-
-
-_ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
-
-
-def split_alias(entry: str) -> tuple[str, str]:
-    """An api_keys entry `ALIAS=KEY` as (alias, key); `KEY` alone as ('', key). The alias
-    is what /metrics and errors show (never the key); a key holding '=' needs an alias."""
-    alias, sep, key = entry.partition("=")
-    if sep and key and _ALIAS.fullmatch(alias):
-        return alias, key
-    return "", entry
-
-
-def is_loopback(host: str) -> bool:
-    """True when `host` (an address or name uvicorn binds) is reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
-
-
-def _split_map(v: Any, form: str, *, last: bool = False) -> Any:
-    """A map given as JSON or as key=value,key=value (split at the first "=", or the last)."""
-    if not isinstance(v, str):
-        return v
-    s = v.strip()
-    if s.startswith("{"):
-        return json.loads(s)
-    pairs = [p.rsplit("=", 1) if last else p.split("=", 1) for p in s.split(",") if p.strip()]
-    if any(len(p) != 2 for p in pairs):
-        raise ValueError(form)
-    return {k.strip(): val.strip() for k, val in pairs}
-
-
-def dns_target(value: str) -> tuple[str, int]:
-    """(name, port) of a `backends_dns` value NAME:PORT; ValueError saying the form."""
-    name, sep, port = value.strip().rpartition(":")
-    if not sep or not name or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(
-            f"backends_dns {value!r} must be NAME:PORT, e.g."
-            " inference.lorastack.svc.cluster.local:8000"
-        )
-    return name.rstrip("."), int(port)
-
-
-def nameserver(value: str) -> tuple[str, int]:
-    """(IP, port) of a `backends_dns_nameserver` value IP[:PORT] (port 53 by default)."""
-    host, _, port = value.strip().rpartition(":")
-    if _is_ip(value.strip().strip("[]")):  # no port (an IPv6 address holds ':' itself)
-        host, port = value.strip(), "53"
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        raise ValueError(
-            f"backends_dns_nameserver {value!r} must be IP[:PORT], e.g. 10.96.0.10:53"
-        ) from None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"backends_dns_nameserver {value!r}: the port must be 1..65535")
-    return host.strip("[]"), int(port)
-
-
-def _is_ip(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _base_url(url: str) -> str:
-    return url.rstrip("/").removesuffix("/v1")
-
-
-def _serve_config(serve_config: Path) -> Any:
-    try:
-        return yaml.safe_load(serve_config.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"serve_config {serve_config} cannot be read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"serve_config {serve_config} is not valid YAML: {e}") from None
-
-
-INFERENCE_MAX_NUM_SEQS = 8  # the inference service's default when its config sets none
-
-
-def served_max_num_seqs(serve_config: Path) -> int:
-    """The running slots an inference serve config gives its vLLM."""
-    data = _serve_config(serve_config)
-    n = data.get("max_num_seqs", INFERENCE_MAX_NUM_SEQS) if isinstance(data, dict) else None
-    if type(n) is not int or n < 1:
-        raise ValueError(f"serve_config {serve_config}: max_num_seqs must be an integer >= 1")
-    return n
-
-
-def served_tokenizers(serve_config: Path) -> dict[str, str]:
-    """{served model name: store ref of its model} read from an inference serve config, the
-    one place that maps the name clients send to the artifact behind it."""
-    data = _serve_config(serve_config)
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"serve_config {serve_config} names no model (model: NAME[:VERSION])")
-    try:
-        return {served_name(model, str(data.get("served_model_name") or "")): model}
-    except LorastackError as e:
-        raise ValueError(f"serve_config {serve_config}: {e}") from None
