@@ -104,7 +104,8 @@ class Backends:
         self.metrics.mirror_backend(st.url, st.up, st.metrics if st.up else None)
 
     async def refresh(self) -> None:
-        """Scrape every backend once, then load tokenizers of new base models."""
+        """Scrape every backend once, then load the tokenizers not loaded yet: those the
+        settings map (the serve config's) and those of the models the backends serve."""
         asked = time.monotonic()
         async with self._refresh_lock:
             if self.last_refresh >= asked:
@@ -114,14 +115,16 @@ class Backends:
             )
             self.last_refresh = time.monotonic()
             await self.declared.refresh()
-            for info in self.catalog().values():
-                source = self.tokenizer_source(info)
+            # the configured ones too, so they load while the backends start
+            wanted = dict(self.settings.tokenizers.items())
+            wanted |= {info.id: self.tokenizer_source(info) for info in self.catalog().values()}
+            for model, source in wanted.items():
                 if self.tokenizers.due(source):  # new, or a failed one past its backoff
                     try:
                         await anyio.to_thread.run_sync(self.tokenizers.load, source)
-                        log.info("tokenizer for %s loaded from %s", info.id, source)
+                        log.info("tokenizer for %s loaded from %s", model, source)
                     except GatewayError as e:
-                        log.error("tokenizer for %s: %s (retried later)", info.id, e)
+                        log.error("tokenizer for %s: %s (retried later)", model, e)
 
     async def run(self) -> None:
         """The background loop (and the DNS follower's); cancelled when the app stops."""
