@@ -2,8 +2,8 @@
 
     {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}],
      "messages": [..., {"role": "assistant", "content": null, "tool_calls": [
-                          {"id": "call_1", "type": "function",
-                           "function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}}]},
+                          {"id": "call_1", "type": "function", "function": {
+                               "name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}}]},
                        {"role": "tool", "tool_call_id": "call_1", "content": "{\\"temp_c\\": 4}"},
                        {"role": "assistant", "content": "It is 4 °C in Oslo."}]}
 

