@@ -41,6 +41,7 @@ INSTALLABLE = frozenset({"trainer", "merger", "inference", "gateway", "evaluatio
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `lorastack` parser, with the subcommands every installed package registers."""
     parser = argparse.ArgumentParser(
         prog="lorastack",
         description="From a chat dataset to a served, checked LoRA model.",
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` and run the subcommand; its exit code (errors mapped to codes)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

@@ -70,6 +70,8 @@ class ServePlan:
 
 
 class Supervisor:
+    """Keeps one vLLM alive: start, warm-up, readiness, restarts, adapters (module docstring)."""
+
     def __init__(
         self,
         settings: InferenceSettings,
@@ -156,6 +158,7 @@ class Supervisor:
 
     @property
     def engine_args(self) -> list[str]:
+        """Extra vLLM arguments: the configured ones, the chat format's and the KV-cache dtype."""
         args = list(self.settings.extra_vllm_args)
         args += vllm_flags(self.plan.chat, args)  # template and tool parser the artifacts need
         if self.settings.kv_cache_dtype != "auto":
@@ -288,6 +291,7 @@ class Supervisor:
     # -- adapters ----------------------------------------------------------------------
 
     def require_ready(self) -> VllmServer:
+        """The running server; EngineFailed while vLLM is not ready."""
         with self._lock:
             if not self.ready or self.server is None:
                 raise EngineFailed(
@@ -399,6 +403,7 @@ class Supervisor:
     # -- reporting ---------------------------------------------------------------------
 
     def kv_comparison(self) -> dict[str, Any]:
+        """The KV-cache estimate beside what vLLM reported."""
         with self._lock:
             report, info = self.vllm_kv, self.vllm_cache_config
         return kv_comparison(self.plan.estimate, report, info)

@@ -286,6 +286,7 @@ class Recipe:
         return live
 
     def _say_start(self, compile_note: str) -> None:
+        """The start line: LoRA parameters, device, samples, steps and batch shape."""
         plan, cfg = self.plan, self.plan.config
         self.session.say(
             f"training {self.components.trainable:,} LoRA parameters on {plan.device} "
@@ -314,6 +315,7 @@ class Recipe:
     # ---- train ------------------------------------------------------------------
 
     def train(self) -> None:
+        """The step loop: from the progress's step to total_steps, or until it stops early."""
         plan, session = self.plan, self.session
         cfg, world = plan.config, plan.settings.world_size
         session_start, session_tokens, session_steps = time.monotonic(), 0, 0
@@ -406,18 +408,21 @@ class Recipe:
     # ---- save -------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
+        """Write this step's checkpoint and publish it."""
         session = self.session
         session.last_checkpoint = resuming.save_checkpoint(
             self.plan, self.prep, self.components, self.progress, session.meter, session.say
         )
 
     def checkpoint_unless_saved(self) -> None:
+        """Save a checkpoint of this step unless one is saved already."""
         if not resuming.is_saved(self.session.last_checkpoint, self.progress.step):
             self.save_checkpoint()
 
     # ---- finish -------------------------------------------------------------------
 
     def finish(self) -> TrainResult:
+        """Evaluate and checkpoint the last step, record the run, publish the adapter."""
         plan, prep, session = self.plan, self.prep, self.session
         session.lap("steps")
         done = publishing.already_finished(plan, prep, self.progress, session.say)
@@ -457,6 +462,7 @@ class Recipe:
         return result
 
     def cleanup(self) -> None:
+        """Close what setup opened (plotter, compile child, live metrics, handlers, processes)."""
         session, settings = self.session, self.plan.settings
         if session.plotter is not None:
             session.plotter.close()

@@ -36,6 +36,8 @@ LossOn = Literal["all_assistant", "last_assistant"]
 
 @dataclass
 class Sample:
+    """One conversation encoded for training: token ids, labels and its parts' lengths."""
+
     input_ids: list[int]
     labels: list[int]  # aligned with input_ids; IGNORE where not supervised
     parts: dict[str, int]  # tokens: system, history, target (the last target + end-of-turn)

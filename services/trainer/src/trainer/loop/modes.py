@@ -87,6 +87,7 @@ def smoke_verdict(
     last_checkpoint: Path | None,
     series: dict[int, float],
 ) -> dict[str, Any]:
+    """The smoke run's checks: the loss fell, the checkpoint reloads, a greedy sample stops."""
     checks, ok = [], True
     first, last = (
         progress.losses.get(1, float("nan")),
@@ -142,6 +143,7 @@ def smoke_verdict(
 
 
 def overfit_verdict(progress: Progress, samples: int) -> dict[str, Any]:
+    """The overfit run's check: the last loss under OVERFIT_LOSS."""
     last = progress.losses.get(progress.step, float("inf"))
     return {
         "passed": last < OVERFIT_LOSS,

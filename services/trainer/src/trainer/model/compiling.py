@@ -225,10 +225,12 @@ def graph_key(model_config: dict[str, Any], config: RunConfig, scope: str) -> st
 
 
 def is_warm(cache_dir: Path, key: str) -> bool:
+    """Whether the compile cache already holds the graphs of `key`."""
     return (cache_dir / "lorastack-graphs" / key).exists()
 
 
 def mark_warm(cache_dir: Path, key: str) -> None:
+    """Record that the compile cache holds the graphs of `key`."""
     folder = cache_dir / "lorastack-graphs"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / key).touch()

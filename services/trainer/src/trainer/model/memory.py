@@ -48,6 +48,7 @@ def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def lora_params(cfg: dict[str, Any], r: int, targets: list[str]) -> int:
+    """LoRA parameters of a model: rank r on each targeted linear of every layer."""
     shapes = linear_shapes(cfg)
     per_layer = sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
     return per_layer * int(cfg["num_hidden_layers"])

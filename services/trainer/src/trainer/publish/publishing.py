@@ -157,6 +157,8 @@ def publish_adapter(
     plot: Path,
     say: Callable[[str], None],
 ) -> Manifest:
+    """Publish the selected checkpoint's adapter as `<output>/adapter`, with its tokenizer,
+    chat format, parity reference, metrics, plot and run records."""
     cfg = plan.config
     folder = plan.run_dir / "adapter"
     shutil.rmtree(folder, ignore_errors=True)
