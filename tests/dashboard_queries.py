@@ -40,7 +40,8 @@ def missing_from(exposed_samples: set[str]) -> dict[str, set[str]]:
 
 
 def trainer_metric_names() -> set[str]:
-    """The trainer's gauges: a training run serves them (trainer.loop.live), not the serving stack."""
+    """The trainer's gauges: a training run serves them (trainer.loop.live), not the serving
+    stack."""
     from trainer.loop.live import GAUGES
 
     return {f"lorastack_trainer_{name}" for name in GAUGES}

@@ -11,7 +11,8 @@ harness.py's, beside this script.
     .venv/bin/python bench/gateway/gateway_latency.py --tokenizer DIR [--duration 10] \
         [--concurrency 1 16 64 256] [--soak 600] [--lockstep] [--keep-alive] \
         [--long-prompt-streams 2] [--peer-nginx] \
-        [--pin-gateway 0 --pin-upstream 1 --pin-client 1] > bench/gateway/results/$(date +%F)-$(git rev-parse --short HEAD).json
+        [--pin-gateway 0 --pin-upstream 1 --pin-client 1] \
+        > bench/gateway/results/$(date +%F)-$(git rev-parse --short HEAD).json
 
 Arrivals: each point is a closed loop of N workers; by default their first requests are
 staggered over one stream's length, so requests arrive steadily; `--lockstep` starts them

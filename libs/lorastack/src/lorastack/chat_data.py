@@ -24,6 +24,8 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 
 class Message(BaseModel):
+    """One chat message: a role and its content, an assistant's tool calls or a tool's answer."""
+
     role: Role
     content: str | None = None  # None only for an assistant message that calls tools
     tool_calls: list[ToolCall] | None = None  # assistant only
@@ -66,6 +68,8 @@ class Message(BaseModel):
 
 
 class Conversation(BaseModel):
+    """One training example: its messages and the tools the assistant may call."""
+
     messages: list[Message]
     tools: list[Tool] | None = None  # the functions the assistant may call
 
@@ -107,6 +111,8 @@ class Conversation(BaseModel):
 
 
 class LineError(BaseModel):
+    """Why one line of a dataset file is not a valid conversation."""
+
     line: int  # 1-based
     error: str
 
@@ -160,4 +166,5 @@ def load_jsonl(path: Path) -> list[Conversation]:
 
 
 def write_jsonl(path: Path, convs: Iterable[Conversation]) -> None:
+    """Write conversations to `path`, one JSON object per line."""
     path.write_text("".join(c.to_json() + "\n" for c in convs), encoding="utf-8")

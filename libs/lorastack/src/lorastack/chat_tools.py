@@ -2,8 +2,8 @@
 
     {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}],
      "messages": [..., {"role": "assistant", "content": null, "tool_calls": [
-                          {"id": "call_1", "type": "function",
-                           "function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}}]},
+                          {"id": "call_1", "type": "function", "function": {
+                               "name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}}]},
                        {"role": "tool", "tool_call_id": "call_1", "content": "{\\"temp_c\\": 4}"},
                        {"role": "assistant", "content": "It is 4 °C in Oslo."}]}
 
@@ -31,17 +31,23 @@ NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class FunctionSpec(BaseModel):
+    """A function the assistant may call: its name, description and JSON Schema parameters."""
+
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
 
 
 class Tool(BaseModel):
+    """An entry of a conversation's `tools`: a function."""
+
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
 class FunctionCall(BaseModel):
+    """The function an assistant calls, with its arguments as a JSON string."""
+
     name: str = Field(min_length=1)
     arguments: str  # a string holding a JSON object, as OpenAI sends it
 
@@ -50,6 +56,8 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
+    """An assistant's call of a function, with the id its answer refers to."""
+
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall

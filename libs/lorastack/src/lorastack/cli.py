@@ -41,6 +41,7 @@ INSTALLABLE = frozenset({"trainer", "merger", "inference", "gateway", "evaluatio
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `lorastack` parser, with the subcommands every installed package registers."""
     parser = argparse.ArgumentParser(
         prog="lorastack",
         description="From a chat dataset to a served, checked LoRA model.",
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` and run the subcommand; its exit code (errors mapped to codes)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -84,10 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     """The console script: main(), then the process ends without tearing its interpreter
-    down (freeing every module and tensor one by one: 1.2 s after a small training on the
-    CPU, 2.3 s after an 8B-wide one on an H200, for nothing the OS would not do). The
-    atexit handlers still run and the output is flushed; while a thread that is not a
-    daemon is alive it exits as usual."""
+    down (freeing every module and tensor one by one takes seconds after a training, for
+    nothing the OS would not do; bench/trainer/README.md has the figures). The atexit
+    handlers still run and the output is flushed; while a thread that is not a daemon is
+    alive it exits as usual."""
     code = main()
     main_thread = threading.main_thread()
     if any(not t.daemon for t in threading.enumerate() if t is not main_thread):

@@ -63,6 +63,8 @@ class HubSettings(BaseSettings):
 
 @dataclass(frozen=True)
 class RemoteFile:
+    """One file of a hub repository listing."""
+
     path: str  # relative to the repo root
     size: int | None  # bytes, when the listing gives it
     sha256: str | None  # LFS files only
@@ -70,6 +72,8 @@ class RemoteFile:
 
 @dataclass(frozen=True)
 class RepoListing:
+    """A hub repository's files at the commit its revision resolved to."""
+
     repo_id: str
     commit: str  # the 40-hex commit the revision resolved to
     files: list[RemoteFile]

@@ -7,6 +7,7 @@ import sys
 
 
 def setup_logging(level: str = "INFO") -> None:
+    """One line per record to stderr at `level`; chatty libraries only from WARNING."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

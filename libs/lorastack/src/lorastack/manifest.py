@@ -69,6 +69,7 @@ def validate_name(name: str, what: str = "artifact name") -> str:
 
 
 def validate_version(version: str) -> str:
+    """A valid version: one name segment; InvalidName otherwise."""
     if "/" in version:
         raise InvalidName(f"invalid version {version!r}", "a version is one segment, e.g. '3'")
     return validate_name(version, "version")
@@ -123,18 +124,24 @@ def served_label_name(name: str, label: str) -> str:
 
 
 class FileEntry(BaseModel):
+    """One file of an artifact: path, size and SHA-256."""
+
     path: str  # relative, '/'-separated
     size: int = Field(ge=0)  # bytes
     sha256: str
 
 
 class Producer(BaseModel):
+    """What published an artifact: the service, its version and git commit."""
+
     service: str
     version: str = __version__
     git_commit: str = ""
 
 
 class Parent(BaseModel):
+    """An artifact another one was made from, by role, name, version and digest."""
+
     role: str  # e.g. "base", "dataset", "adapter"
     name: str
     version: str
@@ -142,6 +149,8 @@ class Parent(BaseModel):
 
 
 class Manifest(BaseModel):
+    """An artifact version: its kind, name, files with their digests, parents and metadata."""
+
     schema_version: int = SCHEMA_VERSION
     kind: str
     name: str
@@ -163,6 +172,7 @@ class Manifest(BaseModel):
         return sum(f.size for f in self.files)
 
     def as_parent(self, role: str) -> Parent:
+        """This artifact as a Parent of another, in `role`."""
         return Parent(role=role, name=self.name, version=self.version, digest=self.digest)
 
     def to_json(self) -> bytes:
@@ -282,6 +292,7 @@ def walk_files(folder: Path) -> Iterator[tuple[str, Path]]:
 
 
 def scan_folder(folder: Path) -> list[FileEntry]:
+    """The FileEntry of every file under `folder`, hashed."""
     return [
         FileEntry(path=rel, size=p.stat().st_size, sha256=sha256_file(p))
         for rel, p in walk_files(folder)

@@ -78,6 +78,8 @@ class Replay:
 
 @dataclass(frozen=True)
 class Limits:
+    """What a served model's answers must keep of the parity reference."""
+
     min_top1: float  # fraction of reference tokens still the server's top-1
     max_abs_logprob: float  # nats, largest |Δ log-prob| of a reference token
     min_greedy_identical: float  # fraction of probes whose greedy tokens are all equal

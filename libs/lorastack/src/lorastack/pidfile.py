@@ -36,6 +36,8 @@ CREATE_TIME_SLACK_S = 1.0
 
 @dataclass(frozen=True)
 class PidRecord:
+    """A process we started: pid, start time and command line, to recognise it later."""
+
     pid: int
     create_time: float  # seconds since the epoch, psutil.Process.create_time()
     cmdline: list[str]

@@ -28,6 +28,7 @@ _NUMBERED = {
 
 
 def step_file_name(step: int, kind: Literal["metrics", "eval"] = "metrics") -> str:
+    """The file name of one step's metrics or evaluation record."""
     return f"{kind}-step-{step}.json"
 
 

@@ -20,6 +20,8 @@ from lorastack.errors import ConfigError
 
 
 class CommonSettings(BaseSettings):
+    """Settings every service shares (LORASTACK_*): the home folder, the store and the cache."""
+
     model_config = SettingsConfigDict(env_prefix="LORASTACK_", extra="ignore")
 
     home: Path = Field(

@@ -7,7 +7,8 @@ lorastack_testing.fake_vllm --port N`). Routes as vLLM 0.32 answers them: `/v1/m
 (streamed as SSE, or one JSON answer), `/v1/responses` (the Responses API: one JSON
 answer, or its typed events ending in `response.completed`), `/v1/embeddings` (only when
 `embeds` is set, as vLLM mounts it only for an embedding model), `/metrics` in Prometheus
-text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a test may change at any time:
+text with vLLM's names, `/health`. Everything it does is in `FakeState`, which a test may
+change at any time:
 
     answer      `tokens` (fixed pieces), or `answer(model, prompt text)` whose words are
                 the tokens; `ignore_eos` (vLLM's extension) repeats them to max_tokens

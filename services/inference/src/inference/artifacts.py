@@ -29,12 +29,16 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 @dataclass(frozen=True)
 class ServedModel:
+    """The model vLLM serves: its manifest and its verified local folder."""
+
     manifest: Manifest
     path: Path  # verified local folder
 
 
 @dataclass(frozen=True)
 class ServedAdapter:
+    """An adapter vLLM serves as a LoRA module: its served name, folder, rank and source."""
+
     served_name: str
     manifest: Manifest
     path: Path  # verified local folder
@@ -72,6 +76,7 @@ def resolve(store: ArtifactStore, ref: str) -> Manifest:
 
 
 def fetch_model(store: ArtifactStore, ref: str) -> ServedModel:
+    """Resolve and fetch a base-model or merged-model artifact; refuses any other kind."""
     manifest = resolve(store, ref)
     if manifest.kind not in MODEL_KINDS:
         raise ConfigError(
@@ -154,6 +159,7 @@ def check_adapter_base(adapter: Manifest, model: Manifest) -> None:
 
 
 def adapter_rank(path: Path) -> int:
+    """The largest LoRA rank of an adapter folder (r and its rank_pattern)."""
     try:
         config = json.loads((path / "adapter_config.json").read_text())
     except (OSError, ValueError) as e:

@@ -75,6 +75,7 @@ class ChatFormat:
 
 
 def recorded(manifest: Manifest) -> Recorded | None:
+    """The chat format an artifact's manifest recorded at training (None: it recorded none)."""
     data = manifest.metadata.get("chat_format")
     if not isinstance(data, dict) or not data.get("template_sha256"):
         return None
@@ -101,6 +102,7 @@ def folder_template(folder: Path) -> str | None:
 
 
 def text_sha256(text: str) -> str:
+    """The SHA-256 hex digest of `text` in UTF-8."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 

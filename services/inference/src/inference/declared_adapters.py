@@ -40,6 +40,8 @@ TICK_S = 0.25  # seconds between looks at whether a check is due (cheap: no I/O)
 
 
 class AdapterReconciler:
+    """Keeps this replica's adapters in line with the deployment's declaration in the store."""
+
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
         self.deployment = supervisor.settings.resolved_deployment

@@ -43,6 +43,7 @@ Platform = Literal["cpu", "cuda"]
 
 
 def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name; ConfigError for an unknown one."""
     try:
         return DTYPE_BYTES[dtype.lower()]
     except KeyError:
@@ -98,6 +99,8 @@ def resolve_dtype(dtype: str, shape: ModelShape, platform: Platform) -> str:
 
 @dataclass(frozen=True)
 class KvEstimate:
+    """The KV-cache capacity estimated from the model shape: bytes per token, blocks, tokens."""
+
     platform: Platform
     bytes_per_token: int
     budget_bytes: int  # bytes the KV cache may use
@@ -142,6 +145,7 @@ def estimate(
     block_size: int | None = None,
     typical_tokens: int | None = None,  # default: max_model_len
 ) -> KvEstimate:
+    """The KV-cache capacity of a model shape on a platform (CPU KV space or GPU memory)."""
     compute_dtype = resolve_dtype(dtype, shape, platform)
     per_token = bytes_per_token(shape, compute_dtype if kv_dtype == "auto" else kv_dtype)
     block = block_size or DEFAULT_BLOCK_SIZE[platform]
@@ -251,6 +255,7 @@ def count_safetensors_params(folder: Path) -> int:
 
 
 def read_shape(folder: Path) -> ModelShape:
+    """The model shape of a Hugging Face folder (config.json and the safetensors' parameters)."""
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ConfigError(
@@ -269,6 +274,8 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:
 
 @dataclass(frozen=True)
 class VllmKvReport:
+    """The KV-cache capacity vLLM logged at start."""
+
     device: str  # "CPU" or "GPU", as logged
     capacity_tokens: int
     max_model_len: int | None

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class LabelFollower:
+    """Moves adapters served as NAME@LABEL to the version their label points at."""
+
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
         self.interval_s = supervisor.settings.label_refresh_s  # seconds; 0 = on request only

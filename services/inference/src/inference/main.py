@@ -138,6 +138,8 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
 
 
 class AdapterLoad(BaseModel):
+    """The body of POST /admin/adapters: the adapter to declare and load."""
+
     ref: str = Field(min_length=1, max_length=300, description="adapter NAME[:VERSION]")
 
 

@@ -20,6 +20,8 @@ from inference.supervisor import Supervisor
 
 
 class SupervisorCollector(Collector):
+    """Collects the supervisor's metrics from its state at each scrape."""
+
     def __init__(
         self,
         supervisor: Supervisor,
@@ -127,6 +129,7 @@ def parity_metrics(results: dict[str, dict[str, Any]]) -> Iterator[Metric]:
 
 
 def declared_metrics(rec: AdapterReconciler) -> Iterator[Metric]:
+    """The gauges and counters of the declared-adapters reconciler."""
     declared = GaugeMetricFamily(
         "lorastack_inference_declared_adapters",
         "adapters the deployment's declaration in the store lists (as last read)",
@@ -155,10 +158,12 @@ def build_registry(
     follower: LabelFollower | None = None,
     reconciler: AdapterReconciler | None = None,
 ) -> CollectorRegistry:
+    """A registry of its own holding the supervisor's collector."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(SupervisorCollector(supervisor, follower, reconciler))
     return registry
 
 
 def render(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus text format."""
     return generate_latest(registry)

@@ -22,6 +22,8 @@ ROOT_CAUSE_LINES = 4000  # log lines searched for the engine's first exception
 
 @dataclass
 class ExitRecord:
+    """How a vLLM exited: code, time, uptime, last log lines and root cause."""
+
     returncode: int | None
     at: float  # unix time
     uptime_s: float  # seconds since that start

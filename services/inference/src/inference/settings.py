@@ -34,6 +34,8 @@ MIN_KEY_CHARS = 32  # secrets.token_urlsafe(32) gives 43
 
 
 class InferenceSettings(CommonSettings):
+    """The inference service's one settings class: what to serve and how vLLM runs it."""
+
     model: str = Field("", description="store ref NAME[:VERSION] of a base or merged model")
     served_model_name: str = Field("", description="model name clients use; default: model name")
     adapters: list[str] = Field(
@@ -205,6 +207,7 @@ class InferenceSettings(CommonSettings):
 
     @property
     def typical_tokens(self) -> int:
+        """Tokens a typical request holds (prompt + output), for the preemption warning."""
         return self.typical_request_tokens or self.max_model_len
 
 

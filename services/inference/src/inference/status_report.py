@@ -37,6 +37,7 @@ def status_body(
     dtype: dict[str, str],
     parity: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
+    """The /status body from a snapshot of the supervisor's state."""
     m = model.manifest
     return {
         "state": state,

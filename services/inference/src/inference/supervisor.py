@@ -65,6 +65,8 @@ class ServePlan:
 
 
 class Supervisor:
+    """Keeps one vLLM alive: start, warm-up, readiness, restarts, adapters (module docstring)."""
+
     def __init__(
         self,
         settings: InferenceSettings,
@@ -164,6 +166,7 @@ class Supervisor:
 
     @property
     def engine_args(self) -> list[str]:
+        """Extra vLLM arguments: the configured ones, the chat format's and the KV-cache dtype."""
         args = list(self.settings.extra_vllm_args)
         args += vllm_flags(self.plan.chat, args)  # template and tool parser the artifacts need
         if self.settings.kv_cache_dtype != "auto":
@@ -253,6 +256,7 @@ class Supervisor:
     # -- adapters ----------------------------------------------------------------------
 
     def require_ready(self) -> VllmServer:
+        """The running server; EngineFailed while vLLM is not ready."""
         with self._lock:
             if not self.ready or self.server is None:
                 raise EngineFailed(

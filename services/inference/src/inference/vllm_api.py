@@ -60,6 +60,7 @@ def warm_up(
 
 
 def get_metrics(base_url: str, timeout_s: float = 5.0) -> str:
+    """vLLM's /metrics text ("" when it does not answer 200)."""
     try:
         r = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
     except httpx.HTTPError:
@@ -126,6 +127,7 @@ def load_lora(
 def unload_lora(
     base_url: str, served_name: str, timeout_s: float = 60.0, *, api_key: str | None = None
 ) -> None:
+    """Unload a LoRA adapter from a running vLLM."""
     try:
         r = httpx.post(
             f"{base_url}/v1/unload_lora_adapter",

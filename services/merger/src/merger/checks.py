@@ -82,6 +82,7 @@ def base_quantization(config: Mapping[str, Any], tensors: Mapping[str, str]) -> 
 
 
 def refuse_quantized_base(ref: str, config: Mapping[str, Any], tensors: Mapping[str, str]) -> None:
+    """Raise Refused when the base's config or tensors are quantized (nf4, int8, ...)."""
     found = base_quantization(config, tensors)
     if found:
         raise Refused(
@@ -125,6 +126,8 @@ _UNSUPPORTED_FLAGS = {
 
 @dataclass(frozen=True)
 class Finding:
+    """One problem a check found, with what to do about it."""
+
     level: Literal["error", "warning"]
     message: str
     hint: str

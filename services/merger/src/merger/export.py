@@ -27,6 +27,8 @@ SERVING_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what vLL
 
 @dataclass
 class AdapterCheck:
+    """Whether vLLM can serve an adapter artifact unmerged: the findings of check_adapter."""
+
     adapter: Manifest
     architecture: str
     max_lora_rank: int
@@ -64,6 +66,7 @@ def _read_file(store: ArtifactStore, m: Manifest, path: str) -> bytes:
 def check_adapter(
     settings: MergerSettings, ref: str, max_lora_rank: int | None = None
 ) -> AdapterCheck:
+    """Check an adapter artifact against its base and vLLM's LoRA limits (`max_lora_rank`)."""
     store = open_store(settings)
     adapter = store.resolve(ref)
     if adapter.kind != "adapter":

@@ -30,6 +30,7 @@ def _parent(m: Manifest, role: str) -> Parent:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of an artifact; ConfigError when it cannot be read."""
     try:
         data: dict[str, Any] = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -95,6 +96,7 @@ def resolve_inputs(settings: MergerSettings, adapter_ref: str) -> Inputs:
 
 
 def lineage_of(adapter: Manifest, base: Manifest, dataset: Parent) -> dict[str, Any]:
+    """Where a merged model comes from: base, adapter, run config and dataset, by digest."""
     run_cfg = json.dumps(adapter.config, sort_keys=True, separators=(",", ":")).encode()
     run_manifest = next((f.sha256 for f in adapter.files if f.path == "run-manifest.json"), None)
     lineage: dict[str, Any] = {

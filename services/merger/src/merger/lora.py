@@ -53,6 +53,8 @@ class Update:
 
 @dataclass
 class LoraPlan:
+    """What an adapter does to its base: the update of each base tensor it changes."""
+
     updates: dict[str, Update] = field(default_factory=dict)  # base tensor name -> update
     rank: int = 0  # the largest r, for the report
 

@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MergeResult:
+    """What merge_adapter returns: the published manifest (if verified), the report, the folder."""
+
     manifest: Manifest | None  # the published merged model; None when verification failed
     report: dict[str, Any]  # what merge-report.json holds
     folder: Path  # the local merged folder (kept either way, for inspection; read-only
@@ -188,6 +190,7 @@ def merge_adapter(
 
 
 def check_arguments(dtype: str | None, probes: int) -> None:
+    """Refuse an unknown output dtype or fewer than one probe, before any work."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
     if probes < 1:

@@ -25,6 +25,8 @@ GPU_MARGIN = 2 << 30  # bytes: CUDA context, matmul workspaces, probe activation
 
 @dataclass(frozen=True)
 class Need:
+    """What a merge will take: bytes on each file system, host memory, GPU memory."""
+
     disk: dict[Path, int]  # folder -> bytes written under it (a folder per file system)
     host_ram: int  # bytes
     gpu_mem: int  # bytes; 0 on the CPU
@@ -32,6 +34,8 @@ class Need:
 
 @dataclass(frozen=True)
 class Have:
+    """What the machine has free, for the same folders and memories as a Need."""
+
     disk_free: dict[Path, int]  # the same folders -> bytes free on their file system
     host_ram: int  # bytes available (psutil: without swapping)
     gpu_mem: int | None  # bytes free on the device; None on the CPU
@@ -91,6 +95,7 @@ def same_disk(need: Need) -> Need:
 
 
 def measure(need: Need, device: str) -> Have:
+    """Measure free disk, host memory and (on CUDA) GPU memory for `need`."""
     import psutil
 
     free = {f: shutil.disk_usage(_existing(f)).free for f in need.disk}

@@ -80,6 +80,7 @@ def adapter_effect(
 
 
 def compare(ref: ModelRun, other: ModelRun) -> Comparison:
+    """Compare two runs over the probes: logits position by position, greedy tokens."""
     c = Comparison()
     for rl, ol, rt, ot in zip(ref.logits, other.logits, ref.tokens, other.tokens, strict=True):
         c.add_logits(rl, ol)
@@ -101,6 +102,7 @@ class Probing:
 
 
 def prepare_probes(settings: MergerSettings, inputs: Inputs, n: int) -> Probing:
+    """The probe conversations (held-out validation) and the tokenizer and template to run them."""
     from transformers import AutoTokenizer, GenerationConfig
 
     probes, source = _load_probes(inputs.dataset_dir, n)

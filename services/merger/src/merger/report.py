@@ -24,6 +24,8 @@ EFFECT_NOTE = "base alone vs the reference; near 0 means the adapter changes not
 
 @dataclass(frozen=True)
 class Output:
+    """The merged model as published: name, dtype and stop tokens."""
+
     name: str  # the merged model's name in the store
     dtype: str
     stop_token_ids: list[int]  # the generation config's end-of-turn tokens
@@ -31,6 +33,8 @@ class Output:
 
 @dataclass(frozen=True)
 class AdapterEffect:
+    """How far the adapter moves the base (base vs base + adapter), for scale."""
+
     max_abs_logit_diff: float
     top1_agreement: float  # rounded to 6 places
     note: str = EFFECT_NOTE
@@ -38,6 +42,8 @@ class AdapterEffect:
 
 @dataclass(frozen=True)
 class Probes:
+    """What verification ran on: the probe source, count and greedy outputs."""
+
     source: str  # "<dataset>:<version>/<split>"
     count: int
     skipped_too_long: list[int]  # probe indices longer than PROBE_MAX_TOKENS
@@ -48,6 +54,8 @@ class Probes:
 
 @dataclass(frozen=True)
 class Shards:
+    """What the shard-by-shard merge wrote."""
+
     files: int
     tensors: int
     merged_tensors: int  # tensors that took a LoRA delta or a copy
@@ -111,6 +119,7 @@ def build_report(
     stats: ShardStats,
     timings_s: dict[str, float],
 ) -> MergeReport:
+    """merge-report.json's content, from the merge's inputs, comparisons and verdict."""
     decode = probing.tokenizer.decode
     return MergeReport(
         adapter=lineage["adapter"],
@@ -143,6 +152,7 @@ def build_report(
 
 
 def notes(inputs: Inputs) -> list[str]:
+    """Notes the report carries about its inputs (a QLoRA adapter merged unquantised)."""
     adapter = inputs.adapter
     if "nf4" in (adapter.config.get("quantization"), adapter.metadata.get("quantization")):
         return [

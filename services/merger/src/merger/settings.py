@@ -15,6 +15,8 @@ from lorastack.settings import CommonSettings
 
 
 class MergerSettings(CommonSettings):
+    """The merger's one settings class: merge folder, device and verification sizes."""
+
     merge_dir: Path | None = Field(
         None, description="where merged folders are written before publishing; default HOME/merges"
     )

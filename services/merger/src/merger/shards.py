@@ -48,6 +48,8 @@ FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 class ShardFile(Protocol):
+    """The part of a safetensors file handle the merge reads."""
+
     def keys(self) -> list[str]: ...
     def get_slice(self, name: str) -> Any: ...
     def get_tensor(self, name: str) -> torch.Tensor: ...
@@ -173,6 +175,8 @@ class _StreamedShard:
 
 @dataclass
 class ShardStats:
+    """Counts of the shard-by-shard merge: files, tensors, merged tensors, bytes."""
+
     shards: int = 0
     tensors: int = 0
     merged: int = 0  # tensors that took a LoRA delta or a copy

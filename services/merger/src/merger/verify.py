@@ -70,6 +70,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class Thresholds:
+    """The limits a merged model must meet against base + adapter, for one dtype."""
+
     max_abs_logit: float  # logit units, absolute ceiling
     min_top1: float  # fraction of positions whose argmax agrees with the reference
     min_greedy_identical: float  # fraction of probes whose greedy tokens are all equal
@@ -152,6 +154,7 @@ class Comparison:
 
     @property
     def top1(self) -> float:
+        """Fraction of positions whose argmax agrees with the reference."""
         return self.top1_agree / self.positions if self.positions else 0.0
 
     @property
@@ -159,6 +162,7 @@ class Comparison:
         return sum(d is None for d in self.divergences)
 
     def summary(self) -> dict[str, Any]:
+        """The comparison as merge-report.json records it."""
         return {
             "max_abs_logit_diff": self.max_abs if math.isfinite(self.max_abs) else None,
             "top1_agreement": round(self.top1, 6),
@@ -172,6 +176,8 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Verdict:
+    """Whether the merged model passed, what missed its threshold, and what to try."""
+
     passed: bool
     failures: list[str]  # what missed its threshold, by how much
     advice: list[str]  # what to try
@@ -210,6 +216,7 @@ def judge(dtype: str, merged: Comparison, dtype_only: Comparison | None = None) 
 
 
 def advise(dtype: str, failures: list[str]) -> list[str]:
+    """What to try after verification failed in `dtype`."""
     if dtype == "float32":
         return [
             "a float32 merge should match base + adapter to ~1e-4: check that the adapter was "

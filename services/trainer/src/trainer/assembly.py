@@ -58,20 +58,22 @@ class BuiltModel(NamedTuple):
     compile_note: str  # what the "training ..." start line says of compiling (may be "")
 
 
-def run_manifest(plan: RunPlan, prep: Prepared) -> dict[str, Any]:
+def run_manifest(
+    cfg: RunConfig, settings: TrainerSettings, device: torch.device, prep: Prepared
+) -> dict[str, Any]:
     """What makes the run the run: data, base, config, code, libraries, template, device."""
     return {
         "dataset_digest": prep.data_digest,
         "test_digest": prep.test_digest,
         "base": {"ref": prep.base.ref, "digest": prep.base.digest},
-        "config_hash": plan.config.config_hash(),
-        "config": plan.config.model_dump(mode="json"),
+        "config_hash": cfg.config_hash(),
+        "config": cfg.model_dump(mode="json"),
         "code_version": checkpoint.code_version(),
         "git_commit": git_commit(),
         "libraries": library_versions(),
         "template_hash": template_hash(prep.tokenizer),
-        "device_type": plan.device.type,
-        "world_size": plan.settings.world_size,
+        "device_type": device.type,
+        "world_size": settings.world_size,
     }
 
 
@@ -93,21 +95,28 @@ def publish_splits(cfg: RunConfig, prep: Prepared) -> PublishedSplits:
 
 
 def estimate_memory(
-    plan: RunPlan, model_config: dict[str, Any], say: Callable[[str], None]
+    cfg: RunConfig,
+    settings: TrainerSettings,
+    device: torch.device,
+    model_config: dict[str, Any],
+    *,
+    seq_len: int,
+    run_dir: Path,
+    say: Callable[[str], None],
 ) -> MemoryPlan:
     """The memory estimate (trainer.model.memory), written as memory-estimate.json and said,
-    and how many decoder layers recompute their activations (gradient_checkpointing)."""
-    cfg, device = plan.config, plan.device
+    and how many decoder layers recompute their activations (gradient_checkpointing).
+    `seq_len`: tokens in a row of the widest micro-batch (trainer.data.batching)."""
     args: dict[str, Any] = {
         "r": cfg.lora.r,
         "targets": cfg.lora.target_modules,
         "quantization": cfg.quantization,
         "compute_bytes": 2 if compute_dtype(device) == torch.bfloat16 else 4,
         "micro_batch": cfg.micro_batch,
-        "seq_len": plan.max_row_tokens(),
+        "seq_len": seq_len,
         "cuda": device.type == "cuda",
         "lora_dropout": cfg.lora.dropout,
-        "shards": plan.settings.world_size if cfg.distributed == "fsdp" else 1,
+        "shards": settings.world_size if cfg.distributed == "fsdp" else 1,
     }
     layers = int(model_config["num_hidden_layers"])
     if cfg.gradient_checkpointing != "auto":
@@ -123,7 +132,7 @@ def estimate_memory(
             "GPU's free memory)"
         )
     found = estimate(model_config, checkpointed=checkpointed, **args)
-    write_json(plan.run_dir / "memory-estimate.json", found)
+    write_json(run_dir / "memory-estimate.json", found)
     say("memory estimate: " + ", ".join(f"{k} {human(v)}" for k, v in found.items() if v))
     return MemoryPlan(found, checkpointed)
 

@@ -1,8 +1,9 @@
 """Compiling ahead: a child process fills this machine's compile cache with the run's
 layer graph while the run itself prepares its data and loads its base.
 
-On an H200 a cold compile of one decoder layer's graph held the first compiled step for
-13-20 s (inductor and Triton); from a warm on-disk cache it took 2 s. `start` launches
+A cold compile of one decoder layer's graph (inductor and Triton) holds the first
+compiled step for many seconds; a warm on-disk cache takes a fraction of that
+(bench/trainer/README.md has the figures). `start` launches
 `python -m trainer.compile_ahead SPEC` at the beginning of a run that may compile its
 layers (packed rows: one shape for the whole run) when the cache has not seen that graph
 yet. The child builds a one-layer copy of the base (its widths, random weights, a

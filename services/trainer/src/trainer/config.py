@@ -52,6 +52,8 @@ class _Strict(BaseModel):
 
 
 class DatasetConfig(_Strict):
+    """Where the chat data comes from: a local JSONL file or a dataset artifact in the store."""
+
     path: Path | None = Field(None, description="local chat JSONL file (relative to the CWD)")
     ref: str | None = Field(None, description="or a dataset artifact NAME[:VERSION] in the store")
     file: str | None = Field(None, description="which .jsonl inside `ref` (default: the only one)")
@@ -69,6 +71,8 @@ class DatasetConfig(_Strict):
 
 
 class SplitConfig(_Strict):
+    """How the data is split into train, validation and the frozen test split."""
+
     validation: float = Field(0.1, ge=0.0, lt=1.0, description="fraction for validation")
     test: float = Field(0.1, ge=0.0, lt=1.0, description="fraction for the frozen test split")
     seed: int = Field(0, ge=0, description="the split's shuffle seed")
@@ -81,6 +85,8 @@ class SplitConfig(_Strict):
 
 
 class LoraConfig(_Strict):
+    """The adapter's shape: rank, scale, dropout and the modules it adapts."""
+
     r: int = Field(8, ge=1, le=512, description="adapter rank")
     alpha: int = Field(16, ge=1, description="scale = alpha / r; usually 2*r")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter input")
@@ -90,6 +96,8 @@ class LoraConfig(_Strict):
 
 
 class EarlyStoppingConfig(_Strict):
+    """When evaluations that stop improving end the run."""
+
     patience: int = Field(
         3, ge=1, description="evaluations in a row without improvement before stopping"
     )
@@ -99,6 +107,8 @@ class EarlyStoppingConfig(_Strict):
 
 
 class HookConfig(_Strict):
+    """A shell command run after a run succeeds or fails (on_success / on_failure)."""
+
     command: str = Field(
         min_length=1,
         description="shell command (sh -c) run on this host; its environment names the run, "
@@ -113,6 +123,8 @@ class HookConfig(_Strict):
 
 
 class RunConfig(_Strict):
+    """One training run's YAML config, validated before anything starts (trainer.config)."""
+
     base_model: str = Field("smollm2-135m-instruct", description="base-model artifact ref")
     output: str = Field("run", description="artifact prefix: <output>/adapter, /data, ...")
     dataset: DatasetConfig
@@ -364,4 +376,5 @@ def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
 
 
 def with_overrides(config: RunConfig, items: list[str]) -> RunConfig:
+    """The config with `key=value` overrides applied, validated again."""
     return build_config(_merge(config.model_dump(mode="json"), parse_overrides(items)))

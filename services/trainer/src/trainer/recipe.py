@@ -6,7 +6,7 @@ adapter), "smoke" (a fixed short batch, a few steps, a verdict; publishes nothin
 "overfit" (N samples until the loss is under OVERFIT_LOSS; publishes nothing): their
 differences live in trainer.loop.modes. The recipe holds the order of the stages and
 the state they share, each part typed: the frozen `RunPlan` (trainer.state: what the
-run is and what setup decided, replaced as setup decides), `Prepared`
+run is, and what setup's steps decided, added once when they have all returned), `Prepared`
 (trainer.data.preparation), `Components` (trainer.assembly.build_model), `Progress`
 (trainer.state; trainer.publish.resuming restores it) and the `Session` (trainer.session:
 the log, the meter, the live metrics, the last checkpoint, a stop signal). A stage takes
@@ -39,16 +39,18 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from trainer import assembly, compile_ahead
 from trainer.config import RunConfig
-from trainer.data.batching import Plan, total_steps
+from trainer.data.batching import max_row_tokens, plan_batches, total_steps
 from trainer.data.preflight import refuse_unless_ok
 from trainer.data.preparation import Prepared, prepare
-from trainer.data.samples import end_of_turn_id
+from trainer.data.samples import Sample, special_tokens
 from trainer.errors import SmokeFailed
 from trainer.loop import budget, evaluation, gradients, modes, progress, stopping
 from trainer.loop.live import LiveRun
@@ -65,6 +67,10 @@ from trainer.state import Components, Progress, RunPlan
 
 
 class Recipe:
+    """One run's stages in order (setup, train, save_checkpoint, finish, cleanup) and the
+    state they share: the plan, the prepared data, the components, the progress, the
+    session."""
+
     prep: Prepared  # data, tokenizer and base: setup (trainer.data.preparation.prepare)
     components: Components  # built by setup (trainer.assembly.build_model)
 
@@ -79,8 +85,15 @@ class Recipe:
         clock: Callable[[], float] | None = None,
     ) -> None:
         base_dir = settings.resolved_runs_dir / config.output
-        run_dir = base_dir if mode == "train" else base_dir / mode
-        self.plan = RunPlan(config, settings, mode, overfit, command, run_dir)
+        self.plan = RunPlan(  # setup adds what it decides (replaced once)
+            config=config,
+            settings=settings,
+            mode=mode,
+            overfit=overfit,
+            command=command,
+            run_dir=base_dir if mode == "train" else base_dir / mode,
+            device=resolve_device(config.device, settings.local_rank),
+        )
         self.progress = Progress()  # replaced by a resumed run's (trainer.publish.resuming)
         start = time.monotonic()
         self.session = Session(
@@ -95,101 +108,191 @@ class Recipe:
     # ---- setup ------------------------------------------------------------------
 
     def setup(self, *, resume: bool, auto_batch: bool) -> None:
-        plan, session = self.plan, self.session
-        settings = plan.settings
-        torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
+        """Decide the plan (each step returns its part; the plan is built once from them),
+        then publish the splits, build the model and restore a resumed run's checkpoint."""
+        self._setup_process()
+        self.prep = self._setup_data(auto_batch=auto_batch)
+        selection = self._setup_samples(self.prep)
+        self.prep = replace(self.prep, encoded={})  # the samples live on only where selected
+        tokens = special_tokens(self.prep.tokenizer)
+        config = self._setup_micro_batch(selection, tokens.eot, auto_batch=auto_batch)
+        run_manifest = assembly.run_manifest(
+            config, self.plan.settings, self.plan.device, self.prep
+        )
+        resume_from = self._setup_resume_point(config, run_manifest, resume=resume)
+        splits = self._setup_splits(config)
+        memory = self._setup_memory(config, selection.train)
+        batches = plan_batches(config, selection.train)
+        self.plan = replace(
+            self.plan,
+            config=config,
+            eot=tokens.eot,
+            pad=tokens.pad,
+            train_samples=selection.train,
+            val_samples=selection.val,
+            run_manifest=run_manifest,
+            data_manifest=splits.data if splits else None,
+            test_manifest=splits.test if splits else None,
+            memory_estimate=memory.estimate,
+            checkpointed=memory.checkpointed,
+            batches=batches,
+            total_steps=total_steps(config, batches.steps_per_epoch()),
+        )
+        self._record_plan(resume_from)
+        built = self._setup_model()
+        self.components = built.components
+        self.progress = self._setup_progress(resume_from)
+        self.session.old_handlers = stopping.install_handlers(self._signalled)
+        self.session.live = self._setup_live()
+        self._say_start(built.compile_note)
+
+    def _setup_process(self) -> None:
+        """Torch threads, a fresh run folder (a smoke or overfit run's), rank 0's plotter,
+        the CUDA allocator's settings."""
+        plan = self.plan
+        torch.set_num_threads(plan.settings.torch_threads or os.cpu_count() or 1)
         if plan.mode != "train":
             shutil.rmtree(plan.run_dir, ignore_errors=True)
         plan.run_dir.mkdir(parents=True, exist_ok=True)
-        if settings.is_main:
-            session.plotter = Plotter()
-        device = resolve_device(plan.config.device, settings.local_rank)  # before the data
-        use_expandable_segments(device, settings.cuda_alloc_conf)
-        self.plan = plan = replace(plan, device=device)
+        if plan.settings.is_main:
+            self.session.plotter = Plotter()
+        use_expandable_segments(plan.device, plan.settings.cuda_alloc_conf)
 
-        def compile_early(model_config: dict[str, Any]) -> None:
-            session.ahead = compile_ahead.start(
-                plan.config, settings, plan.mode, plan.run_dir, model_config, device, auto_batch
-            )
-
+    def _setup_data(self, *, auto_batch: bool) -> Prepared:
+        """The base, splits and encoded samples (the layer graph starts compiling in a child
+        as soon as the base is known)."""
+        plan = self.plan
         # each process prepares the data; only rank 0's folder is published
-        staging = "splits" if settings.is_main else f"splits-rank{settings.rank}"
-        prep = prepare(plan.config, settings, plan.run_dir / staging, on_base=compile_early)
-        encoded = prep.encoded  # lives on only in the samples the mode selects
-        self.prep = prep = replace(prep, encoded={})
-        eot, pad = end_of_turn_id(prep.tokenizer), prep.tokenizer.pad_token_id
-        session.say(prep.report.render())
+        is_main, rank = plan.settings.is_main, plan.settings.rank
+        staging = plan.run_dir / ("splits" if is_main else f"splits-rank{rank}")
+        on_base = partial(self._start_compile_ahead, auto_batch=auto_batch)
+        return prepare(plan.config, plan.settings, staging, on_base=on_base)
+
+    def _start_compile_ahead(self, model_config: dict[str, Any], *, auto_batch: bool) -> None:
+        plan = self.plan
+        self.session.ahead = compile_ahead.start(
+            plan.config,
+            plan.settings,
+            plan.mode,
+            plan.run_dir,
+            model_config,
+            plan.device,
+            auto_batch,
+        )
+
+    def _setup_samples(self, prep: Prepared) -> modes.Selection:
+        """The samples the mode trains and validates on (smoke and overfit adjust steps and
+        schedule), once the data's preflight passed (else PreflightRefused)."""
+        plan = self.plan
+        self.session.say(prep.report.render())
         refuse_unless_ok(prep.report)
-        # smoke and overfit runs adjust steps and schedule
-        cfg, train, val = modes.select_samples(
-            plan.config, plan.mode, plan.overfit, encoded["train"], encoded["validation"]
+        train, val = prep.encoded["train"], prep.encoded["validation"]
+        return modes.select_samples(plan.config, plan.mode, plan.overfit, train, val)
+
+    def _setup_micro_batch(
+        self, selection: modes.Selection, eot: int, *, auto_batch: bool
+    ) -> RunConfig:
+        """The config with the micro-batch the GPU fits (--auto-batch), else as selected."""
+        if not auto_batch:
+            return selection.config
+        return fit_micro_batch(
+            selection.config,
+            self.plan.settings,
+            self.prep.base_dir,
+            self.prep.model_config,
+            self.plan.device,
+            eot=eot,
+            seq=max_row_tokens(selection.config, selection.train),
+            say=self.session.say,
         )
-        self.plan = plan = replace(plan, config=cfg, train_samples=train, val_samples=val)
-        pad = pad if pad is not None else eot
-        self.plan = plan = replace(plan, eot=eot, pad=pad)
-        if auto_batch:
-            cfg = fit_micro_batch(
-                cfg,
-                settings,
-                prep.base_dir,
-                prep.model_config,
-                device,
-                eot=eot,
-                seq=plan.max_row_tokens(),
-                say=session.say,
-            )
-            self.plan = plan = replace(plan, config=cfg)
-        self.plan = plan = replace(plan, run_manifest=assembly.run_manifest(plan, prep))
-        resume_from = publishing.find_resume_point(plan, prep.store, resume)
-        if plan.mode == "train" and settings.is_main:
-            splits = assembly.publish_splits(cfg, prep)
-            self.plan = plan = replace(plan, data_manifest=splits.data, test_manifest=splits.test)
+
+    def _setup_resume_point(
+        self, config: RunConfig, run_manifest: dict[str, Any], *, resume: bool
+    ) -> Path | None:
+        """The checkpoint a resumed "train" run continues from; refuses a changed run."""
+        if self.plan.mode != "train":
+            return None
+        store, ckpt_root = self.prep.store, self.plan.ckpt_root
+        return publishing.find_resume_point(
+            store, config.output, ckpt_root, run_manifest, resume=resume
+        )
+
+    def _setup_splits(self, config: RunConfig) -> assembly.PublishedSplits | None:
+        """`<output>/data` and `<output>/test`, published by rank 0 of a "train" run."""
+        if self.plan.mode == "train" and self.plan.settings.is_main:
+            return assembly.publish_splits(config, self.prep)
+        return None
+
+    def _setup_memory(self, config: RunConfig, train: list[Sample]) -> assembly.MemoryPlan:
+        """The memory estimate and the layers that recompute their activations."""
+        plan = self.plan
+        return assembly.estimate_memory(
+            config,
+            plan.settings,
+            plan.device,
+            self.prep.model_config,
+            seq_len=max_row_tokens(config, train),
+            run_dir=plan.run_dir,
+            say=self.session.say,
+        )
+
+    def _record_plan(self, resume_from: Path | None) -> None:
+        """run-manifest.json, the resume checkpoint published where the store lacks it, and
+        a capped run's preflight (before the model loads)."""
+        plan, session = self.plan, self.session
         write_json(plan.run_dir / "run-manifest.json", plan.run_manifest)
-        if resume_from is not None and settings.is_main:
-            resuming.publish_unuploaded(plan, prep, resume_from)
-        memory = assembly.estimate_memory(plan, prep.model_config, session.say)
-        checkpointed = memory.checkpointed
-        self.plan = plan = replace(plan, memory_estimate=memory.estimate, checkpointed=checkpointed)
-        batches = Plan(
-            cfg.seed,
-            [sample.length for sample in train],
-            cfg.micro_batch,
-            cfg.grad_accum,
-            cfg.max_seq_len if cfg.packing else None,
-        )
-        steps = total_steps(cfg, batches.steps_per_epoch())
-        self.plan = plan = replace(plan, batches=batches, total_steps=steps)
-        if plan.mode == "train" and session.meter.caps.any:  # before the model loads
+        if resume_from is not None and plan.settings.is_main:
+            resuming.publish_unuploaded(plan, self.prep, resume_from)
+        if plan.mode == "train" and session.meter.caps.any:
             session.say(stopping.preflight(plan, session.meter, resume_from))
         session.lap("prepare")
-        session.memory_marks["start"] = held_bytes(device)
+
+    def _setup_model(self) -> assembly.BuiltModel:
+        """The model, its loss, compiler, optimizer and schedule (trainer.assembly)."""
+        plan, prep, session = self.plan, self.prep, self.session
+        session.memory_marks["start"] = held_bytes(plan.device)
         built = assembly.build_model(
-            cfg,
-            settings,
+            plan.config,
+            plan.settings,
             prep.base_dir,
             prep.model_config,
-            device,
-            checkpointed=checkpointed,
+            plan.device,
+            checkpointed=plan.checkpointed,
             ahead=session.ahead,
             mode=plan.mode,
-            total_steps=steps,
+            total_steps=plan.total_steps,
             lap=session.lap,
         )
-        self.components = built.components
-        session.memory_marks["loaded"] = held_bytes(device)
-        if resume_from is not None:
-            self.progress = resuming.restore(resume_from, self.components)
-            session.meter.hours_before = self.progress.wall_before / 3600
-            session.say(f"resumed from {resume_from} at step {self.progress.step}")
-        session.old_handlers = stopping.install_handlers(self._signalled)
-        session.live = assembly.live_run(plan, self.progress.resumed_at)
-        if settings.metrics_port is not None and settings.is_main:
-            session.say(f"metrics: http://{settings.metrics_host}:{settings.metrics_port}/metrics")
-        session.say(
-            f"training {self.components.trainable:,} LoRA parameters on {device} "
-            f"({len(train)} train / {len(val)} validation samples, "
-            f"{steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x{settings.world_size}"
-            f"{built.compile_note})",
+        session.memory_marks["loaded"] = held_bytes(plan.device)
+        return built
+
+    def _setup_progress(self, resume_from: Path | None) -> Progress:
+        """A fresh run's progress, or the one the resume checkpoint kept (loaded into the
+        components)."""
+        if resume_from is None:
+            return self.progress
+        progress = resuming.restore(resume_from, self.components)
+        self.session.meter.hours_before = progress.wall_before / 3600
+        self.session.say(f"resumed from {resume_from} at step {progress.step}")
+        return progress
+
+    def _setup_live(self) -> LiveRun:
+        """The live metrics (rank 0 serves them, with the progress bar and TensorBoard)."""
+        plan = self.plan
+        live = assembly.live_run(plan, self.progress.resumed_at)
+        if plan.settings.metrics_port is not None and plan.settings.is_main:
+            host, port = plan.settings.metrics_host, plan.settings.metrics_port
+            self.session.say(f"metrics: http://{host}:{port}/metrics")
+        return live
+
+    def _say_start(self, compile_note: str) -> None:
+        """The start line: LoRA parameters, device, samples, steps and batch shape."""
+        plan, cfg = self.plan, self.plan.config
+        self.session.say(
+            f"training {self.components.trainable:,} LoRA parameters on {plan.device} "
+            f"({len(plan.train_samples)} train / {len(plan.val_samples)} validation samples, "
+            f"{plan.total_steps} steps of {cfg.micro_batch}x{cfg.grad_accum}x"
+            f"{plan.settings.world_size}{compile_note})",
         )
 
     def _signalled(self, signum: int, frame: Any) -> None:
@@ -212,6 +315,7 @@ class Recipe:
     # ---- train ------------------------------------------------------------------
 
     def train(self) -> None:
+        """The step loop: from the progress's step to total_steps, or until it stops early."""
         plan, session = self.plan, self.session
         cfg, world = plan.config, plan.settings.world_size
         session_start, session_tokens, session_steps = time.monotonic(), 0, 0
@@ -304,18 +408,21 @@ class Recipe:
     # ---- save -------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
+        """Write this step's checkpoint and publish it."""
         session = self.session
         session.last_checkpoint = resuming.save_checkpoint(
             self.plan, self.prep, self.components, self.progress, session.meter, session.say
         )
 
     def checkpoint_unless_saved(self) -> None:
+        """Save a checkpoint of this step unless one is saved already."""
         if not resuming.is_saved(self.session.last_checkpoint, self.progress.step):
             self.save_checkpoint()
 
     # ---- finish -------------------------------------------------------------------
 
     def finish(self) -> TrainResult:
+        """Evaluate and checkpoint the last step, record the run, publish the adapter."""
         plan, prep, session = self.plan, self.prep, self.session
         session.lap("steps")
         done = publishing.already_finished(plan, prep, self.progress, session.say)
@@ -355,6 +462,7 @@ class Recipe:
         return result
 
     def cleanup(self) -> None:
+        """Close what setup opened (plotter, compile child, live metrics, handlers, processes)."""
         session, settings = self.session, self.plan.settings
         if session.plotter is not None:
             session.plotter.close()

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Session:
+    """What one session of a run changes as it goes: the log, the meter, the live metrics,
+    the last checkpoint, a stop signal."""
+
     tail: LogTail  # the last log lines, for the support memo
     meter: Meter  # billed time, all sessions
     is_main_process: bool  # rank 0 under torchrun: the one process that shows its lines

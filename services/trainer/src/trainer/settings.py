@@ -16,6 +16,8 @@ from lorastack.settings import CommonSettings
 
 
 class TrainerSettings(CommonSettings):
+    """The trainer's one settings class: run folders, processes, metrics, built once at start."""
+
     runs_dir: Path | None = Field(None, description="local run folders; default HOME/runs")
     world_size: int = Field(
         1, ge=1, validation_alias=AliasChoices("WORLD_SIZE", "LORASTACK_WORLD_SIZE")

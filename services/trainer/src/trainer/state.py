@@ -3,10 +3,11 @@
 `RunPlan` is what the run is and what setup decided before the first step: the config
 (as the mode and auto-batch left it), the settings, the mode, the folders, the device,
 the samples, the batch plan and its steps, the run manifest, the published splits and
-the memory plan. It is frozen: setup (trainer.recipe.Recipe.setup) builds it anew with
-`dataclasses.replace` as it decides, and every stage reads it. `Components` is what
-setup builds once (trainer.assembly.build_model returns it): the model with its LoRA
-weights, the loss module the steps call, the compiler, the optimizer and the schedule.
+the memory plan. It is frozen: the recipe makes it with what the run is, and its setup
+(trainer.recipe.Recipe.setup) adds, once, what its steps decided; every stage reads it.
+`Components` is what setup builds once (trainer.assembly.build_model returns it): the
+model with its LoRA weights, the loss module the steps call, the compiler, the optimizer
+and the schedule.
 `Progress` is what the steps move forward and a checkpoint keeps for a resume
 (trainer.publish.resuming saves it and returns it restored). What one session changes
 as it goes (the log, the meter, the live metrics, the last checkpoint, a stop signal) is
@@ -39,7 +40,7 @@ CPU = torch.device("cpu")
 @dataclass(frozen=True)
 class RunPlan:
     """What the run is, and what setup decided before the first step; nothing changes it
-    after (setup replaces it as it decides)."""
+    after."""
 
     config: RunConfig  # smoke and overfit runs adjust steps and schedule, auto-batch the batch
     settings: TrainerSettings
@@ -47,8 +48,8 @@ class RunPlan:
     overfit: int | None  # --overfit N: the samples an overfit run trains on
     command: str  # how the run was started: the resume command repeats it
     run_dir: Path
-    device: torch.device = CPU
-    # decided by setup, in this order
+    device: torch.device = CPU  # trainer.model.modeling.resolve_device
+    # decided by setup
     eot: int = 0  # the end-of-turn token
     pad: int = 0  # the padding token (the end-of-turn token where the tokenizer has none)
     train_samples: list[Sample] = field(default_factory=list)  # the ones the mode selected
@@ -68,13 +69,6 @@ class RunPlan:
     @property
     def metrics_dir(self) -> Path:
         return self.run_dir / "metrics"
-
-    def max_row_tokens(self) -> int:
-        """Tokens in a row of the widest micro-batch: max_seq_len when packing, else the
-        longest training sample."""
-        if self.config.packing:
-            return self.config.max_seq_len
-        return max(s.length for s in self.train_samples)
 
 
 @dataclass

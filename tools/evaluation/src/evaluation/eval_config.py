@@ -8,7 +8,7 @@
     few_shot:                            # baseline only, put before the test prompt
       - {user: "March 3, 2021", assistant: "2021-03-03"}
     scorers: [exact, normalised, contains, {name: regex, pattern: '^\\d{4}-\\d{2}-\\d{2}$'}]
-    primary_metric: exact                # the one `lorastack promote` decides on; default: the first scorer
+    primary_metric: exact                # `lorastack promote` decides on it; default: 1st scorer
     max_tokens: 64                       # tokens per answer; greedy (temperature 0)
     concurrency: 4                       # requests in flight
 

@@ -9,10 +9,9 @@ tell when the load generator itself was the limit.
 Does not own: one request's timing (`loadtest_run.send_streaming`), the figures
 (`loadtest_stats`).
 
-Why processes: one Python client tops out near one core. On an H200, 16 streams of a
-8B-shaped model already kept `lorastack loadtest` at 100% of a core (4-5k streamed tokens a
-second), and the same arm then varied by 35% from run to run (bench/serving/README.md):
-the figures measured the client. N processes have N cores for the same level.
+Why processes: one Python client tops out near one core, and a client at a full core
+measures itself rather than the server (a few streams of a fast GPU model are enough:
+bench/serving/README.md). N processes have N cores for the same level.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ from evaluation.loadtest_stats import (
 from evaluation.prom import MetricsSampler, ServerPeaks
 
 # CPU seconds per second of a level, busiest sender: above it, the load generator is a
-# suspect (an H200 arm at 100-110% of a core varied 35% between runs; at 5-25% the gateway
-# relaying the same streams kept up, bench/serving/README.md)
+# suspect (a sender near a full core made its figures vary from run to run, one well under
+# it did not: bench/serving/README.md)
 CLIENT_BUSY = 0.8
 
 

@@ -6,7 +6,8 @@ Reads the gauges and counters vLLM exposes (names as vLLM 0.32 writes them):
     vllm:num_requests_waiting    gauge; peak = max over samples of the sum over series
     vllm:num_preemptions_total   counter; preemptions = last sample - first sample
 
-Parsing is pure (prometheus_client's parser); `MetricsSampler` is the only part doing I/O (GET every `interval_s`).
+Parsing is pure (prometheus_client's parser); `MetricsSampler` is the only part doing I/O
+(GET every `interval_s`).
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ def _version_key(v: str) -> tuple[int, int | str]:
 
 
 class ArtifactStore:
+    """Publish, resolve, fetch and label artifacts over a storage backend, with a verified cache."""
+
     def __init__(self, backend: Backend, cache_dir: Path) -> None:
         self.backend = backend
         self.cache_dir = cache_dir

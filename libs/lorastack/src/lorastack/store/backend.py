@@ -12,10 +12,12 @@ from lorastack.errors import Conflict, NotFound
 
 
 def blob_key(sha256: str) -> str:
+    """Where a blob with this SHA-256 lives in a backend."""
     return f"blobs/sha256/{sha256[:2]}/{sha256}"
 
 
 def manifest_key(name: str, version: str) -> str:
+    """Where the manifest of NAME:VERSION lives in a backend."""
     return f"manifests/{name}/@{version}.json"
 
 
@@ -28,6 +30,8 @@ LABELS = "labels/"  # key prefix of every label record
 
 
 class Backend(Protocol):
+    """What a storage backend offers: blobs by SHA-256, manifests and records by key."""
+
     url: str
 
     def has_blob(self, sha256: str) -> bool: ...

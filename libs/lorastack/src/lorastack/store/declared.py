@@ -33,12 +33,16 @@ SCHEMA_VERSION = 1
 
 
 class DeclaredAdapter(BaseModel):
+    """One adapter a deployment serves: its ref, served name and digest."""
+
     ref: str  # NAME:VERSION (pinned when declared) or NAME@LABEL (follows the label)
     served_name: str  # the id vLLM serves it under (NAME-vVERSION or NAME-LABEL)
     digest: str = ""  # content digest when declared (a label may move on since)
 
 
 class Declaration(BaseModel):
+    """The adapters a deployment serves, as of one numbered change."""
+
     schema_version: int = SCHEMA_VERSION
     deployment: str
     seq: int = Field(0, ge=0)  # 0: nothing was ever declared

@@ -91,6 +91,7 @@ def link_stored(backend: Backend, sha256: str, size: int, dest: Path, link_min_b
 def fetch_blob(
     backend: Backend, cache_dir: Path, manifest: Manifest, path: str, sha256: str
 ) -> Path:
+    """One file of an artifact in the local cache, verified against its SHA-256."""
     blob = cache_dir / "blobs" / sha256
     if blob.is_file():
         if sha256_file(blob) == sha256:  # a blob is reused only when a new copy is made

@@ -35,6 +35,8 @@ SCHEMA_VERSION = 1
 
 
 class LabelRecord(BaseModel):
+    """One move of a label: the version NAME@LABEL points at from then on."""
+
     schema_version: int = SCHEMA_VERSION
     name: str  # the artifact name the label belongs to
     label: str

@@ -25,6 +25,8 @@ STORED_MTIME_NS = 1_000_000_000  # every stored blob's mtime: 1970-01-01T00:00:0
 
 
 class LocalBackend(RecordManifests):
+    """The `file://DIR` backend: blobs and manifests as files under one folder."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file://{root}"

@@ -89,6 +89,8 @@ def part_size_for(size: int, wanted: int) -> int:
 
 
 class S3Backend(RecordManifests):
+    """The `s3://BUCKET[/PREFIX]` backend over boto3."""
+
     def __init__(
         self,
         bucket: str,

@@ -74,6 +74,21 @@ class Plan:
         return micro[k * self.grad_accum : (k + 1) * self.grad_accum]
 
 
+def plan_batches(cfg: RunConfig, samples: list[Sample]) -> Plan:
+    """The batch plan of a run over its training samples (packed rows when packing is on)."""
+    lengths = [sample.length for sample in samples]
+    pack_to = cfg.max_seq_len if cfg.packing else None
+    return Plan(cfg.seed, lengths, cfg.micro_batch, cfg.grad_accum, pack_to)
+
+
+def max_row_tokens(cfg: RunConfig, samples: list[Sample]) -> int:
+    """Tokens in a row of the widest micro-batch: max_seq_len when packing, else the
+    longest training sample."""
+    if cfg.packing:
+        return cfg.max_seq_len
+    return max(sample.length for sample in samples)
+
+
 def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     """The run's optimizer steps: its epochs, or `max_steps` when that comes first."""
     by_epochs = cfg.epochs * steps_per_epoch

@@ -25,6 +25,8 @@ class MaskingError(ValueError):
 
 @dataclass(frozen=True)
 class Span:
+    """A half-open range of characters of the rendered text."""
+
     start: int  # char offset, inclusive
     end: int  # char offset, exclusive
 

@@ -28,6 +28,8 @@ LOG_BUDGET = 64 << 20  # bytes kept for metrics, logs and plots
 
 
 class Lengths(BaseModel):
+    """One sample's token counts, part by part."""
+
     split: str
     number: int  # conversation number in the source file (1-based)
     system: int  # tokens
@@ -37,12 +39,16 @@ class Lengths(BaseModel):
 
 
 class LineProblem(BaseModel):
+    """A problem of one line of the source file."""
+
     line: int  # 1-based line of the source file
     kind: str  # schema | special_token | template | eos
     message: str
 
 
 class PreflightReport(BaseModel):
+    """What the data preflight found: counts, lengths, problems and duplicates."""
+
     source: str
     max_seq_len: int
     counts: dict[str, int]
@@ -284,6 +290,7 @@ def check_disk(
 
 
 def refuse_unless_ok(report: PreflightReport) -> None:
+    """Raise PreflightRefused, with the rendered report, unless the report is ok."""
     if not report.ok:
         raise PreflightRefused(
             report.render(), "fix the problems listed above, then run 'lorastack data check' again"

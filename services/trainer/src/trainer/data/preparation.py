@@ -27,6 +27,8 @@ from trainer.settings import TrainerSettings
 
 @dataclass
 class Prepared:
+    """What preparing the data made: the store, the base, the splits, the tokenizer, the samples."""
+
     store: ArtifactStore
     base: Manifest
     base_dir: Path

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from lorastack.chat_data import Conversation
 from trainer.data.chat_templates import NoToolSupport, require_tool_support
@@ -36,6 +36,8 @@ LossOn = Literal["all_assistant", "last_assistant"]
 
 @dataclass
 class Sample:
+    """One conversation encoded for training: token ids, labels and its parts' lengths."""
+
     input_ids: list[int]
     labels: list[int]  # aligned with input_ids; IGNORE where not supervised
     parts: dict[str, int]  # tokens: system, history, target (the last target + end-of-turn)
@@ -62,6 +64,20 @@ def end_of_turn_id(tokenizer: Any) -> int:
     if eid is None:
         raise MaskingError("the tokenizer has no eos token; set eos_token to the end-of-turn token")
     return int(eid)
+
+
+class SpecialTokens(NamedTuple):
+    """The tokens a run's batches and checks are built with."""
+
+    eot: int  # ends an assistant turn (end_of_turn_id)
+    pad: int  # pads a row: the tokenizer's pad token, else the end-of-turn token
+
+
+def special_tokens(tokenizer: Any) -> SpecialTokens:
+    """The end-of-turn and padding tokens of `tokenizer`."""
+    eot = end_of_turn_id(tokenizer)
+    pad = tokenizer.pad_token_id
+    return SpecialTokens(eot, eot if pad is None else int(pad))
 
 
 def template_hash(tokenizer: Any) -> str:

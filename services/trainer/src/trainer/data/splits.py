@@ -29,12 +29,16 @@ TRAIN, VALIDATION, TEST = 0, 1, 2  # split codes, in the order of `Splits`' fiel
 
 @dataclass
 class Item:
+    """One conversation of the source file, with its number in it."""
+
     number: int  # 1-based position in the source file (its conversation number)
     conv: Conversation
 
 
 @dataclass
 class Splits:
+    """The source's conversations split into train, validation and test."""
+
     train: list[Item]
     validation: list[Item]
     test: list[Item]
@@ -55,6 +59,7 @@ def normalise(text: str) -> str:
 
 
 def prompt_key(conv: Conversation) -> str:
+    """The normalised text of everything before the last turn: what groups near-duplicates."""
     return normalise("\n".join(f"{m.role}: {m.flat_text}" for m in conv.messages[:-1]))
 
 
@@ -120,6 +125,8 @@ def load_source(config: RunConfig, store: ArtifactStore) -> tuple[list[Conversat
 
 
 def make_splits(config: RunConfig, store: ArtifactStore) -> Splits:
+    """Load the source (a file or a dataset artifact) and split it by the config's
+    fractions and seed; refuses a split left empty."""
     convs, path, source = load_source(config, store)
     items = [Item(i, c) for i, c in enumerate(convs, start=1)]
     sp = config.split
@@ -158,6 +165,7 @@ def write_folders(splits: Splits, config: RunConfig, root: Path) -> tuple[Path, 
 
 
 def folder_digest(folder: Path) -> str:
+    """The content digest of a folder's files (as the store computes it)."""
     return content_digest(scan_folder(folder))
 
 

@@ -29,6 +29,8 @@ WARMUP_STEPS = 2  # first steps of a smoke run left out of its step time (alloca
 
 @dataclass(frozen=True)
 class Caps:
+    """A run's cost and time caps, and the price they are computed with."""
+
     max_cost: float | None  # currency units
     max_hours: float | None  # wall-clock hours
     price_per_gpu_hour: float
@@ -51,6 +53,8 @@ class Caps:
 
 @dataclass(frozen=True)
 class Estimate:
+    """A run's estimated hours and cost, with the arithmetic behind them."""
+
     hours: float  # wall clock, the run's earlier sessions included
     cost: float  # currency units
     formula: str  # the arithmetic, with its numbers

@@ -54,6 +54,7 @@ def evaluate(
 
 
 def best_step(val_losses: dict[int, float]) -> int | None:
+    """The step whose validation loss is the lowest so far (None before any)."""
     return standing(val_losses).best_step
 
 

@@ -55,6 +55,8 @@ NOT_SERIES = ("step", "total_steps", "eta_seconds")
 
 
 class LiveRun:
+    """A run's live view: Prometheus gauges, the progress bar and TensorBoard (rank 0)."""
+
     def __init__(
         self,
         run: str,

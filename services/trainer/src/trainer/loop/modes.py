@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,11 +29,18 @@ OVERFIT_LOSS = 0.05  # nats/token: --overfit passes below this
 OVERFIT_MAX_STEPS = 300
 
 
+class Selection(NamedTuple):
+    """What a mode runs with: its config and the samples it trains and validates on."""
+
+    config: RunConfig  # smoke and overfit adjust steps and schedule
+    train: list[Sample]
+    val: list[Sample]
+
+
 def select_samples(
     cfg: RunConfig, mode: str, overfit: int | None, train: list[Sample], val: list[Sample]
-) -> tuple[RunConfig, list[Sample], list[Sample]]:
-    """The config a mode runs with (smoke and overfit adjust steps and schedule) and the
-    training and validation samples it takes."""
+) -> Selection:
+    """The config a mode runs with and the training and validation samples it takes."""
     if mode == "smoke":
         short = [s for s in train if s.length <= SMOKE_SEQ]
         want = cfg.micro_batch * cfg.grad_accum
@@ -54,7 +61,8 @@ def select_samples(
                 "epochs=10000",
             ],
         )
-        return cfg, short[:want], [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
+        val_short = [s for s in val if s.length <= SMOKE_SEQ][:want] or short[:1]
+        return Selection(cfg, short[:want], val_short)
     if mode == "overfit":
         n = overfit or 1
         cfg = with_overrides(
@@ -67,8 +75,8 @@ def select_samples(
                 "eval_every=1000000",
             ],
         )
-        return cfg, train[:n], train[:n]
-    return cfg, train, val
+        return Selection(cfg, train[:n], train[:n])
+    return Selection(cfg, train, val)
 
 
 def smoke_verdict(
@@ -79,6 +87,7 @@ def smoke_verdict(
     last_checkpoint: Path | None,
     series: dict[int, float],
 ) -> dict[str, Any]:
+    """The smoke run's checks: the loss fell, the checkpoint reloads, a greedy sample stops."""
     checks, ok = [], True
     first, last = (
         progress.losses.get(1, float("nan")),
@@ -134,6 +143,7 @@ def smoke_verdict(
 
 
 def overfit_verdict(progress: Progress, samples: int) -> dict[str, Any]:
+    """The overfit run's check: the last loss under OVERFIT_LOSS."""
     last = progress.losses.get(progress.step, float("inf"))
     return {
         "passed": last < OVERFIT_LOSS,

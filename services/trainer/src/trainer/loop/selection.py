@@ -15,12 +15,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Standing:
+    """Where the validation losses stand: the best step and how long since it improved."""
+
     best_step: int | None  # the evaluation with the lowest loss (None: none yet)
     best_loss: float | None
     stale: int  # evaluations since the last one that improved by more than min_delta
 
 
 def standing(val_losses: dict[int, float], min_delta: float = 0.0) -> Standing:
+    """The best step, its loss and the evaluations since the last improvement."""
     best_step: int | None = None
     best = float("inf")
     stale = 0
@@ -33,6 +36,7 @@ def standing(val_losses: dict[int, float], min_delta: float = 0.0) -> Standing:
 
 
 def should_stop(val_losses: dict[int, float], patience: int, min_delta: float) -> bool:
+    """Whether early stopping ends the run: `patience` evaluations without improvement."""
     return standing(val_losses, min_delta).stale >= patience
 
 

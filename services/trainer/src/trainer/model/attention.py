@@ -6,10 +6,9 @@ attends through a dense block-diagonal causal mask, so every row costs a full
 max_seq_len x max_seq_len attention whatever its samples' lengths. On CUDA the run
 loads its model with VARLEN instead: the rows are one variable-length batch of samples
 (`cu_seq_lens`, the samples' offsets, which trainer.data.packing collates) for
-FlashAttention's variable-length kernel, which computes only within each sample. On
-the long-tailed chat mix (bench/trainer/chat_mix.py) that is a third of the dense
-work: an attention forward and backward of 4 rows x 2,048 tokens at the 8B widths took
-2.3 ms against SDPA's 3.9 ms on an H200 (bench/trainer/results/).
+FlashAttention's variable-length kernel, which computes only within each sample: on
+long-tailed data a fraction of the dense work (bench/trainer/chat_mix.py; the timings
+are in bench/trainer/README.md).
 
 Anything else (evaluation and generation without `cu_seq_lens`, dropout on the
 attention weights, sliding windows, soft-capping, attention sinks) goes to transformers'

@@ -8,8 +8,8 @@ shapes the compiler sees (mark_dynamic_width; trainer.data.batching keeps them f
 compile report (compile_report). It never loads a model (trainer.model.modeling does).
 
 Why one compile per run matters: each micro-batch padded to its own width gave three
-compiles of minutes each on an H200 (a static graph, a dynamic one after the first size
-guard failed, a third after inductor's alignment guard), and transformers' embedding
+compiles of minutes each (a static graph, a dynamic one after the first size guard
+failed, a third after inductor's alignment guard), and transformers' embedding
 hook broke the decoder's graph in two. Packed rows have one shape; unpacked batches get
 widths rounded to a multiple of 64 and a width marked dynamic before the first call.
 """
@@ -33,17 +33,17 @@ if TYPE_CHECKING:
     from trainer.model.ahead import Ahead
 
 # AOT autograd's activation_memory_budget for the whole-decoder graph: at its default
-# (1.0) the partitioner saved each checkpointed layer's matmul outputs (gate, up, q/o- and
-# k/v-sized) rather than recompute them, 12.7 GiB on the 8B shape; 0.5 kept 10.2 GiB at
-# 2.5x the baseline (bench/trainer/gpu_saved.py, bench/trainer/README.md)
+# (1.0) the partitioner saves each checkpointed layer's matmul outputs (gate, up, q/o- and
+# k/v-sized) rather than recompute them; 0.5 keeps less at nearly the same speed
+# (bench/trainer/trainer_gpu_saved.py; the figures in bench/trainer/README.md)
 DECODER_ACTIVATION_BUDGET = 0.5
 
-# choose_compile's model, from H200 measurements (bench/trainer/README.md): a cold compile
-# of the whole decoder took ~10 s + ~5 s per layer (8 layers 51 s, 16 layers 75 s, 32
-# layers 172 s), one layer's graph 13-15 s; a warm on-disk cache skips inductor and
-# Triton, leaving dynamo's trace and the cache lookups (WARM_FRACTION of a cold compile).
-# A compiled step took this fraction of an eager one (packed 1B rows: layers 0.64; 8B at
-# batch 1: decoder 0.52, layers 0.68), the cautious end of each.
+# choose_compile's model, fitted to GPU measurements (bench/trainer/README.md, "Where
+# the code's constants come from"): a cold compile of the whole decoder costs a base plus
+# a time per layer, one layer's graph a fixed time; a warm on-disk cache skips inductor
+# and Triton, leaving dynamo's trace and the cache lookups (WARM_FRACTION of a cold
+# compile). COMPILED_STEP_FRACTION: a compiled step's time over an eager one's, the
+# cautious end of what was measured.
 COMPILE_BASE_S = 10.0
 COMPILE_PER_LAYER_S = 5.0
 COMPILE_LAYER_GRAPH_S = 15.0
@@ -107,11 +107,11 @@ def compile_decoder(model: Any, scope: str, dynamic_width: bool = False) -> None
 
     scope "decoder": the whole decoder as one graph, checkpointing inside it, compiled
     with AOT autograd's CSE off (with it, the forward's and backward's nf4
-    dequantisations merged and the 8B shape peaked at 25.7 GiB) and an activation budget
-    of DECODER_ACTIVATION_BUDGET: on an H200, 8B shape, batch 1 x 2,048: 2.5x the plain
-    path's tokens/s at 10.2 GiB. scope "layers": one graph per decoder layer, shared by
-    all layers, called inside the per-layer checkpointing: seconds to compile, 7.9 GiB,
-    bound by the host at small batches (bench/trainer/README.md). `dynamic_width`: the
+    dequantisations merge and stay alive) and an activation budget of
+    DECODER_ACTIVATION_BUDGET: the fastest at small batches, at more memory than "layers".
+    scope "layers": one graph per decoder layer, shared by all layers, called inside the
+    per-layer checkpointing: seconds to compile, the least memory, bound by the host at
+    small batches (bench/trainer/README.md has the figures). `dynamic_width`: the
     layers' inputs vary in width (unpacked batches), so the one graph is dynamic."""
     import torch._functorch.config
     import torch._inductor.config
@@ -225,10 +225,12 @@ def graph_key(model_config: dict[str, Any], config: RunConfig, scope: str) -> st
 
 
 def is_warm(cache_dir: Path, key: str) -> bool:
+    """Whether the compile cache already holds the graphs of `key`."""
     return (cache_dir / "lorastack-graphs" / key).exists()
 
 
 def mark_warm(cache_dir: Path, key: str) -> None:
+    """Record that the compile cache holds the graphs of `key`."""
     folder = cache_dir / "lorastack-graphs"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / key).touch()

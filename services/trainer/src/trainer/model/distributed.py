@@ -78,6 +78,7 @@ def my_share(batches: list[T], rank: int, world: int) -> list[tuple[T, float]]:
 
 
 def sum_over_ranks(value: float, device: torch.device) -> float:
+    """`value` summed over every process (an all-reduce)."""
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.float64, device=device)

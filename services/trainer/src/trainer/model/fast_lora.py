@@ -2,9 +2,9 @@
 
 peft builds and saves the adapters; this module only replaces the forward of each
 plain LoRA layer (frozen base, nf4 or dense) while training with one active adapter.
-Why (bench/trainer/results/): at batch 1 on an H200 the step was bound by the
-host, not the GPU: peft + bitsandbytes issue ~15 Python-level ops per linear (module
-calls, a defensive clone, a separate scale and add), 224 linears per 8B forward. Here:
+Why: at small batches a GPU step is bound by the host, not the GPU, and peft +
+bitsandbytes issue many Python-level ops per linear (module calls, a defensive clone, a
+separate scale and add; bench/trainer/README.md has the counts). Here:
 
 - forward: x·Aᵀ, its scaled product with Bᵀ, then W (nf4) dequantised once and x·Wᵀ
   accumulated onto it in place (cuBLAS beta=1); nothing of W is kept for backward;
@@ -103,11 +103,10 @@ def _weight(
 # The two halves of the layer as opaque ops: inside a compiled graph each stays one
 # call, so the rank-r product is written first and the big matmul accumulates onto it
 # in place (cuBLAS beta=1). Traced as plain aten ops instead, the in-place add became an
-# out-of-place addmm that copied every output once more: on an H200 (8B widths) 13% of
-# a step went to those copies and adds. Defined with torch.library's Library, not
-# custom_op: its Python wrappers (autograd and aliasing checks, redispatch) cost the
-# host 54 instead of 34 us a call (CPU, torch 2.13), 336 calls a step at 8 layers;
-# eager code calls the functions themselves (25 us).
+# out-of-place addmm that copied every output once more. Defined with torch.library's
+# Library, not custom_op: custom_op's Python wrappers (autograd and aliasing checks,
+# redispatch) cost the host more per call, and the ops are called hundreds of times a
+# step; eager code calls the functions themselves (bench/trainer/README.md: the costs).
 _LIB = torch.library.Library("lorastack", "DEF")  # kept: the ops live as long as it
 _LIB.define(
     "lora_linear_fwd(Tensor x2, Tensor xd2, Tensor a, Tensor b, float scale, Tensor? weight, "

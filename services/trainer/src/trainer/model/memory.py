@@ -15,18 +15,17 @@ from typing import Any
 from trainer.model.cross_entropy import CHUNK_ELEMENTS
 
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4 bits + double-quantised absmax (~0.127 bits)
-# cuBLAS and cuBLASLt workspaces, taken from torch's allocator at the first matmul
-# (32 MiB each on Hopper; measured on an H200 as what stays after the first step
-# beyond the AdamW state)
+# bytes: cuBLAS and cuBLASLt workspaces, taken from torch's allocator at the first matmul
+# (one each; their size on Hopper, bench/trainer/README.md)
 CUDA_WORKSPACE = 64 << 20
-# Eager fp32 steps on the CPU: the peak RSS they add over the tensors autograd keeps. The
-# C allocator holds on to freed forward and backward temporaries; measured on the demo
-# (SmolLM2-135M, 4 rows of up to 75 tokens, no checkpointing): x1.91 with LoRA dropout 0,
-# x1.90 with 0.05. On a GPU torch's allocator is measured, and no factor applies.
+# Eager fp32 steps on the CPU: the peak RSS they add over the tensors autograd keeps (the
+# C allocator holds on to freed forward and backward temporaries; the factor is the
+# demo's, bench/trainer/README.md). On a GPU torch's allocator is measured, and no factor
+# applies.
 CPU_RSS_FACTOR = 1.9
 # gradient_checkpointing auto plans for this share of the GPU's free memory: the estimate
-# ran 10% under to 7% over the measured peaks (tests/test_trainer_records.py), and the
-# allocator needs room to move
+# is only within ~10% of real peaks (tests/test_trainer_records.py holds the cases), and
+# the allocator needs room to move
 PLAN_HEADROOM = 0.8
 
 
@@ -49,6 +48,7 @@ def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def lora_params(cfg: dict[str, Any], r: int, targets: list[str]) -> int:
+    """LoRA parameters of a model: rank r on each targeted linear of every layer."""
     shapes = linear_shapes(cfg)
     per_layer = sum(r * (i + o) for name, (i, o) in shapes.items() if name in targets)
     return per_layer * int(cfg["num_hidden_layers"])

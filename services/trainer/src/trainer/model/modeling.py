@@ -44,8 +44,9 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
 
 def use_expandable_segments(device: torch.device, alloc_conf: str | None) -> None:
     """Let CUDA's caching allocator grow segments instead of keeping a block per size:
-    the loss chunks and packed rows change size every step, and with fixed segments a
-    1B run reserved 8.0 GiB for a 2.6 GiB peak of allocations. Left alone when the user
+    the loss chunks and packed rows change size every step, and with fixed segments the
+    allocator reserved several times the peak of allocations (bench/trainer/README.md).
+    Left alone when the user
     configures the allocator (PYTORCH_CUDA_ALLOC_CONF, passed as `alloc_conf`)."""
     if device.type == "cuda" and not alloc_conf:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -40,6 +40,7 @@ class Gathered:
 
 
 def is_sharded(module: Any) -> bool:
+    """Whether `module` is sharded by FSDP."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)

@@ -97,6 +97,7 @@ def discard(folder: Path) -> None:
 
 
 def rng_states() -> dict[str, Any]:
+    """The torch, CUDA, Python and NumPy random states, for a checkpoint."""
     py = random.getstate()
     np_state: Any = np.random.get_state(legacy=True)
     return {

@@ -28,6 +28,8 @@ from trainer.state import Components, Progress, RunPlan
 
 @dataclass
 class TrainResult:
+    """What run_training returns: the mode, steps, losses, published artifacts and verdict."""
+
     mode: str
     run_dir: Path
     steps: int

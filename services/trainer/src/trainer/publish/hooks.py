@@ -74,6 +74,7 @@ def verify_all(
 
 
 def not_run(event: str, why: str) -> HookNotRun:
+    """The HookNotRun error for a hook that could not run, with what to do next."""
     return HookNotRun(
         f"{event} hook not run: {why}",
         "the results are still in the run folder; once the store answers again, run the "
@@ -119,6 +120,8 @@ def hook_env(
 
 @dataclass
 class HookOutcome:
+    """How a hook's command ended: exit code, seconds and its log."""
+
     event: str
     exit_code: int | None  # None: killed at the timeout
     seconds: float

@@ -30,13 +30,21 @@ log = logging.getLogger("trainer")
 TEMPLATE_FILE = "chat_template.jinja"  # what the tokenizer's save_pretrained writes
 
 
-def find_resume_point(plan: RunPlan, store: ArtifactStore, resume: bool) -> Path | None:
-    """The checkpoint to continue from (None for a fresh run); refuses a mismatch."""
-    if plan.mode != "train":
-        return None
-    output = plan.config.output
+def find_resume_point(
+    store: ArtifactStore,
+    output: str,
+    ckpt_root: Path,
+    run_manifest: dict[str, Any],
+    *,
+    resume: bool,
+) -> Path | None:
+    """The checkpoint a "train" run continues from (None for a fresh run).
+
+    Raises ResumeRefused when the run already has checkpoints but `resume` is off, or when
+    `run_manifest` differs from the checkpoint's; NotFound on `resume` without one.
+    """
     name = f"{output}/checkpoints"
-    local = checkpoint.local_steps(plan.ckpt_root)
+    local = checkpoint.local_steps(ckpt_root)
     remote = [int(v) for v in store.versions(name) if v.isdigit()]
     latest = max(local + remote, default=None)
     if not resume:
@@ -49,11 +57,11 @@ def find_resume_point(plan: RunPlan, store: ArtifactStore, resume: bool) -> Path
         return None
     if latest is None:
         raise NotFound(f"--resume: run {output!r} has no checkpoint", "start without --resume")
-    folder = checkpoint.step_dir(plan.ckpt_root, latest)
+    folder = checkpoint.step_dir(ckpt_root, latest)
     if latest not in local:
         store.get(store.manifest(name, str(latest)), folder)
     old = checkpoint.read_manifest(folder)
-    changed = checkpoint.manifest_diff(old, plan.run_manifest)
+    changed = checkpoint.manifest_diff(old, run_manifest)
     if changed:
         raise ResumeRefused(
             f"--resume refused: this run differs from checkpoint step {latest}:\n"
@@ -149,6 +157,8 @@ def publish_adapter(
     plot: Path,
     say: Callable[[str], None],
 ) -> Manifest:
+    """Publish the selected checkpoint's adapter as `<output>/adapter`, with its tokenizer,
+    chat format, parity reference, metrics, plot and run records."""
     cfg = plan.config
     folder = plan.run_dir / "adapter"
     shutil.rmtree(folder, ignore_errors=True)

@@ -106,6 +106,7 @@ def record_reference(
 
 
 def write_reference(reference: Reference, folder: Path) -> Path:
+    """Write the parity reference into the adapter folder; its path."""
     path = folder / REFERENCE_FILE
     path.write_text(reference.model_dump_json(indent=1) + "\n")
     return path
