@@ -38,8 +38,9 @@ class Admission:
         """POST `body` to the backend routing picks (admission control, retries).
 
         A request with no KV-cache room anywhere waits up to `kv_admit_wait_s` in the
-        line of such requests (`InflightCounter`, or across workers `SharedInflight`), first come first served; one that
-        arrives while others wait joins the line without looking for room."""
+        line of such requests (`InflightCounter`, or across workers `SharedInflight`), first
+        come first served; one that arrives while others wait joins the line without looking
+        for room."""
         interval = self.settings.scrape_interval_s
         line = self.backends.inflight
         wait_s = self.settings.kv_admit_wait_s
@@ -82,9 +83,9 @@ class Admission:
                             turn = line.join()
                     except Overloaded:
                         # saturated by the last scrape, which may be up to scrape_interval_s
-                        # old (on the H200, a burst that had just ended refused all 64 of the
-                        # next): read the backends once more before refusing (refresh()
-                        # shares one read at once)
+                        # old (a burst that has just ended still looks full): read the
+                        # backends once more before refusing (refresh() shares one read
+                        # at once; issue 39)
                         if rescraped:
                             raise
                         rescraped = True

@@ -3,15 +3,18 @@
     LorastackError (lorastack.errors)
     └── GatewayError                 status 500, type "internal_error"
         ├── BadRequest               400  invalid body, unsupported content
-        │   └── ContextLengthExceeded 400 prompt + max_tokens > max-model-len (reason context_length)
+        │   └── ContextLengthExceeded 400 prompt + max_tokens > max-model-len
+        │                                 (reason context_length)
         ├── PayloadTooLarge          413  body over max_body_bytes
         ├── UnsupportedMediaType     415  a body that is not declared as JSON
         ├── Unauthorized             401  missing or wrong API key (reason unauthorized)
         ├── UnknownModel             404  no backend lists the model (reason unknown_model)
         ├── ModelNotAllowed          403  the key may not use the model (reason model_not_allowed)
-        ├── RateLimited              429  per-key requests or tokens per minute (reason rate_limited),
-        │                                 with x-ratelimit-limit|remaining|reset-requests|tokens
-        ├── BudgetExhausted          429  the key's token budget for the period is spent, until it resets
+        ├── RateLimited              429  per-key requests or tokens per minute
+        │                                 (reason rate_limited), with
+        │                                 x-ratelimit-limit|remaining|reset-requests|tokens
+        ├── BudgetExhausted          429  the key's token budget for the period is spent,
+        │                                 until it resets
         ├── Overloaded               429  every eligible backend saturated (reason overloaded)
         ├── UpstreamRejected         the backend's own 4xx/5xx, passed through verbatim
         ├── UpstreamUnavailable      503  no backend reachable after capped retries

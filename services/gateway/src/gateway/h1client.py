@@ -63,7 +63,8 @@ class Connection(asyncio.Protocol):
         self.transport.write(data)
 
     async def head(self) -> ResponseParser:
-        """Wait for the response head; raises Disconnected, BadResponse or a `set_exception` error."""
+        """Wait for the response head; raises Disconnected, BadResponse or the error given to
+        `set_exception`."""
         p = self.parser
         assert p is not None
         while not p.head_done:

@@ -71,10 +71,11 @@ def request_bytes(method: str, host: str, path: str, body: bytes, headers: dict[
 class ResponseParser:
     """One response, fed bytes as they arrive (`feed`); body chunks collect in `body`.
 
-    The caller takes body bytes with `take()` (`body_bytes` counts what waits). After the headers: `status`, `headers`
-    (lower-case names, latin-1 values). `complete` is set when the message ended; then
-    `keep_alive` says whether the connection may carry another request. A body that ends
-    at EOF (neither content-length nor chunked) is complete when `eof()` says so.
+    The caller takes body bytes with `take()` (`body_bytes` counts what waits). After the
+    headers: `status`, `headers` (lower-case names, latin-1 values). `complete` is set when
+    the message ended; then `keep_alive` says whether the connection may carry another
+    request. A body that ends at EOF (neither content-length nor chunked) is complete when
+    `eof()` says so.
     """
 
     __slots__ = (

@@ -3,8 +3,9 @@ the chat request vLLM renders from it: `responses.py`); `fail`, `read_json` and 
 also serve the bodies passed through as they are (`passthrough.py`).
 
 auth -> body limits -> parse -> model check (exists, and the key may use it) -> exact
-token count -> length check (or clamp) -> per-key limits and budget -> route (admission control) -> upstream with retries ->
-pass the response through (SSE chunk by chunk) -> metrics.
+token count -> length check (or clamp) -> per-key limits and budget -> route (admission
+control) -> upstream with retries -> pass the response through (SSE chunk by chunk) ->
+metrics.
 
 Owns: that flow and its I/O (auth, backends, upstream, metrics); the wait for KV-cache
 room before the upstream is `admission.py`'s. Its pure pieces live

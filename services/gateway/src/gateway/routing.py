@@ -204,8 +204,8 @@ def fits_kv(req: RouteRequest, v: BackendView) -> bool:
     """The request's whole claim (`kv_claim`) fits beside what is claimed already, so vLLM
     never has to preempt a running request to make room.
 
-    Counted by the gateway as it sends, not read from a scrape: 64 requests arriving in one
-    millisecond all passed a 2-s-old scrape (issue 39: 82 preemptions, 0 x 429). One
+    Counted by the gateway as it sends, not read from a scrape: requests arriving together
+    would all pass the same seconds-old scrape and make vLLM preempt (issue 39). One
     block of vLLM's pool is its null block. A backend with nothing open takes any request
     (one that can never fit is vLLM's to refuse, by max_model_len)."""
     if v.kv_capacity_tokens is None or not req.sequences or v.inflight == 0:
@@ -223,7 +223,8 @@ def pick_backend(
     avoid: Collection[str] = (),
     retry_after_s: float = 1.0,
 ) -> str:
-    """The best backend for `req`; `avoid` (already tried) is used only when nothing else is left."""
+    """The best backend for `req`; `avoid` (already tried) is used only when nothing else
+    is left."""
     serving = [
         v for v in views if v.healthy and req.model in v.models and (v.embeds or not req.embed)
     ]

@@ -6,8 +6,8 @@ answering) and on 502/503 answers, capped at `retry_attempts` with jittered expo
 backoff (tenacity's `wait_exponential_jitter`), each attempt on a backend not tried yet
 when routing has one. A 4xx, a timeout waiting for the first byte and anything after the
 response started are never retried. The loop is a plain one: tenacity's AsyncRetrying
-cost 18 µs a request (60 µs with cold caches) on the path every request takes, for a
-policy this small.
+costs more per request than this small policy is worth on the path every request takes
+(bench/gateway/history.md).
 
 Timeouts: connect (`h1client.py`), first byte (the response head, then the first body
 chunk), idle gap (between two body chunks): one timer per response (`_SilenceWatch`). A
@@ -15,9 +15,8 @@ caller that stops reading (client disconnect) must `aclose()` the `UpstreamCall`
 unfinished response closes its connection (never back to the pool), and vLLM aborts the
 request.
 
-The client is `h1client.py` (asyncio Protocol + httptools), not aiohttp: it cost less
-CPU per request and per chunk on the fake upstream (bench/gateway/history.md);
-aiohttp cost 4-10x less than httpx before that.
+The client is `h1client.py` (asyncio Protocol + httptools), not aiohttp or httpx: it
+costs less CPU per request and per chunk (bench/gateway/history.md).
 """
 
 from __future__ import annotations
