@@ -391,6 +391,17 @@ def test_k8s_a_leaving_inference_replica_drains_within_its_grace_period() -> Non
     assert pre_stop > interval + dns_ttl_s
 
 
+def test_k8s_a_leaving_gateway_lets_its_streams_finish() -> None:
+    """A gateway pod's grace period holds its preStop plus the seconds its open streams
+    get after SIGTERM (uvicorn's graceful shutdown), so Kubernetes does not cut them."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("deploy/k8s/base")}
+    pod = docs[("Deployment", "gateway")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = _seconds(container["env"], "LORASTACK_SHUTDOWN_GRACE_S")
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + grace
+
+
 def test_k8s_disruption_budgets_cover_gateway_and_inference() -> None:
     docs = render("deploy/k8s/base")
     budgets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}

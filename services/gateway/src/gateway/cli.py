@@ -30,7 +30,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.main import create_app
-    from gateway.processes import UVICORN_OPTIONS, serve
+    from gateway.processes import serve, uvicorn_options
 
     overrides: dict[str, Any] = {}
     if args.port is not None:
@@ -44,7 +44,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     settings = _settings(**overrides)
     if settings.workers > 1:
         return serve(settings)  # N processes on the port, state shared (`processes.py`)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **UVICORN_OPTIONS)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
     return 0
 
 

@@ -14,7 +14,7 @@ A worker that dies (killed, crashed) loses the streams it was relaying: their cl
 the connection close before the last event, and their backend connections close, so
 vLLM aborts them. The parent then zeroes the worker's slot of the shared counts, marks
 its metric files dead and starts a new worker in its place. SIGTERM or SIGINT to the
-parent stops the workers (each finishes its streams for up to 10 s, uvicorn's graceful
+parent stops the workers (each finishes its streams for up to `shutdown_grace_s`, uvicorn's graceful
 shutdown) and removes the run folder.
 """
 
@@ -49,12 +49,17 @@ UVICORN_OPTIONS: dict[str, Any] = {
     "log_level": "warning",
     "access_log": False,
     "proxy_headers": False,  # GatewayApp applies them to the routes that read them
-    "timeout_graceful_shutdown": 10,
 }
 QUICK_EXIT_S = 5.0  # a worker that exits sooner than this after its start failed to start
 MAX_QUICK_EXITS = 3  # in a row, in one slot: the parent gives up (the error is in the log)
-STOP_WAIT_S = 15.0  # seconds a stopping worker has before it is killed
+STOP_MARGIN_S = 5.0  # past shutdown_grace_s, a stopping worker is killed
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
+    """UVICORN_OPTIONS and the graceful shutdown's length (`shutdown_grace_s`)."""
+    return {**UVICORN_OPTIONS, "timeout_graceful_shutdown": settings.shutdown_grace_s}
+
 
 _spawn = multiprocessing.get_context("spawn")
 multiprocessing.allow_connection_pickling()  # a socket goes to a spawned worker
@@ -81,7 +86,7 @@ def run_worker(
 
     from gateway.main import create_app
 
-    config = uvicorn.Config(create_app(settings, slot), **UVICORN_OPTIONS)
+    config = uvicorn.Config(create_app(settings, slot), **uvicorn_options(settings))
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -153,19 +158,20 @@ def serve(settings: GatewaySettings) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop_all([proc for proc, _ in procs.values()])
+        _stop_all([proc for proc, _ in procs.values()], settings.shutdown_grace_s + STOP_MARGIN_S)
         sock.close()
         shared.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 
-def _stop_all(procs: list[BaseProcess]) -> None:
-    """SIGTERM to every worker (uvicorn's graceful shutdown), SIGKILL to a late one."""
+def _stop_all(procs: list[BaseProcess], wait_s: float) -> None:
+    """SIGTERM to every worker (uvicorn's graceful shutdown), SIGKILL to one still alive
+    after `wait_s` seconds."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    deadline = time.monotonic() + STOP_WAIT_S
+    deadline = time.monotonic() + wait_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():

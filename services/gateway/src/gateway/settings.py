@@ -189,6 +189,14 @@ class GatewaySettings(CommonSettings):
         " core each: the KV claims and the admission line are shared between them exactly"
         " (`shared_claims.py`); with N > 1, per-key limits and budgets need redis_url",
     )
+    shutdown_grace_s: int = Field(
+        10,
+        ge=0,
+        le=3600,
+        description="seconds the open streams get to finish after SIGTERM (no new connection"
+        " is taken meanwhile) before they are cut; Kubernetes: keep the pod's"
+        " terminationGracePeriodSeconds above it plus its preStop",
+    )
     redis_timeout_s: float = Field(
         0.25, gt=0, le=10, description="connect and reply timeout of one Redis call (seconds)"
     )
