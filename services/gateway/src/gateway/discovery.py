@@ -84,6 +84,7 @@ class DiscoveryMetrics:
     """The follower's counters, in the gateway's registry."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
+        # with --workers N each worker follows the DNS: the counters sum N workers' events
         r = metrics.registry
         self.discovered = Counter(
             "lorastack_gateway_backends_discovered_total",
@@ -99,6 +100,7 @@ class DiscoveryMetrics:
             "lorastack_gateway_backends_draining",
             "backends that left backends_dns with requests still open on them",
             registry=r,
+            multiprocess_mode="livemax",  # every worker follows the same DNS
         )
         self.drained_requests = Counter(
             "lorastack_gateway_drained_requests_total",
