@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--head-scale", type=float, default=8.0)
-    ap.add_argument("--arms", default="compiled,eager", help="vLLM modes, in order")
+    ap.add_argument("--arms", default="eager,compiled", help="vLLM modes, in order")
     ap.add_argument("--work", type=Path, default=Path("/tmp/parity-llama"))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
