@@ -54,6 +54,33 @@ def test_two_workers_counts_add_up_and_a_cleared_slot_drops_only_its_own(tmp_pat
     assert one.counts["http://a"] == 0 and one.tokens["http://a"] == 0
 
 
+def test_forgotten_backends_free_their_entries_so_new_addresses_never_run_out(
+    tmp_path,
+) -> None:
+    """Replicas found by DNS come and go with new addresses: a forgotten backend's entry is
+    reused once no worker counts on it, and a worker holding a stale index reads again."""
+    from gateway.shared_claims import MAX_BACKENDS
+
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = SharedInflight(path, 0), SharedInflight(path, 1)
+    two.add("http://keep", 1, 64)  # a live backend throughout
+    for n in range(MAX_BACKENDS * 2):  # twice the table's entries, one replica at a time
+        url = f"http://10.0.{n // 256}.{n % 256}:8000"
+        one.add(url, 1, 32)
+        two.add(url, 1, 16)
+        one.forget(url)  # worker 1 still counts a request on it: kept
+        assert two.counts[url] == 2
+        one.add(url, -1, -32)
+        two.add(url, -1, -16)
+        two.forget(url)
+        one.forget(url)
+        assert url not in one.counts and url not in two.counts
+    assert one.counts == {"http://keep": 1} and one.tokens == {"http://keep": 64}
+    two.add("http://keep", -1, -64)
+    assert two.counts == {"http://keep": 0}
+
+
 def test_the_admission_line_is_one_line_across_workers(tmp_path) -> None:
     path = tmp_path / "claims"
     SharedInflight.create(path, 2)

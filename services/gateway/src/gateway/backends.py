@@ -149,8 +149,7 @@ class Backends:
     def forget(self, url: str) -> None:
         """Drop a drained backend (nothing is open on it any more)."""
         self.states.pop(url, None)
-        for table in (self.inflight.counts, self.inflight.sent, self.inflight.tokens):
-            table.pop(url, None)
+        self.inflight.forget(url)
 
     # --- lookups -------------------------------------------------------------
     def catalog(self) -> dict[str, ModelInfo]:

@@ -287,6 +287,11 @@ class InflightCounter:
         if delta < 0 and self._line:
             self._line[0].set()  # room given back: the head looks again
 
+    def forget(self, url: str) -> None:
+        """Drop a backend the gateway forgot (nothing is open on it)."""
+        for table in (self.counts, self.sent, self.tokens):
+            table.pop(url, None)
+
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """What `shared_claims.SharedInflight` locks across workers: one loop needs nothing."""

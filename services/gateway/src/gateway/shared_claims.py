@@ -17,11 +17,16 @@ admission and the upstream use either. What makes it exact across processes:
   for room. A head in another worker learns of room given back within `POLL_S`.
 
 Layout, int64 words: the next ticket, a version (bumped by every change: readers reuse
-their last totals while it stands), the number of backends known; then the requests
-ever sent to each backend (never cleared: routing compares it with a scrape's); then per
+their last totals while it stands), the number of backend entries used, a registry
+generation (bumped when an entry is freed: each worker then reads the URLs again); then
+the requests ever sent to each backend (routing compares it with a scrape's); then per
 worker slot its line head's ticket, its waiting count, and per backend its open
 requests and their KV claims (tokens). After the words, the backend URLs, `URL_BYTES`
-each. Owns: that file. Does not own: what the counts mean (`routing.py`), the processes
+each. A backend the gateway forgets (it left `backends_dns` and drained) frees its entry
+once no worker counts anything on it, so replicas that come and go with new addresses
+never run the table out.
+
+Owns: that file. Does not own: what the counts mean (`routing.py`), the processes
 (`processes.py`).
 """
 
@@ -43,7 +48,8 @@ MAX_BACKENDS = 256
 URL_BYTES = 512  # bytes of one backend URL (UTF-8), at most
 NO_TICKET = 2**62  # a slot whose line is empty
 POLL_S = 0.01  # seconds between two looks of a line head at the room other workers gave back
-_HEADER = 3  # next ticket, version, backends known
+_HEADER = 4  # next ticket, version, backend entries used, registry generation
+_GENERATION = 3
 _SENT = _HEADER
 _SLOTS = _SENT + MAX_BACKENDS
 _SLOT_WORDS = 2 + 2 * MAX_BACKENDS  # head ticket, waiting, counts[], tokens[]
@@ -86,6 +92,7 @@ class SharedInflight:
         self._base = _SLOTS + slot * _SLOT_WORDS
         self._depth = 0  # the lock is re-entered within a process (flock is not counted)
         self._index: dict[str, int] = {}
+        self._generation = 0  # of the registry `_index` was read at
         self._line: deque[Turn] = deque()
         self._seen = -1  # the version of the cached totals
         self._totals: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
@@ -131,9 +138,9 @@ class SharedInflight:
 
     # --- backends -----------------------------------------------------------------
     def _backend(self, url: str) -> int:
-        """The index of `url`'s counters, registered on first use by any worker."""
-        i = self._index.get(url)
-        if i is not None:
+        """The index of `url`'s counters, registered on first use by any worker (in the
+        first free entry)."""
+        if self._words[_GENERATION] == self._generation and (i := self._index.get(url)) is not None:
             return i
         raw = url.encode()
         if len(raw) > URL_BYTES:
@@ -142,22 +149,47 @@ class SharedInflight:
             self._load_urls()
             i = self._index.get(url)
             if i is None:
-                i = int(self._words[2])
+                used = int(self._words[2])
+                free = [j for j in range(used) if self._map[self._url_at(j)] == 0]
+                i = free[0] if free else used
                 if i >= MAX_BACKENDS:
-                    raise ValueError(f"more than {MAX_BACKENDS} backends")
+                    raise ValueError(f"more than {MAX_BACKENDS} backends at once")
                 at = self._url_at(i)
                 self._map[at : at + URL_BYTES] = raw.ljust(URL_BYTES, b"\0")
-                self._words[2] = i + 1
+                self._words[2] = max(used, i + 1)
                 self._index[url] = i
         return i
+
+    def forget(self, url: str) -> None:
+        """Free `url`'s entry once no worker counts a request or claim on it (the gateway
+        forgot the backend); a worker still counting keeps it until its own forget."""
+        w = self._words
+        with self.exclusive():
+            self._load_urls()
+            i = self._index.get(url)
+            if i is None:
+                return
+            slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
+            if any(w[b + 2 + i] or w[b + 2 + MAX_BACKENDS + i] for b in slots):
+                return
+            at = self._url_at(i)
+            self._map[at : at + URL_BYTES] = bytes(URL_BYTES)
+            w[_SENT + i] = 0
+            w[_GENERATION] += 1
+            w[1] += 1
+            self._load_urls()
 
     def _url_at(self, i: int) -> int:
         return (_SLOTS + self.workers * _SLOT_WORDS) * 8 + i * URL_BYTES
 
     def _load_urls(self) -> None:
-        for i in range(len(self._index), int(self._words[2])):
+        """`_index` as the registry has it now (called with the lock held)."""
+        self._index = {}
+        for i in range(int(self._words[2])):
             at = self._url_at(i)
-            self._index[self._map[at : at + URL_BYTES].rstrip(b"\0").decode()] = i
+            if name := self._map[at : at + URL_BYTES].rstrip(b"\0"):
+                self._index[name.decode()] = i
+        self._generation = int(self._words[_GENERATION])
 
     # --- InflightCounter's interface ---------------------------------------------
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
