@@ -20,6 +20,8 @@ from gateway.upstream import Upstream, UpstreamCall
 
 
 class Admission:
+    """Sends an admitted request to the backend routing picks: admission control, retries."""
+
     def __init__(
         self,
         settings: GatewaySettings,

@@ -67,9 +67,11 @@ class LruTable:
         return len(self._rows)
 
     def get(self, key: Any) -> str | None:
+        """The backend url stored for `key`, or None (a read does not refresh the entry)."""
         return self._rows.get(key)
 
     def put(self, key: Any, url: str) -> None:
+        """Store `url` for `key` as the newest entry, dropping the oldest past `size`."""
         self._rows[key] = url
         self._rows.move_to_end(key)
         while len(self._rows) > self.size:
@@ -86,6 +88,8 @@ class Affinity:
     def route_request(
         self, model: str, adapter: bool, session: str | None, prefix: tuple[bytes, ...]
     ) -> RouteRequest:
+        """The `RouteRequest` for a request: its session's last backend and, per backend, how many
+        leading prompt blocks (`prefix`, block hashes) it served last."""
         hits: dict[str, int] = {}
         for i, h in enumerate(prefix):
             url = self.prefixes.get(h)

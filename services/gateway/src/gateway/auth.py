@@ -69,6 +69,7 @@ def key_names(entries: list[str]) -> list[tuple[str, str]]:
 
 
 def read_keys_file(path: Path) -> list[str]:
+    """The keys listed in `path`, one a line; blank lines and `#` comments skipped."""
     lines = path.read_text().splitlines()
     return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
 
@@ -94,6 +95,9 @@ class Key:
 
 
 class Authenticator:
+    """Checks API keys (static ones and the keys file) and applies each key's models, rate
+    limits and budget through `limiter`; counts usage and rejections per key."""
+
     def __init__(
         self,
         enabled: bool,
@@ -130,6 +134,9 @@ class Authenticator:
 
     @classmethod
     def from_settings(cls, s: GatewaySettings, metrics: GatewayMetrics) -> Authenticator:
+        """The authenticator the settings describe, its limiter in Redis when `redis_url` is set.
+
+        Raises ConfigError when a line of `api_keys_file` is not a real key."""
         raw = [k.get_secret_value() for k in s.api_keys]
         if s.api_keys_file is not None:
             listed = read_keys_file(s.api_keys_file)
@@ -205,6 +212,7 @@ class Authenticator:
         log.info("keys file %s reloaded: %d keys", self.keys_file, len(self._by_digest))
 
     def names(self) -> list[str]:
+        """The names of the keys in force, sorted."""
         return sorted(k.name for k in self._by_digest.values())
 
     # --- per request -------------------------------------------------------------
@@ -224,6 +232,7 @@ class Authenticator:
         return key
 
     def check_model(self, key: Key, model: str) -> None:
+        """Raise ModelNotAllowed unless `key` may use `model`."""
         if key.models is not None and model not in key.models:
             allowed = ", ".join(sorted(key.models)) or "none"
             raise ModelNotAllowed(
@@ -252,10 +261,12 @@ class Authenticator:
         self.limiter.refund(held, tokens)
 
     def record_usage(self, key: Key, prompt: int, completion: int) -> None:
+        """Add a request's prompt and completion tokens to the key's usage counters."""
         key.usage["prompt"].inc(prompt)
         key.usage["completion"].inc(completion)
 
     def rejected(self, key: Key, reason: str) -> None:
+        """Count a rejection of `key` for `reason` (lorastack_gateway_key_rejections_total)."""
         self.metrics.key_rejections.labels(key.name, reason).inc()
 
 

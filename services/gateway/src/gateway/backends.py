@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BackendState:
+    """What the gateway knows of one backend: its last scrape, models and whether it serves."""
+
     url: str
     up: bool = False
     models: dict[str, ModelInfo] = field(default_factory=dict)
@@ -60,6 +62,9 @@ class BackendState:
 
 
 class Backends:
+    """The backends the gateway routes to: their scraped state, refreshed on a schedule, the
+    in-flight counts, declared adapters and tokenizers for their models."""
+
     def __init__(
         self,
         settings: GatewaySettings,
@@ -153,6 +158,8 @@ class Backends:
 
     # --- lookups -------------------------------------------------------------
     def catalog(self) -> dict[str, ModelInfo]:
+        """Every model id served by a backend that is up and not draining, with the first
+        backend's card for it."""
         out: dict[str, ModelInfo] = {}
         for st in self.states.values():
             if st.up and not st.draining:
@@ -188,6 +195,9 @@ class Backends:
         return info
 
     def max_model_len(self, info: ModelInfo) -> int:
+        """The context length of `info`, else of its parent base model.
+
+        Raises TokenizerUnavailable when neither reports max_model_len."""
         if info.max_model_len:
             return info.max_model_len
         parent = self.catalog().get(info.parent or "")
@@ -212,6 +222,9 @@ class Backends:
         return base
 
     async def tokenizer_for(self, info: ModelInfo) -> CountingTokenizer:
+        """The tokenizer that counts `info`'s prompts, loaded on a worker thread on first use.
+
+        Raises TokenizerUnavailable while a failed load waits out its backoff."""
         source = self.tokenizer_source(info)
         tok = self.tokenizers.get(source)
         if tok is not None:
@@ -261,6 +274,7 @@ class Backends:
         return (self.states[url].metrics or BackendMetrics()).block_size
 
     def views(self) -> list[BackendView]:
+        """Each backend as routing sees it (`BackendView`): health, load, adapters, claims."""
         out = []
         for st in self.states.values():
             m = st.metrics or BackendMetrics()

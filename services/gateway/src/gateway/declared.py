@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class DeclaredAdapters:
+    """The adapters declared in the store (served name -> deployment), read again every
+    `declared_refresh_s`."""
+
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.interval_s = settings.declared_refresh_s  # seconds; 0 = off

@@ -52,6 +52,8 @@ LOOKUP_TIMEOUT_S = 2.0  # seconds, all tries of one lookup together
 
 
 class MembershipPlan(NamedTuple):
+    """What one DNS lookup changes in the backend set: backends to add, drain and resume."""
+
     add: frozenset[str]  # found, not known: add
     drain: frozenset[str]  # serving, no longer found: stop routing to it
     resume: frozenset[str]  # draining, found again: route to it again

@@ -31,6 +31,8 @@ def _parse_completion(body: dict[str, Any], max_messages: int) -> CompletionRequ
 
 @dataclass(frozen=True)
 class Endpoint:
+    """One OpenAI route the gateway serves: its path, body parser and stream end."""
+
     label: str  # the route in metrics and logs
     path: str
     parse: Callable[[dict[str, Any], int], GenerationRequest]  # (body, max_messages)
@@ -45,6 +47,7 @@ class Endpoint:
         return self.output_param or param, requested
 
     def client_wants_usage(self, req: GenerationRequest) -> bool:
+        """Whether the stream's last event must carry usage for the client."""
         return self.always_usage or bool((req.stream_options or {}).get("include_usage"))
 
 

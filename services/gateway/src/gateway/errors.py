@@ -44,6 +44,8 @@ from lorastack.errors import LorastackError
 
 
 class GatewayError(LorastackError):
+    """Base of the gateway's errors: an HTTP status and an OpenAI-shaped error body."""
+
     status = 500
     type = "internal_error"
     code: str | None = None
@@ -54,9 +56,11 @@ class GatewayError(LorastackError):
         self.param = param
 
     def headers(self) -> dict[str, str]:
+        """Extra response headers for this error (none here)."""
         return {}
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error body: message (with the hint), type, param and code."""
         text = f"{self.message} {self.hint}".strip() if self.hint else self.message
         return {
             "error": {"message": text, "type": self.type, "param": self.param, "code": self.code}
@@ -64,6 +68,8 @@ class GatewayError(LorastackError):
 
 
 class BadRequest(GatewayError):
+    """400: an invalid body or unsupported content."""
+
     status = 400
     type = "BadRequestError"
     code = "invalid_request"
@@ -71,11 +77,15 @@ class BadRequest(GatewayError):
 
 
 class ContextLengthExceeded(BadRequest):
+    """400: prompt + max_tokens is more than the model's max_model_len."""
+
     code = "context_length_exceeded"
     reason = "context_length"
 
 
 class PayloadTooLarge(GatewayError):
+    """413: a body over max_body_bytes."""
+
     status = 413
     type = "BadRequestError"
     code = "payload_too_large"
@@ -83,6 +93,8 @@ class PayloadTooLarge(GatewayError):
 
 
 class UnsupportedMediaType(GatewayError):
+    """415: a body that is not declared as JSON."""
+
     status = 415
     type = "BadRequestError"
     code = "unsupported_media_type"
@@ -90,16 +102,21 @@ class UnsupportedMediaType(GatewayError):
 
 
 class Unauthorized(GatewayError):
+    """401: a missing or wrong API key."""
+
     status = 401
     type = "AuthenticationError"
     code = "invalid_api_key"
     reason = "unauthorized"
 
     def headers(self) -> dict[str, str]:
+        """`WWW-Authenticate: Bearer`, as RFC 6750 asks of a 401."""
         return {"WWW-Authenticate": "Bearer"}
 
 
 class UnknownModel(GatewayError):
+    """404: no backend lists the model."""
+
     status = 404
     type = "NotFoundError"
     code = "model_not_found"
@@ -137,6 +154,7 @@ class RateLimited(_RetryLater):
         self.limit = limit
 
     def headers(self) -> dict[str, str]:
+        """The `x-ratelimit-*` headers of the bucket that refused, when known."""
         out = super().headers()
         if self.limit is not None:
             what, per_min, remaining, reset_s = self.limit
@@ -147,11 +165,15 @@ class RateLimited(_RetryLater):
 
 
 class BudgetExhausted(_RetryLater):
+    """429: the key's token budget for its period is used up."""
+
     code = "budget_exhausted"
     reason = "budget_exhausted"
 
 
 class ModelNotAllowed(GatewayError):
+    """403: the key may not use the model."""
+
     status = 403
     type = "PermissionDeniedError"
     code = "model_not_allowed"
@@ -159,6 +181,8 @@ class ModelNotAllowed(GatewayError):
 
 
 class Overloaded(_RetryLater):
+    """429: every eligible backend is saturated."""
+
     code = "overloaded"
     reason = "overloaded"
 
@@ -187,6 +211,8 @@ class UpstreamRejected(GatewayError):
         self.type = "BadRequestError" if status < 500 else "InternalServerError"
 
     def body(self) -> dict[str, Any]:
+        """The backend's own error body when it is an OpenAI error object, else one made around
+        its text (at most 2,000 characters)."""
         try:
             parsed = json.loads(self.raw)
         except ValueError:
@@ -198,30 +224,40 @@ class UpstreamRejected(GatewayError):
 
 
 class UpstreamUnavailable(GatewayError):
+    """503: no backend reachable after capped retries."""
+
     status = 503
     type = "ServiceUnavailableError"
     code = "upstream_unavailable"
 
 
 class UpstreamTimeout(GatewayError):
+    """504: the first byte or an idle gap took longer than allowed."""
+
     status = 504
     type = "TimeoutError"
     code = "upstream_timeout"
 
 
 class UpstreamBroken(GatewayError):
+    """502: the backend's response broke off (mid-stream: one SSE error event)."""
+
     status = 502
     type = "InternalServerError"
     code = "upstream_broken"
 
 
 class TokenizerUnavailable(GatewayError):
+    """503: no tokenizer (or max_model_len) for the model, so no exact length check."""
+
     status = 503
     type = "ServiceUnavailableError"
     code = "tokenizer_unavailable"
 
 
 def as_gateway_error(exc: BaseException) -> GatewayError:
+    """`exc` as a GatewayError: itself, a BadRequest for any other LorastackError, else a
+    500 that names no internals."""
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, LorastackError):

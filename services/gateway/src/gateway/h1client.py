@@ -97,6 +97,7 @@ class Connection(asyncio.Protocol):
         return not self.closed and p is not None and p.complete and p.keep_alive
 
     def close(self) -> None:
+        """Mark the connection closed and close its transport."""
         self.closed = True
         if self.transport is not None:
             self.transport.close()
@@ -120,9 +121,12 @@ class Connection(asyncio.Protocol):
 
     # --- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport (asyncio callback)."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        """Feed bytes to the exchange's parser, pausing reads past HIGH_WATER body bytes
+        (asyncio callback); bytes outside an exchange or a bad response close the connection."""
         p = self.parser
         if p is None or self._error is not None:
             # bytes while no exchange is under way (or after a failure): unusable
@@ -140,6 +144,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Mark the connection closed; an unfinished response fails with Disconnected (asyncio
+        callback)."""
         self.closed = True
         p = self.parser
         if p is not None and not p.eof() and self._error is None:
@@ -220,6 +226,7 @@ class Pool:
             self._sweeper = loop.call_later(self.keepalive_s, self._sweep)
 
     def close(self) -> None:
+        """Stop the idle sweeper and close every idle connection."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -254,6 +261,7 @@ class H1Client:
         self.pools: dict[str, Pool] = {}
 
     def pool(self, base_url: str) -> Pool:
+        """The pool for `base_url`, made on first use."""
         pool = self.pools.get(base_url)
         if pool is None:
             pool = self.pools[base_url] = Pool(
@@ -262,6 +270,7 @@ class H1Client:
         return pool
 
     def close(self) -> None:
+        """Close every pool's idle connections and forget the pools."""
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()

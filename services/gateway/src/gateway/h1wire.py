@@ -132,9 +132,12 @@ class ResponseParser:
 
     # --- httptools callbacks ---------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
+        """Keep one header field, its name lower-cased (parser callback)."""
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        """Take the status; a final response's head is done, and its body runs to EOF when it has
+        neither content-length nor transfer-encoding (parser callback)."""
         self.status = self._parser.get_status_code()
         if self.status < 200:  # an interim 1xx: the real response follows
             return
@@ -147,10 +150,13 @@ class ResponseParser:
         )
 
     def on_body(self, body: bytes) -> None:
+        """Collect a body chunk and count its bytes (parser callback)."""
         self.body.append(body)
         self.body_bytes += len(body)
 
     def on_message_complete(self) -> None:
+        """Mark a final response complete and note keep-alive; an interim 1xx's headers are
+        dropped (parser callback)."""
         if self.status < 200:
             self.headers = {}
             return

@@ -35,6 +35,9 @@ Period = Literal["hour", "day", "week", "month"]
 
 
 class KeyEntry(BaseModel):
+    """One key of the keys file: its name, the sha256 of its secret, the models it may use,
+    its per-minute limits and token budget (0 = none)."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
@@ -47,6 +50,8 @@ class KeyEntry(BaseModel):
 
 
 class KeysFile(BaseModel):
+    """The keys file: a list of keys whose names and digests are each unique."""
+
     model_config = ConfigDict(extra="forbid")
 
     keys: list[KeyEntry] = Field(default_factory=list)
@@ -64,10 +69,12 @@ class KeysFile(BaseModel):
 
 
 def hash_secret(secret: str) -> str:
+    """The hex sha256 of `secret`, as the keys file stores it."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def new_secret() -> str:
+    """A new random API key secret (`sk-` and 32 random bytes, URL-safe base64)."""
     return "sk-" + secrets.token_urlsafe(32)
 
 

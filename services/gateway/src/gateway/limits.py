@@ -42,6 +42,8 @@ from gateway.keys import Period, period_end
 
 @dataclass
 class TokenBucket:
+    """A per-minute limit: `capacity` units a minute, refilled continuously."""
+
     capacity: float  # units per minute; the bucket starts full
     level: float = -1.0
     stamp: float = 0.0  # monotonic seconds of the last refill
@@ -59,21 +61,26 @@ class TokenBucket:
         return 0.0 if deficit <= 0 else deficit * 60.0 / self.capacity
 
     def take(self, amount: float, now: float) -> None:
+        """Take `amount` at `now` (the level may go below zero)."""
         self._refill(now)
         self.level -= amount
 
     def give_back(self, amount: float) -> None:
+        """Return `amount` unused units, up to the capacity."""
         self.level = min(self.capacity, self.level + amount)
 
 
 @dataclass
 class Budget:
+    """A key's token budget: `tokens` per `period`, used so far, and when it resets."""
+
     tokens: int  # per period
     period: Period
     used: float = 0.0
     resets_at: float = 0.0  # epoch seconds; 0: not started
 
     def roll(self, now: float) -> None:
+        """Start a new period, nothing used, once `now` (epoch seconds) reaches the reset."""
         if now >= self.resets_at:
             self.used, self.resets_at = 0.0, period_end(now, self.period)
 
@@ -97,6 +104,8 @@ class Reservation:
 
 
 class Limiter(Protocol):
+    """Where the per-key limits are counted: this process (`MemoryLimiter`) or Redis."""
+
     async def admit(self, key: Limited, tokens: int) -> Reservation:
         """Take one request and `tokens` from the key's limits, or raise RateLimited /
         BudgetExhausted (nothing taken then)."""
@@ -104,7 +113,8 @@ class Limiter(Protocol):
     def refund(self, held: Reservation, tokens: int) -> None:
         """Give back reserved tokens a request did not use (never raises, never waits)."""
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Close what the limiter holds open (its Redis connection)."""
 
 
 def rate_limited(what: str, limit: float, wait: float, level: float) -> RateLimited:
@@ -120,6 +130,7 @@ def rate_limited(what: str, limit: float, wait: float, level: float) -> RateLimi
 def budget_exhausted(
     name: str, budget: int, period: Period, used: float, resets_at: float, tokens: int, wall: float
 ) -> BudgetExhausted:
+    """The BudgetExhausted error for a key: what is left, and when the budget resets."""
     left = max(0, int(budget - used))
     at = dt.datetime.fromtimestamp(resets_at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     wait = resets_at - wall
@@ -148,6 +159,10 @@ class MemoryLimiter:
         self.wall = wall
 
     def check(self, key: Limited, tokens: int) -> Reservation:
+        """Take one request and `tokens` from the key's buckets and budget.
+
+        Raises BudgetExhausted or RateLimited (the longest wait among the buckets) with nothing
+        taken."""
         now = self.clock()
         budget = key.budget
         if budget is not None:
@@ -182,9 +197,12 @@ class MemoryLimiter:
         return Reservation(key, self, budget.resets_at)
 
     async def admit(self, key: Limited, tokens: int) -> Reservation:
+        """`check`, as the `Limiter` protocol's coroutine."""
         return self.check(key, tokens)
 
     def refund(self, held: Reservation, tokens: int) -> None:
+        """Give back `tokens` a request did not use to the key's bucket and, when still in the same
+        period, its budget."""
         key = held.key
         if tokens <= 0:
             return
@@ -195,4 +213,5 @@ class MemoryLimiter:
             budget.used = max(0.0, budget.used - tokens)
 
     async def aclose(self) -> None:
+        """Nothing to close (the `Limiter` protocol's method)."""
         pass

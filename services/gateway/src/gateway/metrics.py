@@ -59,6 +59,7 @@ class RouteSeries:
         self.output_tokens = m.output_tokens.labels(model, route)
 
     def duration(self, status: str) -> Histogram:
+        """The request duration histogram for `status`, bound on first use."""
         child = self._statuses.get(status)
         if child is None:
             child = self._statuses[status] = self._duration.labels(*self._labels, status)
@@ -66,6 +67,9 @@ class RouteSeries:
 
 
 class GatewayMetrics:
+    """The gateway's Prometheus metrics in their own registry; with `multiprocess_dir`, every
+    worker's values."""
+
     def __init__(self, multiprocess_dir: Path | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir  # set: every worker's values (`render`)
         self._series: dict[tuple[str, str], RouteSeries] = {}
@@ -245,6 +249,7 @@ class GatewayMetrics:
         return found
 
     def mirror_backend(self, url: str, up: bool, m: BackendMetrics | None) -> None:
+        """Set a backend's gauges from its last scrape (`m`; None: only whether it is up)."""
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(url, kind)
         self.backend_up.labels(url).set(1 if up else 0)

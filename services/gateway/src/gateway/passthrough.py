@@ -27,6 +27,8 @@ from gateway.workers import LargeBody
 async def passthrough(
     proxy: Proxy, request: Request, path: str, *, embed: bool = False
 ) -> Response:
+    """Forward a request the gateway does not inspect beyond its model (auth, the key's models,
+    one request of its rate limit) and return the backend's whole answer."""
     rid = request_id(request.headers.get("x-request-id"))
     key: Key | None = None
     held = LargeBody()

@@ -29,6 +29,9 @@ INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 
 @dataclass(frozen=True)
 class Prepared:
+    """A generation request ready to forward: the backend body, the client headers, the counted
+    tokens, the key's reservation and what routing needs."""
+
     model: str
     endpoint: Endpoint
     stream: bool
@@ -52,6 +55,8 @@ class Prepared:
 
 @dataclass(frozen=True)
 class OutputPlan:
+    """The output limit sent to the backend, and the client's value when it was clamped."""
+
     max_tokens: int  # output tokens of each choice; one value serves every prompt
     clamped_from: int | None  # the client's value when clamp mode lowered it
 
@@ -82,6 +87,7 @@ def kv_sequences(counts: list[int], out: OutputPlan, n: int) -> tuple[int, ...]:
 
 
 def count_header(counts: list[int]) -> str:
+    """Token counts as a header value: comma-separated."""
     return ",".join(str(c) for c in counts)
 
 

@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 
 
 class Proxy:
+    """The generation routes: authenticates, validates and counts a request, admits it to a
+    backend, then answers or relays its stream."""
+
     def __init__(
         self,
         settings: GatewaySettings,
@@ -101,6 +104,8 @@ class Proxy:
         self.affinity = Affinity(settings.affinity_table_size)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        """Serve one request to `endpoint`: a JSON answer, an SSE relay, or the error response; a
+        client that hangs up cancels the request."""
         t0 = time.perf_counter()
         self.metrics.inflight.inc()
         done_here = True  # a streaming response takes the in-flight count over

@@ -137,6 +137,7 @@ class RedisLimiter:
         *,
         now: Callable[[], float] = time.monotonic,
     ) -> RedisLimiter:
+        """A limiter on the Redis at `url`: `timeout_s` seconds a command, no retries."""
         from redis.asyncio import Redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -184,6 +185,10 @@ class RedisLimiter:
             log.warning("%s answers again: per-key limits are shared again", self.where)
 
     async def admit(self, key: Limited, tokens: int) -> Reservation:
+        """Take one request and `tokens` from the key's limits in Redis, or in this process while
+        Redis is down.
+
+        Raises RateLimited or BudgetExhausted with nothing taken."""
         if key.requests is None and key.tokens is None and key.budget is None:
             return Reservation(key, self)
         if self._now() < self._down_until:
@@ -217,6 +222,8 @@ class RedisLimiter:
         return Reservation(key, self, ends)
 
     def refund(self, held: Reservation, tokens: int) -> None:
+        """Give back unused `tokens` in the background, to whichever limiter admitted the request;
+        dropped while Redis is down."""
         if held.limiter is not self:  # admitted by the fallback during an outage
             return held.limiter.refund(held, tokens)
         key = held.key
@@ -243,6 +250,7 @@ class RedisLimiter:
             await asyncio.gather(*list(self._pending))
 
     async def aclose(self) -> None:
+        """Wait for pending refunds, then close the Redis client."""
         await self.settle()
         await self.client.aclose()
 

@@ -37,11 +37,13 @@ class HeaderFields:
         self._raw = dict(reversed(raw))
 
     def get(self, name: bytes) -> str | None:
+        """The field's value (latin-1), or None when the request lacks it."""
         value = self._raw.get(name)
         return None if value is None else value.decode("latin-1")
 
 
 def header_fields(request: Request) -> HeaderFields:
+    """The header fields of `request`, read once from its ASGI scope."""
     return HeaderFields(request.scope["headers"])
 
 

@@ -32,6 +32,8 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponsesBody(Passthrough):
+    """The fields of a /v1/responses body the gateway reads; the rest passes as sent."""
+
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None

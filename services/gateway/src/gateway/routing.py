@@ -48,6 +48,8 @@ class BackendView:
 
 @dataclass(frozen=True)
 class RouteRequest:
+    """What routing knows of a request: model, kind, affinity hints and its KV claim."""
+
     model: str
     adapter: bool = False  # the model is a LoRA adapter (it has a parent)
     embed: bool = False  # an embeddings request: only backends that embed serve it
@@ -62,12 +64,16 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Thresholds:
+    """When a backend counts as saturated: KV usage and waiting requests both at these."""
+
     max_kv_usage: float = 0.95  # 0..1
     max_waiting: int = 8  # requests
 
 
 @dataclass(frozen=True)
 class Weights:
+    """The weight of each scorer in `score_combined`."""
+
     kv: float = 1.0
     capacity: float = 1.0
     lora: float = 2.0  # a miss costs an adapter load (and may evict another)
@@ -167,6 +173,7 @@ def score_session(req: RouteRequest, views: list[BackendView]) -> dict[str, floa
 def score_combined(
     req: RouteRequest, views: list[BackendView], weights: Weights = Weights()
 ) -> dict[str, float]:
+    """Each backend's weighted mean of the scorers (KV, capacity, LoRA, prefix, session), 0..1."""
     parts: list[tuple[float, Scorer]] = [
         (weights.kv, score_kv_usage),
         (weights.capacity, score_capacity),
@@ -183,6 +190,7 @@ def score_combined(
 
 
 def is_saturated(v: BackendView, t: Thresholds) -> bool:
+    """Whether the backend's KV usage and waiting queue are both at their thresholds."""
     return v.kv_usage is not None and v.kv_usage >= t.max_kv_usage and v.waiting >= t.max_waiting
 
 
@@ -309,6 +317,7 @@ class InflightCounter:
         return turn
 
     def is_head(self, turn: asyncio.Event) -> bool:
+        """Whether `turn` is first in the line waiting for KV-cache room."""
         return bool(self._line) and self._line[0] is turn
 
     async def next_turn(self, turn: asyncio.Event, timeout_s: float) -> None:

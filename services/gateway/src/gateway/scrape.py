@@ -28,6 +28,8 @@ CACHE_CONFIG = "vllm:cache_config_info"
 
 @dataclass(frozen=True)
 class BackendMetrics:
+    """What one scrape of a backend's /metrics tells: KV usage and capacity, queues, adapters."""
+
     kv_usage: float | None = None  # 0..1
     running: int = 0
     waiting: int = 0
@@ -53,6 +55,8 @@ def kv_capacity(labels: dict[str, str]) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """One model card of a backend's /v1/models."""
+
     id: str
     max_model_len: int | None
     parent: str | None  # the base model of a LoRA adapter
@@ -64,6 +68,8 @@ def _adapters(value: str) -> frozenset[str]:
 
 
 def parse_metrics(text: str) -> BackendMetrics:
+    """The `BackendMetrics` in a vLLM /metrics text: queues summed over engines, the highest KV
+    usage, the newest LoRA info and the smallest KV capacity."""
     sums: dict[str, float] = {}
     kv: dict[str, float] = {}
     lora: tuple[float, dict[str, str]] | None = None
@@ -96,6 +102,7 @@ def parse_metrics(text: str) -> BackendMetrics:
 
 
 def parse_models(body: dict[str, Any]) -> dict[str, ModelInfo]:
+    """The model cards of a /v1/models body by id (cards without a string id skipped)."""
     out = {}
     for card in body.get("data", []):
         if isinstance(card, dict) and isinstance(card.get("id"), str):

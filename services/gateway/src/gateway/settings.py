@@ -36,6 +36,8 @@ from lorastack.settings import CommonSettings
 
 
 class GatewaySettings(CommonSettings):
+    """The gateway's settings (LORASTACK_ env vars), checked at start."""
+
     host: str = Field("127.0.0.1", description="address uvicorn binds")
     port: int = Field(8080, ge=1, le=65535)
     backends: Annotated[list[str], NoDecode] = Field(

@@ -109,6 +109,7 @@ class SharedInflight:
         shared.close()
 
     def close(self) -> None:
+        """Release the shared words, unmap the file and close it."""
         self._words.release()
         self._map.close()
         os.close(self._fd)

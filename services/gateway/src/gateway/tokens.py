@@ -212,6 +212,8 @@ RETRY_MAX_S = 300.0  # seconds: the longest wait between two tries
 
 @dataclass(frozen=True)
 class LoadFailure:
+    """Why a tokenizer source failed to load, how often, and when to try again."""
+
     error: str  # why the last try failed
     attempts: int  # tries so far
     retry_at: float  # monotonic seconds: the next try is not made before this
@@ -238,6 +240,7 @@ class TokenizerCache:
         self._lock = threading.Lock()
 
     def get(self, source: str) -> CountingTokenizer | None:
+        """The tokenizer loaded for `source`, or None (nothing is loaded here)."""
         return self._loaded.get(source)
 
     def failure(self, source: str) -> LoadFailure | None:

@@ -101,6 +101,7 @@ class UpstreamCall:
             yield chunk
 
     async def aclose(self) -> None:
+        """Close the call and give back its in-flight count and claim (`close`)."""
         self.close()
 
     def close(self) -> None:
@@ -180,6 +181,9 @@ def upstream_auth(settings: GatewaySettings) -> dict[str, str]:
 
 
 class Upstream:
+    """POSTs to backends over keep-alive connections, retrying before the first byte (capped,
+    jittered backoff), and counts each try in `inflight`."""
+
     def __init__(
         self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: Inflight
     ) -> None:
@@ -195,6 +199,7 @@ class Upstream:
         )
 
     async def aclose(self) -> None:
+        """Close every idle connection."""
         self._client.close()
 
     async def _attempt(

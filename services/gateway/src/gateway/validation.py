@@ -16,17 +16,23 @@ from lorastack.untrusted_json import schema_error
 
 
 class Passthrough(BaseModel):
+    """Base of the request schemas: unknown fields pass through, typed fields are strict."""
+
     # strict: the body goes to vLLM as sent, so a field the gateway reads must already
     # have its type ("max_tokens": "5" or 1.0 would pass here and fail, or differ, there)
     model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ChatMessage(Passthrough):
+    """One chat message: its role and content (other fields pass through)."""
+
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
 
 
 class CommonFields(Passthrough):
+    """The fields chat and completion requests share and the gateway reads."""
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # output tokens
     stream: bool = False
@@ -35,6 +41,8 @@ class CommonFields(Passthrough):
 
 
 class ChatRequest(CommonFields):
+    """A /v1/chat/completions body, as far as the gateway reads it."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens, as in vLLM
     add_generation_prompt: bool = True
@@ -45,12 +53,15 @@ class ChatRequest(CommonFields):
 
 
 class CompletionRequest(CommonFields):
+    """A /v1/completions body, as far as the gateway reads it."""
+
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's completions default
     add_special_tokens: bool = True
 
 
 def first_error(e: ValidationError) -> BadRequest:
+    """The BadRequest for a schema error: the first error's field and what is wrong."""
     where, what = schema_error(e)
     where = where or "body"
     return BadRequest(
@@ -61,6 +72,10 @@ def first_error(e: ValidationError) -> BadRequest:
 
 
 def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
+    """The chat request in `body`.
+
+    Raises BadRequest for a schema error, more than `max_messages` messages, or both
+    continue_final_message and add_generation_prompt set."""
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:
@@ -85,6 +100,7 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    """The completion request in `body`; raises BadRequest for a schema error."""
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -100,6 +116,8 @@ def requested_output(req: CommonFields) -> tuple[str, int | None]:
 
 @dataclass(frozen=True)
 class TokenPlan:
+    """A request's counted prompt tokens and the output limit sent to the backend."""
+
     prompt_tokens: int
     max_tokens: int  # output tokens the backend may produce; prompt + this <= max_model_len
     clamped_from: int | None  # the client's value when clamp mode lowered it

@@ -104,6 +104,7 @@ class CollectorPause:
             return True
 
     def leave(self) -> None:
+        """Leave the pause; the last holder turns the collector back on."""
         with self._lock:
             self._holders -= 1
             if self._holders == 0:
@@ -132,10 +133,12 @@ class LargeBody:
             self._paused = _PAUSE.enter()
 
     def keep(self, *objects: Any) -> None:
+        """Hold `objects` until `release` (a small body holds nothing)."""
         if self._large:
             self._objects.extend(objects)
 
     def release(self) -> None:
+        """Drop the held objects on a worker thread (once; inline at interpreter shutdown)."""
         if self._large:
             self._large = False
             try:
