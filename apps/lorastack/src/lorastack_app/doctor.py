@@ -38,6 +38,8 @@ PACKAGES = {
 
 @dataclass
 class Check:
+    """One row of the doctor's report: what was checked, ok/warn/fail/info, and a hint."""
+
     name: str
     status: str  # "ok" | "warn" | "fail" | "info"
     detail: str
@@ -45,6 +47,7 @@ class Check:
 
 
 def read_pins(constraints: Path) -> dict[str, str]:
+    """The `name==version` pins of a constraints file by normalised name; {} when absent."""
     pins: dict[str, str] = {}
     if constraints.is_file():
         for line in constraints.read_text().splitlines():
@@ -55,6 +58,7 @@ def read_pins(constraints: Path) -> dict[str, str]:
 
 
 def check_python() -> Check:
+    """Whether lorastack runs from a virtual environment (warn when not)."""
     in_venv = sys.prefix != sys.base_prefix
     detail = f"{sys.executable} (Python {platform.python_version()}, prefix {sys.prefix})"
     if in_venv:
@@ -68,6 +72,8 @@ def check_python() -> Check:
 
 
 def check_package(dist: str, needed_by: str, pins: dict[str, str]) -> Check:
+    """Whether `dist` is installed at its pinned version; a missing optional engine (vLLM,
+    bitsandbytes) is only info."""
     try:
         have = md.version(dist)
     except md.PackageNotFoundError:
@@ -92,6 +98,7 @@ def check_package(dist: str, needed_by: str, pins: dict[str, str]) -> Check:
 
 
 def check_torch_device() -> list[Check]:
+    """torch's CUDA build and, per visible GPU, its memory and how much other processes hold."""
     try:
         import torch
     except ImportError:
@@ -198,6 +205,7 @@ def check_gpu_processes(nvml: Any = None, own_pid: int | None = None) -> list[Ch
 
 
 def check_store(settings: CommonSettings) -> Check:
+    """Whether the artifact store opens, and how many versions it holds."""
     from lorastack.errors import LorastackError
     from lorastack.store import open_store
 
@@ -210,6 +218,7 @@ def check_store(settings: CommonSettings) -> Check:
 
 
 def check_disk(settings: CommonSettings) -> Check:
+    """Free disk space under LORASTACK_HOME (warn under 10 GiB)."""
     path = settings.home if settings.home.exists() else Path.home()
     free = shutil.disk_usage(path).free / 2**30
     status = "ok" if free > 10 else "warn"
@@ -224,6 +233,7 @@ def check_disk(settings: CommonSettings) -> Check:
 
 
 def run_checks(settings: CommonSettings, repo: Path | None) -> list[Check]:
+    """Every check in report order; `repo` (for constraints.txt) may be None."""
     pins = read_pins(repo / "constraints.txt") if repo else {}
     rows = [check_python()]
     rows += [check_package(d, why, pins) for d, why in PACKAGES.items()]
@@ -233,6 +243,7 @@ def run_checks(settings: CommonSettings, repo: Path | None) -> list[Check]:
 
 
 def find_repo() -> Path | None:
+    """The checkout this package runs from (the folder with constraints.txt), or None."""
     for parent in Path(__file__).resolve().parents:
         if (parent / "constraints.txt").is_file():
             return parent

@@ -41,6 +41,8 @@ GATEWAY_PORT: int = GatewaySettings.model_fields["port"].default
 
 @dataclass(frozen=True)
 class Service:
+    """One local service: its command, environment, readiness URL and URLs to show."""
+
     name: str
     argv: list[str]
     env: dict[str, str]
@@ -49,6 +51,8 @@ class Service:
 
 
 def services(settings: CommonSettings, serve_config: Path, gateway_port: int) -> list[Service]:
+    """The local stack's services (vLLM under its supervisor, then the gateway) with their
+    commands and environments."""
     common = child_env(
         CommonSettings, home=settings.home, store_url=settings.resolved_store_url
     ) | {"HF_HUB_OFFLINE": "1"}
@@ -98,6 +102,7 @@ def _ours(pidfile: Path) -> pidfile_mod.Found:
 
 
 def is_ready(url: str, timeout: float = 2.0) -> bool:
+    """Whether `url` answers 200 within `timeout` seconds."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return bool(resp.status == 200)
@@ -139,6 +144,7 @@ def parity_lines(supervisor_url: str) -> list[str]:
 
 
 def tail(path: Path, n: int = 20) -> str:
+    """The last `n` lines of a log file, or "(no log)"."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except FileNotFoundError:
@@ -230,6 +236,10 @@ def up(
     gateway_port: int = GATEWAY_PORT,
     timeout_s: float = 900,
 ) -> list[Service]:
+    """Start the services not yet running and wait until each answers /ready.
+
+    Raises NotFound without `serve_config`, and Refused when a service fails to come up
+    (what this call started is stopped again)."""
     if not serve_config.is_file():
         raise NotFound(
             f"serve config {serve_config} does not exist",
@@ -254,6 +264,7 @@ def up(
 
 
 def status(settings: CommonSettings, gateway_port: int) -> list[dict[str, Any]]:
+    """Per service: its pid (None when not running), readiness, log path and URLs."""
     rows = []
     for svc in services(settings, Path("-"), gateway_port):
         pidfile, logfile = _paths(settings, svc.name)

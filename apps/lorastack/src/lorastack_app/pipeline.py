@@ -50,6 +50,8 @@ class Stages:
         self.started = time.monotonic()
 
     def run(self, title: str, *args: str, ok: tuple[int, ...] = (0,)) -> None:
+        """Run `lorastack ARGS` as a stage and time it; raises Refused on an exit code not in
+        `ok`."""
         cmd = ["lorastack", *args]
         print(f"\n== {title}\n$ {' '.join(cmd)}", flush=True)
         start = time.monotonic()
@@ -100,6 +102,7 @@ def write_serve_config(path: Path, adapter_ref: str, platform: str) -> None:
 
 
 def chat(gateway: str, model: str, messages: list[dict[str, str]], max_tokens: int = 48) -> str:
+    """The answer of `model` to `messages` through the gateway, at temperature 0."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=120)
     r.raise_for_status()
@@ -107,6 +110,7 @@ def chat(gateway: str, model: str, messages: list[dict[str, str]], max_tokens: i
 
 
 def stream_chat(gateway: str, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
+    """The streamed answer of `model` to `messages` through the gateway, piece by piece."""
     body = {
         "model": model,
         "messages": messages,
@@ -133,6 +137,7 @@ def served_models(gateway: str) -> tuple[str, str]:
 
 
 def test_prompts(settings: CommonSettings, n: int) -> list[tuple[str, str]]:
+    """The first `n` (user prompt, expected answer) pairs of the demo's test split."""
     store = open_store(settings)
     folder = store.fetch(store.resolve(f"{RUN}/test"))
     out = []
@@ -144,6 +149,8 @@ def test_prompts(settings: CommonSettings, n: int) -> list[tuple[str, str]]:
 
 
 def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: bool) -> int:
+    """The demo end to end: import, data, smoke test, train, merge, serve, chat, evaluate and
+    load-test; stops the services unless `keep_running`. Returns the exit code."""
     stages = Stages()
     work = settings.home / "demo"
     work.mkdir(parents=True, exist_ok=True)
@@ -262,6 +269,7 @@ def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: boo
 
 
 def summary(settings: CommonSettings, stages: Stages, work: Path, running: bool) -> None:
+    """Print where the demo's artifacts, reports and (while running) services are."""
     store = open_store(settings)
     print(f"\n== where everything is\nstore: {store.url}")
     for m in store.ls():
