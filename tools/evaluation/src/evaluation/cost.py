@@ -26,12 +26,16 @@ SECONDS_PER_HOUR = 3600.0
 
 
 class Line(BaseModel):
+    """One line of a cost report: what it costs, the formula with its numbers, the amount."""
+
     item: str
     formula: str  # with the numbers filled in
     amount: float  # currency units
 
 
 class CostReport(BaseModel):
+    """A cost report: its lines (summed in `total`) and the assumptions behind them."""
+
     title: str
     currency: str
     lines: list[Line]
@@ -59,6 +63,8 @@ def steps_for(examples: int, batch_size: int, epochs: float) -> int:
 
 
 class StepTiming(BaseModel):
+    """Seconds per training step over the warm steps, and how many steps were used or skipped."""
+
     seconds_per_step: float  # mean over the warm steps
     median_s: float
     warm_steps: int  # steps used
@@ -101,6 +107,11 @@ def estimate_training(
     currency: str = "USD",
     timing_source: str = "given",
 ) -> CostReport:
+    """The cost of a training run before it runs: compute, a set-up and idle allowance, and
+    storage.
+
+    Raises ConfigError for fewer than 1 step or GPU, or a number that is negative or not
+    finite."""
     if steps < 1 or gpus < 1:
         raise ConfigError("steps and GPUs must be at least 1", "check --steps and --gpus")
     for name, v in (("seconds per step", seconds_per_step), ("price per GPU-hour", price_per_gpu_hour),
@@ -192,6 +203,8 @@ def cost_per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -
 
 
 class ServingRow(BaseModel):
+    """One load-test level's throughput and latency, and its cost per million output tokens."""
+
     level: str
     output_tokens_per_s: float
     ttft_p50_ms: float | None

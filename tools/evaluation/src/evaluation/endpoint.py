@@ -42,6 +42,8 @@ def api_root(base_url: str) -> str:
 def make_client(
     api_key: str | None, timeout_s: float, max_connections: int = 64
 ) -> httpx.AsyncClient:
+    """An HTTP client for an OpenAI-compatible endpoint: the bearer key when given, `timeout_s`
+    per request, and no proxy from the environment."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(
         headers=headers,

@@ -37,11 +37,16 @@ DEFAULT_SCORERS: list[str | dict[str, Any]] = ["exact", "normalised", "contains"
 
 
 class FewShot(BaseModel):
+    """One few-shot example for the baseline: a user turn and the assistant's answer."""
+
     user: str = Field(min_length=1)
     assistant: str = Field(min_length=1)
 
 
 class EvalConfig(BaseModel):
+    """What an evaluation runs: the endpoint, the test data, the two models, the scorers, the
+    decoding and the bootstrap settings."""
+
     model_config = {"extra": "forbid"}
 
     base_url: str

@@ -36,12 +36,17 @@ class DataSource(BaseModel):
 
 
 class TestSet(BaseModel):
+    """The test conversations, where they came from, and their manifest when from the store."""
+
     items: list[Conversation]
     source: DataSource
     manifest: Manifest | None = None  # when it came from the store
 
 
 class TrainingEvidence(BaseModel):
+    """The adapter's own numbers on its training and validation data, for the report (never
+    the test split)."""
+
     adapter: DataSource
     training: dict[str, Any] = {}  # numbers seen on the training data
     validation: dict[str, Any] = {}  # numbers on the validation split (held out, not test)

@@ -27,6 +27,8 @@ SMALL_N = 30  # below this many items a CI from the bootstrap is itself unreliab
 
 
 class Answer(BaseModel):
+    """One model's answer to one item: output, finish reason, error, timing, tokens, scores."""
+
     model: str
     output: str
     finish_reason: str = ""
@@ -38,6 +40,8 @@ class Answer(BaseModel):
 
 
 class Sample(BaseModel):
+    """One test item: the reference, both prompts as sent and both answers."""
+
     index: int
     reference: str
     baseline_prompt: list[dict[str, Any]]  # as sent (tool chats: tool_calls, null content)
@@ -47,6 +51,8 @@ class Sample(BaseModel):
 
 
 class SideSummary(BaseModel):
+    """One side's totals: its model, failed and truncated answers, mean latency."""
+
     model: str
     errors: int  # requests that failed after retries (scored 0)
     truncated: int  # answers cut at max_tokens (finish_reason "length")
@@ -54,6 +60,9 @@ class SideSummary(BaseModel):
 
 
 class EvalReport(BaseModel):
+    """An evaluation's result: the config, the data, each side's totals, the paired result of
+    each metric and the limits of the evidence."""
+
     created: str
     config: dict[str, Any]  # the EvalConfig without the API key
     n: int
@@ -117,6 +126,7 @@ def build_report(
     *,
     elapsed_s: float,
 ) -> EvalReport:
+    """The report of a finished evaluation (the config without its API key)."""
     base, lora = _side(samples, "baseline"), _side(samples, "lora")
     return EvalReport(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -143,6 +153,7 @@ def _fmt(v: Any) -> str:
 
 
 def render_markdown(r: EvalReport) -> str:
+    """The report as Markdown: setup, the paired results per metric, and the limits."""
     c = r.config
     lines = [
         "# Evaluation: base model + prompt vs LoRA",
@@ -234,6 +245,7 @@ def render_markdown(r: EvalReport) -> str:
 
 
 def write_report(r: EvalReport, samples: list[Sample], out_dir: Path) -> None:
+    """Write samples.jsonl, report.json and report.md into `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
         for s in samples:

@@ -158,6 +158,8 @@ def score_samples(
     answers: list[tuple[Answer, Answer]],
     scorers: list[NamedScorer],
 ) -> list[Sample]:
+    """The scored samples: each answer gets every scorer's score against the item's reference
+    (0 on every metric for a failed request)."""
     samples = []
     for i, (conv, (bp, lp), (ba, la)) in enumerate(zip(test.items, prompts, answers, strict=True)):
         _, reference = split_item(conv)

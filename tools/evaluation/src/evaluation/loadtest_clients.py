@@ -48,6 +48,8 @@ class Share:
 
 @dataclass(frozen=True)
 class ShareDone:
+    """What sending one share gave: its records, when it ended, and the CPU it took."""
+
     records: list[RequestRecord]
     end: float  # perf_counter when the last request ended
     cpu_s: float  # CPU seconds the sender used for the share

@@ -9,6 +9,9 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 
 
 class LoadtestConfig(BaseModel):
+    """What a load test runs: the endpoint and model, the levels (concurrency or arrival rate),
+    the prompts, the SLOs and the server metrics to sample."""
+
     model_config = {"extra": "forbid"}
 
     base_url: str  # any OpenAI-compatible endpoint (vLLM or the gateway)

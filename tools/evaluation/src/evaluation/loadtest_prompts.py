@@ -29,17 +29,25 @@ _WORDS = tuple(_WORDS_TEXT.split())  # one string reads better than 100 quoted w
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    """What the load test needs of a tokenizer (an HF tokenizer has both)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]:
+        """The token ids of `text`."""
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of the token ids `ids`."""
 
 
 class Prompt(BaseModel):
+    """One request's prompt: chat messages or completion text, and its token count if known."""
+
     messages: list[dict[str, str]] | None = None  # chat
     text: str = ""  # completions (and the user text of a synthetic chat prompt)
     input_tokens: int | None = None  # of the user text, by the tokenizer; None if unknown
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
+    """The HF tokenizer in the model folder `path`; raises NotFound when the folder is missing."""
     from transformers import AutoTokenizer
 
     if not path.is_dir():
@@ -51,6 +59,8 @@ def load_tokenizer(path: Path) -> Tokenizer:
 def synthetic_prompts(
     n: int, input_len: int, seed: int, tokenizer: Tokenizer | None, chat: bool
 ) -> list[Prompt]:
+    """`n` prompts of random words, each with a distinct head (no prefix-cache hits between
+    them): `input_len` tokens with a tokenizer, else `input_len` words."""
     rng = random.Random(seed)
     out = []
     for i in range(n):

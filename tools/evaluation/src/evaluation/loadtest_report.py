@@ -28,6 +28,7 @@ def _opt(v: float | None, fmt: str) -> str:
 
 
 def table_rows(levels: list[LevelResult]) -> list[list[str]]:
+    """The results table: a header row, then one row per level."""
     header = [
         "level", "ok/sent", "err", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99",
         "ITL ms p50/p90/p99", "E2E s p50/p90/p99", "out tok/s", "req/s", "goodput req/s",
@@ -58,6 +59,7 @@ def table_rows(levels: list[LevelResult]) -> list[list[str]]:
 
 
 def render_markdown(result: LoadtestResult) -> str:
+    """The load test as Markdown: setup, the table, the formulas and the notes."""
     c = result.config
     rows = table_rows(result.levels)
     lines = [
@@ -94,6 +96,7 @@ def render_markdown(result: LoadtestResult) -> str:
 
 
 def render_text(result: LoadtestResult) -> str:
+    """The table in aligned columns for the terminal, with the formulas and notes."""
     rows = table_rows(result.levels)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
@@ -103,6 +106,7 @@ def render_text(result: LoadtestResult) -> str:
 
 
 def plot(result: LoadtestResult, path: Path) -> None:
+    """Plot latency percentiles against output throughput, one point per level, to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,6 +143,7 @@ def plot(result: LoadtestResult, path: Path) -> None:
 
 
 def write_outputs(result: LoadtestResult, out_dir: Path) -> None:
+    """Write report.json, samples.jsonl, report.md and the plot into `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
     with (out_dir / "samples.jsonl").open("w", encoding="utf-8") as f:

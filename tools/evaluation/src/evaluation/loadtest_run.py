@@ -65,6 +65,8 @@ class LoadtestResult(BaseModel):
 
 
 def build_payload(config: LoadtestConfig, prompt: Prompt) -> dict[str, Any]:
+    """The streaming request body for `prompt`, asking for usage (and exactly `output_len`
+    tokens with `ignore_eos`)."""
     payload: dict[str, Any] = {
         "model": config.model,
         "max_tokens": config.output_len,
@@ -121,6 +123,7 @@ async def _run_level(
 def make_prompts(
     config: LoadtestConfig, tokenizer: Tokenizer | None, level_index: int
 ) -> list[Prompt]:
+    """A level's prompts: the prompts file when given, else synthetic ones seeded per level."""
     chat = config.endpoint == "chat"
     if config.prompts_file is not None:
         return file_prompts(config.prompts_file, chat)
@@ -130,6 +133,8 @@ def make_prompts(
 
 
 async def run_loadtest_async(config: LoadtestConfig, *, log: Any = print) -> LoadtestResult:
+    """Run every level (concurrency levels, then rate levels) after the warm-up and return the
+    result with its per-request records."""
     root = api_root(config.base_url)
     url = root + ("/chat/completions" if config.endpoint == "chat" else "/completions")
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None

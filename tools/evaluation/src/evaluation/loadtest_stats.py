@@ -41,6 +41,8 @@ TokenSource = Literal["usage", "tokenizer", "chunks"]
 
 
 class RequestRecord(BaseModel):
+    """One request's timings, output token count and error, as the client saw them."""
+
     index: int
     sent_s: float  # seconds since the level started
     ttft_s: float | None = None
@@ -68,6 +70,8 @@ class RequestRecord(BaseModel):
 
 
 class Percentiles(BaseModel):
+    """How many values, their mean and their p50/p90/p99 (None when there are none)."""
+
     n: int
     mean: float | None
     p50: float | None
@@ -76,6 +80,7 @@ class Percentiles(BaseModel):
 
 
 def percentiles(values: list[float], scale: float = 1.0) -> Percentiles:
+    """The `Percentiles` of `values`, each multiplied by `scale`."""
     if not values:
         return Percentiles(n=0, mean=None, p50=None, p90=None, p99=None)
     a = np.asarray(values, dtype=np.float64) * scale
@@ -86,6 +91,8 @@ def percentiles(values: list[float], scale: float = 1.0) -> Percentiles:
 
 
 class Level(BaseModel):
+    """One load level: a number of requests in flight, or an arrival rate."""
+
     kind: Literal["concurrency", "rate"]
     value: float  # requests in flight, or requests per second
 
@@ -95,6 +102,9 @@ class Level(BaseModel):
 
 
 class LevelResult(BaseModel):
+    """One level's figures: counts, latency percentiles, throughput, goodput under the SLOs,
+    the server's peaks and the client's CPU use."""
+
     level: Level
     requests: int
     completed: int
@@ -127,6 +137,8 @@ def summarise_level(
     server: ServerPeaks | None = None,
     client_busy: float | None = None,
 ) -> LevelResult:
+    """The figures of one level from its records; goodput counts the requests within both
+    SLOs (None when no SLO is given)."""
     ok = [r for r in records if r.ok]
     errors = [r for r in records if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)

@@ -44,6 +44,8 @@ def parse_prometheus(text: str) -> Sample:
 
 
 class ServerPeaks(BaseModel):
+    """The server's peaks over a level from its /metrics: KV usage, queues, preemptions."""
+
     samples: int  # /metrics scrapes that answered
     peak_kv_cache_usage: float | None  # 0..1
     peak_waiting: float | None  # requests
@@ -52,6 +54,9 @@ class ServerPeaks(BaseModel):
 
 
 def summarise_samples(samples: list[Sample]) -> ServerPeaks:
+    """The peaks of the scraped samples; preemptions are the counter's change from the first
+    sample to the last."""
+
     def peak(names: tuple[str, ...], combine: str) -> float | None:
         values = []
         for s in samples:
@@ -83,6 +88,7 @@ class MetricsSampler:
         self._task: asyncio.Task[None] | None = None
 
     async def scrape(self) -> None:
+        """Scrape /metrics once; a failure is counted, not raised."""
         try:
             r = await self.client.get(self.url, timeout=5.0)
             if r.status_code == 200:
@@ -98,10 +104,12 @@ class MetricsSampler:
             await self.scrape()
 
     async def start(self) -> None:
+        """Scrape once, then keep scraping in the background."""
         await self.scrape()  # the counter's value before the level
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> ServerPeaks:
+        """Stop the background scrapes, scrape once more and return the peaks."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

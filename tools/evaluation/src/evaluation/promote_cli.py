@@ -47,6 +47,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def print_labels(records: list[LabelRecord], url: str) -> int:
+    """Print one line per label record (or that there are none); returns exit code 0."""
     if not records:
         print(f"(no labels in {url})")
     for r in records:

@@ -36,6 +36,8 @@ DEFAULT_LABEL = "promoted"
 
 @dataclass(frozen=True)
 class Evidence:
+    """A published evaluation of the adapter, its primary metric and that metric's result."""
+
     report: Manifest  # the published evaluation
     metric: str  # its primary metric
     result: PairedResult
@@ -52,6 +54,7 @@ class Evidence:
         return m.verdict
 
     def numbers(self) -> str:
+        """The primary metric's figures and verdict on one line, for a refusal or a log."""
         m = self.result
         return (
             f"{self.metric}: baseline {m.baseline_mean:.3f}, adapter {m.candidate_mean:.3f} "
@@ -78,12 +81,15 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Promotion:
+    """A promotion done: the label record, the adapter, and the evidence (None when forced)."""
+
     record: LabelRecord
     adapter: Manifest
     evidence: Evidence | None
 
 
 def names_adapter(report: Manifest, adapter: Manifest) -> bool:
+    """Whether `report` is an evaluation report whose parents name `adapter` (by digest)."""
     return report.kind == "report" and any(
         p.role == "adapter" and p.digest == adapter.digest for p in report.parents
     )
@@ -144,6 +150,7 @@ def evidence_for(store: ArtifactStore, adapter: Manifest, report_ref: str | None
 
 
 def refusal(adapter: Manifest, ev: Evidence) -> Refused:
+    """The Refused error for an adapter whose evaluation is no improvement: why, what to do."""
     m = ev.result
     floor = minimum_items(m.confidence)
     what = {

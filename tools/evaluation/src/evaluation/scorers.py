@@ -31,6 +31,8 @@ from lorastack.errors import ConfigError
 
 
 class Scorer(Protocol):
+    """A scorer: (output, reference) -> a score in [0, 1]."""
+
     def __call__(self, output: str, reference: str) -> float: ...
 
 
@@ -60,16 +62,20 @@ def normalise(text: str) -> str:
 
 @register_scorer("exact")
 def exact() -> Scorer:
+    """A scorer: 1 when the output equals the reference, white space at the ends aside."""
     return lambda output, reference: float(output.strip() == reference.strip())
 
 
 @register_scorer("normalised")
 def normalised() -> Scorer:
+    """A scorer: 1 when the output equals the reference after `normalise`."""
     return lambda output, reference: float(normalise(output) == normalise(reference))
 
 
 @register_scorer("contains")
 def contains() -> Scorer:
+    """A scorer: 1 when the normalised output contains the normalised (non-empty) reference."""
+
     def score(output: str, reference: str) -> float:
         ref = normalise(reference)
         return float(bool(ref) and ref in normalise(output))
@@ -79,6 +85,9 @@ def contains() -> Scorer:
 
 @register_scorer("regex")
 def regex(pattern: str | None = None) -> Scorer:
+    """A scorer: 1 when `pattern` matches somewhere in the output.
+
+    Raises ConfigError without a pattern or for an invalid one."""
     if not pattern:
         raise ConfigError(
             "the regex scorer needs a pattern",
@@ -98,6 +107,8 @@ _FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```$", re.DOTALL)
 
 @register_scorer("json_valid")
 def json_valid() -> Scorer:
+    """A scorer: 1 when the output (or the JSON in its code fence) parses as JSON."""
+
     def score(output: str, reference: str) -> float:
         text = output.strip()
         if m := _FENCE.match(text):
@@ -121,6 +132,11 @@ def _object(arguments: str) -> dict[str, Any] | None:
 
 @register_scorer("tool_call")
 def tool_call(arguments: str = "valid", pattern: str | None = None) -> Scorer:
+    """A scorer: 1 when the output makes the reference's tool calls: same names, and arguments
+    that are a JSON object (`valid`), with its keys (`keys`) or its values (`equal`); 1 for no
+    call when the reference has none.
+
+    Raises ConfigError for another level."""
     arguments = pattern or arguments  # the flag form: tool_call:equal
     if arguments not in ("valid", "keys", "equal"):
         raise ConfigError(
@@ -149,6 +165,8 @@ def tool_call(arguments: str = "valid", pattern: str | None = None) -> Scorer:
 
 @dataclass(frozen=True)
 class NamedScorer:
+    """A scorer with its metric name and options; raises ConfigError for a score outside [0, 1]."""
+
     name: str  # the metric's name in reports, e.g. "exact" or "regex"
     score: Scorer
     options: dict[str, Any]
@@ -169,6 +187,9 @@ def parse_scorer_flag(flag: str) -> dict[str, Any]:
 
 
 def build_scorer(spec: str | dict[str, Any]) -> NamedScorer:
+    """The scorer `spec` names (`name[:PATTERN]` or a mapping with its options).
+
+    Raises ConfigError for an unknown scorer or options it does not take."""
     spec = parse_scorer_flag(spec) if isinstance(spec, str) else dict(spec)
     name = str(spec.pop("name", ""))
     label = str(spec.pop("label", "") or name)

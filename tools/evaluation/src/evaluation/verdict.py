@@ -53,6 +53,9 @@ def minimum_items(confidence: float) -> int:
 
 
 class PairedResult(BaseModel):
+    """One metric's paired comparison: both means, the CI of the difference, wins/losses/ties,
+    the sign test and the verdict."""
+
     n: int  # paired items
     baseline_mean: float
     candidate_mean: float
