@@ -30,6 +30,9 @@ TTL_S = 5  # seconds; what CoreDNS gives a headless Service's records by default
 
 
 class DnsServer:
+    """A DNS server on a loopback UDP port answering A records from `records`, in a thread;
+    `servfail` makes it fail every query."""
+
     def __init__(self) -> None:
         self.records: dict[str, list[str]] = {}  # name (no trailing dot) -> IPv4 addresses
         self.servfail = False
@@ -47,6 +50,8 @@ class DnsServer:
         return f"{host}:{port}"
 
     def answer(self, wire: bytes) -> bytes:
+        """The response to one query in wire form: the name's A records, NXDOMAIN for an unknown
+        name, an empty answer for another type, or SERVFAIL when `servfail` is set."""
         query = dns.message.from_wire(wire)
         response = dns.message.make_response(query)
         if self.servfail:

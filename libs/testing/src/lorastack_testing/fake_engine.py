@@ -32,6 +32,7 @@ TINY_LLAMA = {
 
 
 def publish_tiny_model(store: ArtifactStore, folder: Path, name: str = "tiny") -> Manifest:
+    """Publish a base model that is only a config.json (TINY_LLAMA) as `name`."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
     return store.publish(folder, kind="base-model", name=name, service="test")
@@ -53,6 +54,9 @@ def publish_tiny_adapter(
 
 
 class FakeEngine:
+    """The fake vLLM as the supervisor's `server_factory`: serves the model and `lora_modules`
+    from a thread on `port`."""
+
     started: ClassVar[list[FakeEngine]] = []  # every engine started, newest last
 
     def __init__(
@@ -91,6 +95,7 @@ class FakeEngine:
         return self._server is not None and not self._stopped.is_set()
 
     def start(self) -> None:
+        """Start the fake server and add this engine to `started`."""
         self._server = FakeServer(self.state, port=self.port).__enter__()
         FakeEngine.started.append(self)
 
@@ -98,9 +103,11 @@ class FakeEngine:
         """Up as soon as it started."""
 
     def kill(self) -> None:
+        """Stop the server (`stop`): the fake has no process to kill."""
         self.stop()
 
     def stop(self, grace_s: float = 0.0) -> int | None:
+        """Stop the server (once); returns the exit code (0), or None if never started."""
         if self._server is not None and not self._stopped.is_set():
             self._stopped.set()
             self._server.__exit__(None, None, None)
@@ -108,7 +115,9 @@ class FakeEngine:
         return self.returncode
 
     def log_tail(self, n: int = 50) -> str:
+        """The log's last lines: none, the fake writes no log."""
         return ""
 
     def read_log(self) -> str:
+        """The log: empty, the fake writes none."""
         return ""

@@ -43,6 +43,8 @@ POINTER_SIZE = 134  # bytes of a git-lfs pointer file, as the hub reports it
 
 @dataclass
 class Repo:
+    """One repo of the fake hub: its folder, commit sha, token (gated) and branches."""
+
     folder: Path
     commit: str  # 40 hex
     token: str | None = None  # gated: requests need "Authorization: Bearer TOKEN"
@@ -55,6 +57,9 @@ def _git_blob_sha1(data: bytes) -> str:
 
 @dataclass
 class FakeHub:
+    """The fake hub and its CDN: the repos it serves, the failures a test sets up, and the
+    requests it received."""
+
     host: str = "127.0.0.1"
     repos: dict[str, Repo] = field(default_factory=dict)
     cut_once: dict[str, int] = field(default_factory=dict)
@@ -89,11 +94,13 @@ class FakeHub:
         return int(server.server_address[1])
 
     def add(self, repo_id: str, folder: Path, token: str | None = None) -> Repo:
+        """Serve `folder` as the repo `repo_id` (gated when `token` is given) at a fixed sha."""
         commit = hashlib.sha1(f"{repo_id}:{folder}".encode()).hexdigest()
         repo = self.repos[repo_id] = Repo(folder, commit, token)
         return repo
 
     def start(self, port: int = 0) -> FakeHub:
+        """Start the hub (on `port`, 0: any free one) and its CDN; returns self."""
         self._server = self._serve(port, self._handle)
         self._cdn = self._serve(0, self._handle_cdn)
         return self
@@ -120,6 +127,7 @@ class FakeHub:
         return server
 
     def stop(self) -> None:
+        """Shut both servers down."""
         for server in (self._server, self._cdn):
             if server is not None:
                 server.shutdown()

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 
 def metrics_text(s: FakeState) -> bytes:
+    """The fake's /metrics in Prometheus text: vLLM's KV-cache, queue, preemption, LoRA and
+    cache-config series from the state."""
     r = CollectorRegistry()
     labels = {"model_name": s.models[0]["id"] if s.models else "none", "engine": "0"}
     names = list(labels)

@@ -88,17 +88,20 @@ def embeddings(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:
+    """An OpenAI error body as vLLM writes it (the status as `code`)."""
     err = {"message": message, "type": type_, "param": param, "code": status}
     return json.dumps({"error": err}).encode()
 
 
 async def send_answer(send: Any, status: int, body: bytes, ctype: str = "application/json") -> None:
+    """Send a whole response (status, content type, body) over ASGI."""
     headers = [(b"content-type", ctype.encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 async def serve_models(s: FakeState, req: FakeRequest) -> None:
+    """GET /v1/models: the state's model cards."""
     data = [
         {"object": "model", "owned_by": "vllm", "root": None, "parent": None, **m} for m in s.models
     ]
@@ -106,26 +109,31 @@ async def serve_models(s: FakeState, req: FakeRequest) -> None:
 
 
 async def serve_metrics(s: FakeState, req: FakeRequest) -> None:
+    """GET /metrics: the state's metrics, or a 500 while `metrics_down`."""
     if s.metrics_down:
         return await send_answer(req.send, 500, b"down", "text/plain")
     await send_answer(req.send, 200, metrics_text(s), "text/plain; version=0.0.4")
 
 
 async def serve_health(s: FakeState, req: FakeRequest) -> None:
+    """GET /health: 200, empty."""
     await send_answer(req.send, 200, b"")
 
 
 async def serve_lora(s: FakeState, req: FakeRequest) -> None:
+    """POST /v1/load_lora_adapter or /v1/unload_lora_adapter: change the served adapters."""
     status, answer = lora_update(s, req.path, req.body)
     ctype = "application/json" if status != 200 else "text/plain"
     await send_answer(req.send, status, answer, ctype)
 
 
 async def serve_tokenize(s: FakeState, req: FakeRequest) -> None:
+    """POST /tokenize or /detokenize: one token per word."""
     await send_answer(req.send, 200, json.dumps(tokenize(req.path, req.body)).encode())
 
 
 async def serve_embeddings(s: FakeState, req: FakeRequest) -> None:
+    """POST /v1/embeddings: a vector per input, or a 400 without `input`."""
     if "input" not in req.body:  # vLLM's schema check
         error = error_body(400, "input: Field required", "BadRequestError", "input")
         return await send_answer(req.send, 400, error)

@@ -18,6 +18,7 @@ AnswerFn = Callable[[str, str], str]  # (model, prompt text) -> answer text
 
 
 def echo_answer(model: str, prompt: str) -> str:
+    """An `AnswerFn` that answers with the prompt itself."""
     return prompt
 
 
@@ -39,6 +40,9 @@ def write_upper_case_task(path: Path, n: int) -> Path:
 
 @dataclass
 class FakeState:
+    """What the fake vLLM serves and how (models, tokens, pace, failures, /metrics values),
+    and what it received."""
+
     models: list[dict[str, Any]] = field(
         default_factory=lambda: [{"id": "smollm2", "max_model_len": 2048}]
     )
@@ -88,6 +92,7 @@ class FakeState:
     kv_blocks_used: int = 0  # blocks held by requests generating now (with num_gpu_blocks)
 
     def calls(self, path: str = "") -> list[dict[str, Any]]:
+        """The bodies of the requests received on paths ending in `path`."""
         return [body for p, body in self.received if p.endswith(path)]
 
 

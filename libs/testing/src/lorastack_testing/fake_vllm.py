@@ -352,6 +352,7 @@ def serve_fake(state: FakeState, port: int = 0, host: str = "127.0.0.1") -> Iter
 
 
 def main() -> None:
+    """Run the fake vLLM as a process on `--port` (for benchmarks) until killed."""
     p = argparse.ArgumentParser(description="the fake vLLM, as a process (for benchmarks)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=16, help="tokens per answer")

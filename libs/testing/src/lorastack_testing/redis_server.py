@@ -21,6 +21,7 @@ MISSING = (
 
 
 def redis_binary() -> str | None:
+    """The path of `redis-server`, or None when it is not installed."""
     return shutil.which("redis-server")
 
 
