@@ -98,12 +98,15 @@ class Conversation(BaseModel):
         return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
 
     def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as dicts, the way a chat template takes them."""
         return [m.as_dict() for m in self.messages]
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as dicts, or None when there are none."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def to_json(self) -> str:
+        """The conversation as one JSON line (messages, and tools if any)."""
         data: dict[str, Any] = {"messages": self.message_dicts()}
         if self.tools:
             data["tools"] = self.tool_dicts()

@@ -52,6 +52,7 @@ class FunctionCall(BaseModel):
     arguments: str  # a string holding a JSON object, as OpenAI sends it
 
     def parsed_arguments(self) -> dict[str, Any]:
+        """The arguments as a dict; raises if they are not a JSON object."""
         return loads_object(self.arguments, what="arguments")
 
 

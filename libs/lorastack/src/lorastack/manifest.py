@@ -176,6 +176,7 @@ class Manifest(BaseModel):
         return Parent(role=role, name=self.name, version=self.version, digest=self.digest)
 
     def to_json(self) -> bytes:
+        """The manifest as indented JSON bytes, the way it is stored."""
         return (self.model_dump_json(indent=2) + "\n").encode()
 
 
@@ -266,6 +267,7 @@ def read_manifest(raw: bytes, where: str, name: str, version: str) -> Manifest:
 
 
 def sha256_file(path: Path) -> str:
+    """The SHA-256 of the file at `path` (hex), read in chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -316,4 +318,5 @@ def git_commit() -> str:
 
 
 def now_iso() -> str:
+    """The time now in UTC, ISO 8601 to the second."""
     return datetime.now(UTC).isoformat(timespec="seconds")

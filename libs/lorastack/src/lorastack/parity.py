@@ -170,6 +170,7 @@ class Verdict:
     problems: list[str] = field(default_factory=list)  # each: what differs; what to change
 
     def as_dict(self) -> dict[str, Any]:
+        """The verdict as a JSON-ready dict."""
         return {
             "model": self.model,
             "ok": self.ok,

@@ -35,6 +35,7 @@ class EventReader:
         self._first = True  # a BOM may open the stream
 
     def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """The events completed by `chunk`, parsed; none after [DONE]. BadEvent on bad JSON."""
         if self._first and chunk:
             chunk, self._first = chunk.removeprefix(b"\xef\xbb\xbf"), False
         if self._cr and chunk.startswith(b"\n"):

@@ -144,6 +144,7 @@ class ArtifactStore:
     # ---- lookups ----------------------------------------------------------------
 
     def versions(self, name: str) -> list[str]:
+        """The versions of `name`, in version order."""
         validate_name(name)
         found = [v for n, v in self.backend.list_manifests(name) if n == name]
         return sorted(found, key=_version_key)
@@ -203,6 +204,7 @@ class ArtifactStore:
         return label_store.current(self.backend, name, label)
 
     def label_history(self, name: str, label: str) -> list[LabelRecord]:
+        """The records of `label` on `name`, oldest first."""
         return label_store.history(self.backend, name, label)
 
     def labels(self, prefix: str = "") -> list[LabelRecord]:

@@ -34,7 +34,8 @@ class Backend(Protocol):
 
     url: str
 
-    def has_blob(self, sha256: str) -> bool: ...
+    def has_blob(self, sha256: str) -> bool:
+        """Whether the blob with this sha256 is stored."""
 
     def put_blob(self, sha256: str, src: Path) -> None:
         """Store `src` under its sha256; storing the same blob twice is harmless."""
@@ -48,7 +49,8 @@ class Backend(Protocol):
     def get_manifest(self, name: str, version: str) -> bytes:
         """Return the manifest bytes; raise NotFound if absent."""
 
-    def delete_manifest(self, name: str, version: str) -> None: ...
+    def delete_manifest(self, name: str, version: str) -> None:
+        """Remove the manifest of NAME:VERSION; nothing if it is absent."""
 
     def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
         """(name, version) of every manifest whose name starts with `prefix`."""
@@ -70,12 +72,15 @@ class RecordManifests:
     url: str
 
     def put_record(self, key: str, data: bytes) -> None:
+        """Implemented by the backend (Backend.put_record)."""
         raise NotImplementedError
 
     def get_record(self, key: str) -> bytes:
+        """Implemented by the backend (Backend.get_record)."""
         raise NotImplementedError
 
     def put_manifest(self, name: str, version: str, data: bytes) -> None:
+        """The manifest as a record; Conflict naming the version if it was published."""
         try:
             self.put_record(manifest_key(name, version), data)
         except Conflict:
@@ -85,6 +90,7 @@ class RecordManifests:
             ) from None
 
     def get_manifest(self, name: str, version: str) -> bytes:
+        """The manifest record; NotFound naming NAME:VERSION if absent."""
         try:
             return self.get_record(manifest_key(name, version))
         except NotFound:

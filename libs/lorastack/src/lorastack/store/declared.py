@@ -52,6 +52,7 @@ class Declaration(BaseModel):
     change: str = ""  # what this record changed, e.g. "declare demo/adapter:3"
 
     def served_names(self) -> list[str]:
+        """The served name of each declared adapter."""
         return [a.served_name for a in self.adapters]
 
 

@@ -38,6 +38,7 @@ class LocalBackend(RecordManifests):
         return Path(name)
 
     def has_blob(self, sha256: str) -> bool:
+        """Whether the blob's file is under blobs/."""
         return (self.root / blob_key(sha256)).is_file()
 
     def blob_path(self, sha256: str) -> Path:
@@ -56,6 +57,7 @@ class LocalBackend(RecordManifests):
         return self.blob_path(sha256)
 
     def put_blob(self, sha256: str, src: Path) -> None:
+        """Copy `src` under blobs/, read-only, atomically (rename); kept if already there."""
         dest = self.blob_path(sha256)
         if dest.is_file():
             return
@@ -101,12 +103,14 @@ class LocalBackend(RecordManifests):
         return True
 
     def download_blob(self, sha256: str, dest: Path) -> None:
+        """Copy the blob's file to `dest`; NotFound if it is missing."""
         src = self.blob_path(sha256)
         if not src.is_file():
             raise NotFound(f"blob {sha256} is missing from {self.url}")
         shutil.copyfile(src, dest)
 
     def put_record(self, key: str, data: bytes) -> None:
+        """Write the record file exclusively (a hard link of a temporary file)."""
         dest = self.root / key
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp()
@@ -119,12 +123,14 @@ class LocalBackend(RecordManifests):
             tmp.unlink(missing_ok=True)
 
     def get_record(self, key: str) -> bytes:
+        """Read the record file; NotFound if absent."""
         try:
             return (self.root / key).read_bytes()
         except FileNotFoundError:
             raise NotFound(f"{key} is not in {self.url}") from None
 
     def list_records(self, prefix: str) -> list[str]:
+        """The .json files under `prefix`'s top folder whose keys start with `prefix`, sorted."""
         top = self.root / prefix.split("/", 1)[0]
         if not top.is_dir():
             return []
@@ -132,9 +138,11 @@ class LocalBackend(RecordManifests):
         return sorted(k for k in keys if k.startswith(prefix))
 
     def delete_manifest(self, name: str, version: str) -> None:
+        """Remove the manifest file, if present."""
         (self.root / manifest_key(name, version)).unlink(missing_ok=True)
 
     def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
+        """Walk manifests/ for @VERSION.json files whose name starts with `prefix`."""
         base = self.root / "manifests"
         out = []
         for p in base.rglob("@*.json") if base.is_dir() else []:

@@ -147,6 +147,7 @@ class S3Backend(RecordManifests):
         raise AssertionError("unreachable")
 
     def has_blob(self, sha256: str) -> bool:
+        """HEAD the blob's object: False on 404."""
         try:
             self._call(
                 lambda: self._client.head_object(
@@ -161,6 +162,7 @@ class S3Backend(RecordManifests):
         return True
 
     def put_blob(self, sha256: str, src: Path) -> None:
+        """Upload `src` (multipart when large) unless the blob is already there."""
         if self.has_blob(sha256):
             return
         key = self._key(blob_key(sha256))
@@ -240,6 +242,7 @@ class S3Backend(RecordManifests):
         return [entry for page in pages for entry in page.get(field, [])]
 
     def download_blob(self, sha256: str, dest: Path) -> None:
+        """Download the blob's object to `dest`; NotFound on 404."""
         key = self._key(blob_key(sha256))
         try:
             self._call(
@@ -254,6 +257,7 @@ class S3Backend(RecordManifests):
             raise
 
     def put_record(self, key: str, data: bytes) -> None:
+        """PUT the record with If-None-Match: *; Conflict when it exists (409, 412)."""
         try:
             self._call(
                 lambda: self._client.put_object(
@@ -269,6 +273,7 @@ class S3Backend(RecordManifests):
             raise
 
     def get_record(self, key: str) -> bytes:
+        """GET the record's object; NotFound on 404."""
         try:
             resp = self._call(
                 lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key)),
@@ -282,6 +287,7 @@ class S3Backend(RecordManifests):
         return body
 
     def list_records(self, prefix: str) -> list[str]:
+        """List the objects under `prefix` (every page), keys sorted."""
         root = self._key("")
         paginator = self._client.get_paginator("list_objects_v2")
         pages = self._call(
@@ -290,10 +296,12 @@ class S3Backend(RecordManifests):
         return sorted(obj["Key"][len(root) :] for page in pages for obj in page.get("Contents", []))
 
     def delete_manifest(self, name: str, version: str) -> None:
+        """Delete the manifest's object (S3 ignores an absent one)."""
         key = self._key(manifest_key(name, version))
         self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key), "delete")
 
     def list_manifests(self, prefix: str) -> list[tuple[str, str]]:
+        """List objects under manifests/`prefix` (every page) for their @VERSION.json keys."""
         root = self._key("manifests/")
         out = []
         paginator = self._client.get_paginator("list_objects_v2")
