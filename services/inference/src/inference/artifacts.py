@@ -47,6 +47,7 @@ class ServedAdapter:
     follows: str = ""  # the labelled ref (NAME@LABEL) this adapter follows, if any
 
     def describe(self) -> dict[str, object]:
+        """The adapter as /status shows it: served name, ref, digest, rank, source, path."""
         return {
             "served_name": self.served_name,
             "ref": self.manifest.ref,

@@ -65,6 +65,7 @@ class ChatFormat:
     parser_from: str  # the artifact ref that asked for the parser, or "extra_vllm_args"
 
     def describe(self) -> dict[str, Any]:
+        """The chat template and the tool-call parser, and where each came from."""
         return {
             "template": str(self.template) if self.template else None,
             "template_sha256": self.template_sha256,

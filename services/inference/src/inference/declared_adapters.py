@@ -60,10 +60,12 @@ class AdapterReconciler:
     # -- the loop ----------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start syncing the served adapters with the declaration, in a daemon thread."""
         self._thread = threading.Thread(target=self._run, name="adapter-sync", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the sync thread and wait for it (30 s at most)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -198,6 +200,7 @@ class AdapterReconciler:
             return sup.unload_adapter(served_name), decl
 
     def status(self) -> dict[str, Any]:
+        """The declaration and the sync's counts, last change and errors, for /status."""
         d = self.declaration
         return {
             "deployment": self.deployment,

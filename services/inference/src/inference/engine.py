@@ -135,6 +135,7 @@ class VllmServer:
         return f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
+        """The command line that starts vLLM (the CPU launcher on CPU)."""
         if self.platform == "cpu":
             cmd = [sys.executable, "-m", "inference.vllm_launcher"]
         else:
@@ -169,6 +170,7 @@ class VllmServer:
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
+        """vLLM's environment: ours plus its cache and temporary folders and platform settings."""
         env = dict(os.environ)
         cache, tmp = self.workdir / "cache", self.workdir / "tmp"
         env.update(
@@ -204,6 +206,7 @@ class VllmServer:
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start vLLM, its output going to the log; EngineFailed if it is already running."""
         if self.running:
             raise EngineFailed("vLLM is already running", "call stop() before start()")
         for d in (self.workdir, self.workdir / "cache", self.workdir / "tmp"):
@@ -381,6 +384,7 @@ class VllmServer:
         return "\n".join(line.decode("utf-8", "replace") for line in lines)
 
     def read_log(self) -> str:
+        """The log of the current start ('' when there is none yet)."""
         with contextlib.suppress(FileNotFoundError):
             return self.log_path.read_text(encoding="utf-8", errors="replace")
         return ""

@@ -64,6 +64,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], params: int = 0) -> ModelShape:
+        """The shape of the model of a config.json; ConfigError if a needed key is missing."""
         cfg = config.get("text_config", config)  # multimodal configs nest the LM
         try:
             layers = int(cfg["num_hidden_layers"])
@@ -118,6 +119,7 @@ class KvEstimate:
     warnings: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
+        """The estimate as a JSON-ready dict."""
         d = asdict(self)
         d["warnings"] = list(self.warnings)
         d["max_concurrency"] = round(self.max_concurrency, 2)

@@ -86,12 +86,14 @@ class KvFigures:
         self.cache_config: dict[str, str] | None = None
 
     def read(self, vllm_log: str, metrics_text: str) -> None:
+        """Take vLLM's figures from its log and /metrics text, keeping the old ones if absent."""
         report, info = parse_kv_log(vllm_log), parse_cache_config_info(metrics_text)
         with self._lock:
             self.report = report or self.report
             self.cache_config = info or self.cache_config
 
     def comparison(self) -> dict[str, Any]:
+        """The estimate beside what vLLM reported."""
         with self._lock:
             report, info = self.report, self.cache_config
         return kv_comparison(self.estimate, report, info)

@@ -41,11 +41,13 @@ class LabelFollower:
         self.switches = 0  # versions switched since start
 
     def start(self) -> None:
+        """Start following labels in a daemon thread (none when the interval is 0)."""
         if self.interval_s > 0:  # a look with no labelled adapter costs nothing
             self._thread = threading.Thread(target=self._run, name="label-follower", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
+        """Stop the follower thread and wait for it (30 s at most)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -95,6 +97,7 @@ class LabelFollower:
         return done
 
     def status(self) -> dict[str, Any]:
+        """The follower's interval, last check, switches and errors, for /status."""
         return {
             "refresh_s": self.interval_s,
             "last_check": self.last_check or None,

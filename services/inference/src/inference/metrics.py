@@ -33,6 +33,7 @@ class SupervisorCollector(Collector):
         self.reconciler = reconciler
 
     def collect(self) -> Iterator[Metric]:
+        """The supervisor's metrics, read at each scrape."""
         sup = self.supervisor
         kv = sup.kv.comparison()
         est = kv["estimate"]

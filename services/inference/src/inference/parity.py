@@ -172,6 +172,7 @@ class ParityChecks:
         self._results: dict[str, dict[str, Any]] = {}  # served name -> Verdict.as_dict() or why not
 
     def results(self) -> dict[str, dict[str, Any]]:
+        """A copy of the verdicts so far, by served name."""
         with self._lock:
             return dict(self._results)
 

@@ -91,6 +91,7 @@ class RestartHistory:
         return cause
 
     def reached_ready(self) -> None:
+        """vLLM became ready: the counts of failed starts in a row go back to 0."""
         self.failures, self.same_failures = 0, 0
 
     def give_up(self, cause: RootCause | None, limit: int) -> str:

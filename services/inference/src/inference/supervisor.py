@@ -98,6 +98,7 @@ class Supervisor:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the supervisor's loop (start vLLM, restart it when it exits) in a thread."""
         self._thread = threading.Thread(target=self._run, name="vllm-supervisor", daemon=True)
         self._thread.start()
 
@@ -119,6 +120,7 @@ class Supervisor:
         return True
 
     def stop(self) -> None:
+        """Stop the loop and vLLM, and wait for them."""
         self._stop.set()
         with self._lock:
             self.ready = False
@@ -345,6 +347,7 @@ class Supervisor:
         return old
 
     def unload_adapter(self, served_name: str) -> ServedAdapter:
+        """Unload a served adapter from vLLM; NotFound if none of that name is loaded."""
         validate_name(served_name, "served adapter name")
         with self._lock:
             adapter = self._adapters.get(served_name)
@@ -368,6 +371,7 @@ class Supervisor:
     # -- reporting ---------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """The body of /status: state, model, adapters, server, restarts, KV, parity."""
         with self._lock:
             server = self.server
             exits = list(self.history.exits)

@@ -28,6 +28,7 @@ def _fmt(x: float | None) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    """Print the verification report as a table, then its thresholds."""
     rows = [("merged vs base+adapter (fp32)", report["merged"])]
     if report.get("dtype_only"):
         rows += [

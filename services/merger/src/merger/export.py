@@ -39,6 +39,7 @@ class AdapterCheck:
         return [f for f in self.findings if f.level == "error"]
 
     def as_dict(self) -> dict[str, Any]:
+        """The check as a JSON-ready dict: the adapter, whether it loads, the findings."""
         return {
             "adapter": {"ref": self.adapter.ref, "digest": self.adapter.digest},
             "architecture": self.architecture,

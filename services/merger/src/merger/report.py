@@ -90,6 +90,7 @@ class MergeReport:
     timings_s: dict[str, float] = field(default_factory=dict)  # seconds per step
 
     def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict."""
         return asdict(self)
 
 

@@ -50,10 +50,17 @@ FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 class ShardFile(Protocol):
     """The part of a safetensors file handle the merge reads."""
 
-    def keys(self) -> list[str]: ...
-    def get_slice(self, name: str) -> Any: ...
-    def get_tensor(self, name: str) -> torch.Tensor: ...
-    def metadata(self) -> dict[str, str] | None: ...
+    def keys(self) -> list[str]:
+        """The names of the tensors in the file."""
+
+    def get_slice(self, name: str) -> Any:
+        """A lazy slice of the tensor `name` (read only when indexed)."""
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`."""
+
+    def metadata(self) -> dict[str, str] | None:
+        """The file's header metadata, if any."""
 
 
 ShardReader = Callable[[Path], AbstractContextManager[ShardFile]]

@@ -78,6 +78,7 @@ class Thresholds:
     max_ratio_to_dtype: float | None = None  # merged max|Δ| <= ratio x dtype_only max|Δ|
 
     def as_dict(self) -> dict[str, Any]:
+        """The thresholds that are set, as a dict."""
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
@@ -150,6 +151,7 @@ class Comparison:
         self.positions += ref.shape[0]
 
     def add_generation(self, ref: list[int], other: list[int]) -> None:
+        """Record where a greedy generation first diverges from the reference's."""
         self.divergences.append(first_divergence(ref, other))
 
     @property
