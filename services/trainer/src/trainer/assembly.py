@@ -138,6 +138,7 @@ def estimate_memory(
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's random generators with `seed`."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

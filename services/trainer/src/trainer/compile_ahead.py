@@ -132,6 +132,7 @@ def packed_rows(micro_batch: int, width: int) -> dict[str, Any]:
 
 
 def main(spec_path: str) -> int:
+    """The child's work: compile the layer graph SPEC describes into the cache; the exit code."""
     import torch
 
     from trainer.model.compiling import (

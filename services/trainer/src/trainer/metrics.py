@@ -25,6 +25,7 @@ LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "saf
 
 
 def library_versions() -> dict[str, str]:
+    """The installed version of each library in LIBRARIES ('absent' when not installed)."""
     out = {}
     for name in LIBRARIES:
         try:
@@ -85,11 +86,13 @@ def held_bytes(device: torch.device) -> int:
 
 
 def peak_bytes(device: torch.device) -> int:
+    """Peak memory of `device` so far: allocated on CUDA, the process's RSS on CPU."""
     m = memory_now(device)
     return m.get("peak_allocated", m.get("peak_rss", 0))
 
 
 def device_facts(device: torch.device) -> dict[str, Any]:
+    """The device's name and its total memory in bytes."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"device": props.name, "memory": int(props.total_memory)}
@@ -102,6 +105,7 @@ def device_facts(device: torch.device) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON to `path` atomically (a .tmp file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -133,10 +137,12 @@ class LogTail(logging.Handler):
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
+        """Keep the formatted record (the oldest line drops out beyond N)."""
         self.lines.append(self.format(record))
 
 
 def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` says the device or the host ran out of memory."""
     return (
         isinstance(exc, torch.OutOfMemoryError | MemoryError) or "out of memory" in str(exc).lower()
     )

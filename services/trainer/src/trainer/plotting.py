@@ -21,6 +21,7 @@ TIMEOUT_S = 120.0  # for the child's plot, then the trainer draws it
 
 
 def plot_losses(train: dict[int, float], val: dict[int, float], path: Path, title: str) -> Path:
+    """Draw the train and validation losses per step to `path` (PNG); returns `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,6 +82,7 @@ class Plotter:
 
 
 def main() -> int:
+    """The child: warm matplotlib up, then draw the one request read from stdin."""
     import matplotlib
 
     matplotlib.use("Agg")

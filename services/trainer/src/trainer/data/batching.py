@@ -49,6 +49,7 @@ class Plan:
         self._rows: dict[int, list[list[int]]] = {}
 
     def rows(self, epoch: int) -> list[list[int]]:
+        """The rows of `epoch`, in order: each a list of sample indices (one, or packed)."""
         if epoch not in self._rows:
             order = epoch_order(self.seed, epoch, len(self.lengths))
             if self.pack_to is None:
@@ -61,6 +62,7 @@ class Plan:
         return self._rows[epoch]
 
     def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch (the same in every epoch)."""
         # the same in every epoch: best-fit decreasing packs the same lengths into the
         # same number of rows whatever their order
         return math.ceil(math.ceil(len(self.rows(0)) / self.micro_batch) / self.grad_accum)

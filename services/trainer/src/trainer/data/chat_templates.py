@@ -71,6 +71,7 @@ def supports_tools(tokenizer: Any) -> bool:
 
 
 def require_tool_support(tokenizer: Any) -> None:
+    """Raise NoToolSupport if the tokenizer's chat template cannot render tools."""
     if not supports_tools(tokenizer):
         raise NoToolSupport(
             "the chat template has no tool support (it never renders `tools` and "

@@ -110,6 +110,7 @@ def supervised_mask(
 
 
 def labels_from_mask(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
+    """The labels of `ids`: the token where `mask` is true, IGNORE elsewhere."""
     return [t if m else IGNORE for t, m in zip(ids, mask, strict=True)]
 
 

@@ -84,6 +84,7 @@ class PreflightReport(BaseModel):
         return {"ok": 0, "warnings": 1, "refused": 3}[self.verdict]
 
     def to_json(self) -> str:
+        """The report as indented JSON, its verdict included."""
         data = self.model_dump(mode="json")
         data["verdict"] = self.verdict
         return json.dumps(data, indent=1)
@@ -110,6 +111,7 @@ class PreflightReport(BaseModel):
         return out
 
     def render(self) -> str:
+        """The report as lines of text for the terminal."""
         out = [f"dataset check: {self.source}"]
         out += self._render_lines()
         out.append("  samples: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))

@@ -81,6 +81,7 @@ def special_tokens(tokenizer: Any) -> SpecialTokens:
 
 
 def template_hash(tokenizer: Any) -> str:
+    """'sha256:' and the hash of the tokenizer's chat template ('' when it has none)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     return "sha256:" + hashlib.sha256(str(template).encode()).hexdigest()
 
@@ -91,6 +92,7 @@ def render(
     prompt: bool = False,
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
+    """The messages rendered as text by the chat template (`tools` passed only when given)."""
     kwargs = {"tools": tools} if tools else {}  # a plain chat renders as it always did
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=prompt, **kwargs

@@ -46,6 +46,7 @@ class Splits:
     source_sha256: str
 
     def counts(self) -> dict[str, int]:
+        """The number of samples in train, validation and test."""
         return {
             "train": len(self.train),
             "validation": len(self.validation),

@@ -39,6 +39,7 @@ class Caps:
 
     @classmethod
     def of(cls, config: RunConfig, gpus: int) -> Caps:
+        """The caps of a run's config, for `gpus` GPUs."""
         return cls(
             config.max_cost, config.max_hours, config.price_per_gpu_hour, gpus, config.currency
         )
@@ -48,6 +49,7 @@ class Caps:
         return self.max_cost is not None or self.max_hours is not None
 
     def cost(self, hours: float) -> float:
+        """The cost of `hours` on this run's GPUs."""
         return hours * self.gpus * self.price_per_gpu_hour
 
 
@@ -151,9 +153,11 @@ class Meter:
         return self.clock() - self.started
 
     def hours(self) -> float:
+        """Hours of the run so far, earlier sessions included."""
         return self.hours_before + self.seconds() / 3600
 
     def cost(self) -> float:
+        """Cost of the run so far, earlier sessions included."""
         return self.caps.cost(self.hours())
 
     def check(self) -> list[str]:

@@ -108,6 +108,7 @@ class LiveRun:
         return False
 
     def evaluated(self, step: int, val_loss: float) -> None:
+        """Show a validation loss: the val_loss gauge and TensorBoard's eval/loss."""
         if "val_loss" in self.gauges:
             self.gauges["val_loss"].set(val_loss)
         if self.events is not None:

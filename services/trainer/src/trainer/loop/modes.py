@@ -171,6 +171,7 @@ def verdict(
 
 
 def say_verdict(mode: str, verdict: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Say PASS or FAIL for `mode`, then each check, one a line."""
     say(("PASS" if verdict["passed"] else "FAIL") + f" ({mode})")
     for c in verdict["checks"]:
         say(f"  {c}")

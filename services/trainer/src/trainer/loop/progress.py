@@ -90,5 +90,6 @@ def log_step(
 
 
 def duration(seconds: float) -> str:
+    """`seconds` as '1h05m', or '4m09s' under an hour."""
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -61,6 +61,7 @@ def install_handlers(handler: Callable[[int, Any], None]) -> dict[int, Any]:
 
 
 def restore_handlers(old: dict[int, Any]) -> None:
+    """Put back the signal handlers in `old`, and empty it."""
     for sig, handler in old.items():
         signal.signal(sig, handler)
     old.clear()

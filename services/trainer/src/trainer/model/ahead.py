@@ -39,6 +39,7 @@ class Ahead:
         return f"compile ahead: layer graph compiled in a child process in {took:.0f} s"
 
     def stop(self) -> None:
+        """Kill the child if it still runs, and wait for it."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

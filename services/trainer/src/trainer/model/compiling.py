@@ -319,6 +319,7 @@ class CompileRun:
         self.scope = scope
 
     def stop_ahead(self) -> None:
+        """Stop the child compiling ahead, if there is one."""
         if self.ahead is not None:
             self.ahead.stop()
             self.ahead = None

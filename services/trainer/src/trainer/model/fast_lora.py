@@ -241,6 +241,7 @@ class LoraLinearFunction(torch.autograd.Function):
         quant: QuantTensors | None,
         meta: QuantMeta | None,
     ) -> torch.Tensor:
+        """The frozen linear plus the scaled LoRA product; saves what backward needs."""
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         xd2 = x2 if x_dropped is None else x_dropped.reshape(-1, x.shape[-1])
@@ -258,6 +259,7 @@ class LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        """Gradients of x, the dropped x, lora_a and lora_b (None for the rest)."""
         xd2, xa, a, b, *kept = ctx.saved_tensors
         found = iter(kept)
         frozen = tuple(next(found) if p else None for p in ctx.present)

@@ -163,6 +163,7 @@ def checkpoint_bytes(lora_param_count: int) -> int:
 
 
 def human(n: float) -> str:
+    """A byte count for people: '512 B', '1.5 GB'."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1024 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -35,6 +35,7 @@ from trainer.model.cross_entropy import linear_cross_entropy_sum
 
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
+    """The device for `choice` (cuda | cpu | auto); ConfigError if cuda is asked but absent."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but torch sees no CUDA device", "set device=cpu or auto")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
@@ -53,6 +54,7 @@ def use_expandable_segments(device: torch.device, alloc_conf: str | None) -> Non
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the run computes in: bf16 on CUDA, fp32 on CPU."""
     # bf16 on CUDA; fp32 on CPU (a bf16 forward was 5x slower on AVX2 without AVX-512 bf16)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -73,6 +75,7 @@ def module_names(base_dir: Path) -> set[str]:
 
 
 def check_target_modules(base_dir: Path, targets: list[str]) -> None:
+    """Raise ConfigError naming the LoRA targets that are not modules of the base."""
     names = module_names(base_dir)
     missing = [t for t in targets if t not in names]
     if missing:
@@ -84,6 +87,7 @@ def check_target_modules(base_dir: Path, targets: list[str]) -> None:
 
 
 def read_model_config(base_dir: Path) -> dict[str, Any]:
+    """The base model's config.json, parsed."""
     cfg: dict[str, Any] = json.loads((base_dir / "config.json").read_text())
     return cfg
 
@@ -243,6 +247,7 @@ class LossModule(torch.nn.Module):
         cu_seq_lens: torch.Tensor | None = None,
         loss_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The summed loss of the batch (loss_sum on the wrapped model)."""
         return loss_sum(
             self.model,
             input_ids,

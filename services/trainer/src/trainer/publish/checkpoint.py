@@ -56,6 +56,7 @@ def code_version() -> str:
 
 
 def step_dir(root: Path, step: int) -> Path:
+    """The checkpoint folder of `step` under `root`."""
     return root / f"{PREFIX}{step:08d}"
 
 
@@ -115,6 +116,7 @@ def rng_states() -> dict[str, Any]:
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore the torch, CUDA, Python and NumPy random states saved in a checkpoint."""
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -243,11 +245,13 @@ def load_into(
 
 
 def load_rng(folder: Path) -> dict[str, Any]:
+    """The random states saved in the checkpoint `folder` (rng.pt)."""
     states: dict[str, Any] = torch.load(folder / "rng.pt", weights_only=True)
     return states
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
+    """The run manifest saved in the checkpoint `folder`, parsed."""
     data: dict[str, Any] = json.loads((folder / "run-manifest.json").read_text())
     return data
 

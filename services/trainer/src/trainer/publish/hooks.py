@@ -132,6 +132,7 @@ class HookOutcome:
         return self.exit_code == 0
 
     def describe(self) -> str:
+        """One line on how the hook ended: its exit code or timeout, and where its output is."""
         if self.exit_code is None:
             what = f"timed out after {self.seconds:.1f} s and was killed"
         else:
