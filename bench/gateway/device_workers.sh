@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # `lorastack gateway --workers N` on the GPU machine's 16 cores (bench/gateway/README.md,
-# "Several workers"), from the repository root there, after bench/serving's two staging calls
-# (the gateway's dependencies in /tmp/site, the tokenizer in /tmp/stage): carries .dev-llama
-# (the dnspython wheel), installs it, lorastack_testing (the fake vLLM) and this tree's
-# gateway, then runs gateway_latency.py for each worker count in $WORKERS (default 1 2 4):
-# the gateway on cores 0..N-1, the fake on 4-9, the client on 10-15; $OUT/gw-wN.json each.
+# "Several workers"), from the repository root there: in one call that carries .dev-gw (the
+# gateway's wheels the machine lacks: fastapi, uvicorn, pydantic, ..., `pip download` of
+# services/gateway/requirements.txt's pins) and .dev-serve/part1/tokenizer, or after
+# bench/serving's two staging calls with .dev-llama (dnspython); installs them,
+# lorastack_testing (the fake vLLM) and this tree's gateway, then runs gateway_latency.py
+# for each worker count in $WORKERS (default 1 2 4): the gateway on cores 0..N-1, the fake
+# on 4-9, the client on 10-15; $OUT/gw-wN.json each. $TOKENIZER: the tokenizer folder.
 set -uo pipefail
 t0=$(date +%s)
 S=/tmp/site
 export PYTHONPATH=$S PATH=$S/bin:$PATH PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache HF_HUB_OFFLINE=1
 unset PYTHONDONTWRITEBYTECODE
-[ -f $S/.installed ] || { echo "run bench/serving's staging calls first" >&2; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $S .dev-llama/dnspython-*.whl || exit 1
+if [ -d .dev-gw ]; then  # the gateway's own wheels, carried (no vLLM staging needed)
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $S .dev-gw/*.whl || exit 1
+else
+  [ -f $S/.installed ] || { echo "run bench/serving's staging calls first, or carry .dev-gw" >&2; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $S .dev-llama/dnspython-*.whl || exit 1
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target $S \
   libs/lorastack libs/testing services/gateway apps/lorastack || exit 1
 for w in ${WORKERS:-1 2 4}; do
-  timeout 170 python3 bench/gateway/gateway_latency.py --tokenizer /tmp/stage/tokenizer \
+  timeout 170 python3 bench/gateway/gateway_latency.py --tokenizer "${TOKENIZER:-/tmp/stage/tokenizer}" \
     --duration "${DURATION:-8}" --concurrency ${LEVELS:-64 256} --keep-alive --workers "$w" \
     --pin-gateway "0-$((w - 1))" --pin-upstream 4-9 --pin-client 10-15 \
     > "$OUT/gw-w$w.json" 2> "$OUT/gw-w$w.log"
