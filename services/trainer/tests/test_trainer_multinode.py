@@ -46,6 +46,12 @@ def overlay_command(config: Path, port: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("LORASTACK_MULTINODE_TEST") != "1",
+    reason="issue 49, open: the restarted group sometimes hangs after it loads the model when"
+    " the cores are oversubscribed (2 of 6 runs beside two busy loops); run it with"
+    " LORASTACK_MULTINODE_TEST=1 (node logs in the test's tmp_path)",
+)
 def test_two_nodes_meet_by_c10d_and_resume_after_one_is_killed(
     trainer_env: TrainerSettings, tmp_path: Path, write_config: Callable[..., Path]
 ) -> None:
@@ -58,13 +64,14 @@ def test_two_nodes_meet_by_c10d_and_resume_after_one_is_killed(
     command = overlay_command(config, free_port())
     assert command[command.index("--nnodes") + 1] == "2"
     env = {**os.environ, "LORASTACK_KILL_AFTER_CHECKPOINT": "1", "OMP_NUM_THREADS": "1"}
-    nodes = [
-        subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        for _ in range(2)
-    ]
-    outs = [node.communicate(timeout=600)[0] for node in nodes]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]  # read while it runs, if it hangs
+    nodes = []
+    for log in logs:
+        with log.open("w") as out:
+            nodes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    for node in nodes:
+        node.wait(timeout=600)
+    outs = [log.read_text() for log in logs]
     for node, out in zip(nodes, outs, strict=True):
         assert node.returncode == 0, out[-4000:]
     both = "\n".join(outs)
