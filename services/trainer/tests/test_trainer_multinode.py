@@ -49,7 +49,8 @@ def overlay_command(config: Path, port: int) -> list[str]:
 @pytest.mark.skipif(
     os.environ.get("LORASTACK_MULTINODE_TEST") != "1",
     reason="issue 49, open: the restarted group sometimes hangs after it loads the model when"
-    " the cores are oversubscribed (2 of 6 runs beside two busy loops); run it with"
+    " the cores are oversubscribed (beside two busy loops: one run hung 10 minutes, three"
+    " more ran past 2 minutes, of 9; unloaded ~35-60 s); run it with"
     " LORASTACK_MULTINODE_TEST=1 (node logs in the test's tmp_path)",
 )
 def test_two_nodes_meet_by_c10d_and_resume_after_one_is_killed(
