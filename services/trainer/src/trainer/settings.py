@@ -1,7 +1,8 @@
 """The trainer's one settings class, built once at start and passed down.
 
 Adds to the common settings where runs keep their local files and the process-group
-facts `torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK; read here and nowhere else),
+facts `torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK, how its agent restarts the group;
+read here and nowhere else),
 and whether the user configured CUDA's allocator. Compile caches live under
 `cache_dir`/torch-compile.
 """
@@ -25,6 +26,19 @@ class TrainerSettings(CommonSettings):
     rank: int = Field(0, ge=0, validation_alias=AliasChoices("RANK", "LORASTACK_RANK"))
     local_rank: int = Field(
         0, ge=0, validation_alias=AliasChoices("LOCAL_RANK", "LORASTACK_LOCAL_RANK")
+    )
+    elastic_restarts: int = Field(
+        0,
+        ge=0,
+        validation_alias=AliasChoices("TORCHELASTIC_MAX_RESTARTS"),
+        description="torchrun's --max-restarts: how often its agent restarts the group",
+    )
+    elastic_agent_store: bool = Field(
+        False,
+        validation_alias=AliasChoices("TORCHELASTIC_USE_AGENT_STORE"),
+        description="whether the processes meet through the store torchrun's agent keeps "
+        "for every attempt (torch >= 2.5's default; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+        "a new store each attempt)",
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve the run's Prometheus metrics on this port"

@@ -25,6 +25,7 @@ from trainer.data.samples import Sample
 from trainer.loop import modes, stopping
 from trainer.loop.live import LiveRun
 from trainer.metrics import held_bytes, write_json
+from trainer.model import distributed
 from trainer.model.auto_batch import fit_micro_batch
 from trainer.model.modeling import use_expandable_segments
 from trainer.plotting import Plotter
@@ -146,6 +147,9 @@ class SetupSteps:
     def _setup_model(self) -> assembly.BuiltModel:
         """The model, its loss, compiler, optimizer and schedule (trainer.assembly)."""
         plan, prep, session = self.plan, self.prep, self.session
+        hazard = distributed.restart_hazard(plan.settings)
+        if hazard:
+            session.say(hazard)
         session.memory_marks["start"] = held_bytes(plan.device)
         built = assembly.build_model(
             plan.config,

@@ -17,6 +17,7 @@ import torch
 
 from lorastack.errors import ConfigError
 from trainer.config import RunConfig
+from trainer.settings import TrainerSettings
 
 T = TypeVar("T")
 
@@ -45,6 +46,25 @@ def wrap_for_processes(
         return shard(module, module.model, device, mode)
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids)
+
+
+def restart_hazard(settings: TrainerSettings) -> str | None:
+    """What to change when torchrun would restart the group on a store that keeps the
+    last attempt's keys: with its agent's shared store (torch >= 2.5) a restarted process
+    can read the peer addresses of the attempt before and fail or hang in
+    init_process_group (pytorch/pytorch#135712; here: 1 of 9 two-node restarts on a
+    loaded CPU hung). None when there is no restart or each attempt gets a new store."""
+    if settings.world_size == 1 or settings.elastic_restarts == 0:
+        return None
+    if not settings.elastic_agent_store:
+        return None
+    return (
+        f"warning: torchrun restarts this group up to {settings.elastic_restarts} times "
+        "through its shared rendezvous store, where a restarted process can read the "
+        "addresses of the attempt before and hang (pytorch/pytorch#135712); start torchrun "
+        "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (the multi-node "
+        "overlay sets it)"
+    )
 
 
 def syncing(module: Any, last: bool) -> contextlib.AbstractContextManager[None]:
