@@ -52,6 +52,9 @@ http {{
     access_log off;
     client_body_temp_path {tmp}/body;
     proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;  # all five here: a bare nginx binary (no package,
+    uwsgi_temp_path {tmp}/uwsgi;      # as carried to the GPU machine) has no /var/lib/nginx
+    scgi_temp_path {tmp}/scgi;
     upstream fake {{ server 127.0.0.1:{upstream}; keepalive 1024; }}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
