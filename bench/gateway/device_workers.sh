@@ -14,7 +14,7 @@ t0=$(date +%s)
 S=/tmp/site
 export PYTHONPATH=$S PATH=$S/bin:$PATH PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache HF_HUB_OFFLINE=1
 unset PYTHONDONTWRITEBYTECODE
-if [ -d .dev-gw ]; then  # the gateway's own wheels, carried (no vLLM staging needed)
+if compgen -G ".dev-gw/*.whl" >/dev/null; then  # the gateway's wheels, carried (no vLLM staging)
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $S .dev-gw/*.whl || exit 1
 else
   [ -f $S/.installed ] || { echo "run bench/serving's staging calls first, or carry .dev-gw" >&2; exit 3; }

@@ -4,7 +4,7 @@
 # in /tmp/stage): carries .dev-llama (the bitsandbytes wheel, for the nf4 reference), installs
 # it and the trainer into /tmp/site, and runs llama_shape.py, which writes $OUT/llama.json.
 set -uo pipefail
-t0=$(date +%s)
+t0=${CALL_T0:-$(date +%s)}  # the call's start, when staging ran before in the same call
 S=/tmp/site
 export PYTHONPATH=$S PATH=$S/bin:$PATH PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
