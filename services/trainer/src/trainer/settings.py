@@ -1,10 +1,9 @@
 """The trainer's one settings class, built once at start and passed down.
 
-Adds to the common settings where runs keep their local files and the process-group
-facts `torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK, how its agent restarts the group;
-read here and nowhere else),
-and whether the user configured CUDA's allocator. Compile caches live under
-`cache_dir`/torch-compile.
+Adds to the common settings where runs keep their local files, the process-group facts
+`torchrun` exports (WORLD_SIZE, RANK, LOCAL_RANK, how its agent restarts the group; read
+here and nowhere else), and whether the user configured CUDA's allocator. Compile caches
+live under `cache_dir`/torch-compile.
 """
 
 from __future__ import annotations

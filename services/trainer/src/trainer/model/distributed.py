@@ -54,9 +54,8 @@ def restart_hazard(settings: TrainerSettings) -> str | None:
     can read the peer addresses of the attempt before and fail or hang in
     init_process_group (pytorch/pytorch#135712; here: 1 of 9 two-node restarts on a
     loaded CPU hung). None when there is no restart or each attempt gets a new store."""
-    if settings.world_size == 1 or settings.elastic_restarts == 0:
-        return None
-    if not settings.elastic_agent_store:
+    restarts = settings.world_size > 1 and settings.elastic_restarts > 0
+    if not (restarts and settings.elastic_agent_store):
         return None
     return (
         f"warning: torchrun restarts this group up to {settings.elastic_restarts} times "
