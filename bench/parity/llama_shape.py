@@ -11,8 +11,9 @@ follows the product's path:
      on the base in bf16 (LoRA), adapter 2 on the base in nf4 (QLoRA: trained against 4-bit
      weights, served on the unquantised base);
   3. both published with their references, served by `lorastack serve` (the supervisor,
-     `parity: auto`, vLLM's default compiled graphs unless --eager) in the dtype lorastack
-     picks; the supervisor checks both before it is ready; /status says what it found;
+     `parity: auto`) in the dtype lorastack picks, once per arm (ARMS: eager, vLLM's
+     compiled CUDA graphs, and the base quantised to nf4 by vLLM as it loads); the
+     supervisor checks both before it is ready; /status says what it found;
   4. a negative control: adapter 1's reference replayed against the base model alone
      (what a server that silently dropped the adapter would answer) must fail.
 
@@ -56,6 +57,13 @@ from gpu_serving import (  # bench/serving is not a package
     wait_ready,
 )
 
+# vLLM's modes: eager, its default (compiled + CUDA graphs), and eager on the base quantised
+# to nf4 as it loads (bitsandbytes, as QLoRA trained adapter 2 against it)
+ARMS = {
+    "eager": ["--enforce-eager"],
+    "compiled": [],
+    "nf4": ["--enforce-eager", "--quantization", "bitsandbytes"],
+}
 ADAPTERS = {"adapter": ("bench/adapter", "none"), "adapter2": ("bench2/adapter", "nf4")}
 # held-out-like prompts in the shapes users send: a system prompt or none, short and long turns
 PROMPTS = [
@@ -170,7 +178,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--head-scale", type=float, default=8.0)
-    ap.add_argument("--arms", default="eager,compiled", help="vLLM modes, in order")
+    ap.add_argument("--arms", default="eager,compiled,nf4", help="ARMS to run, in order")
     ap.add_argument("--work", type=Path, default=Path("/tmp/parity-llama"))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -200,7 +208,7 @@ def main() -> int:
     log(f"published {refs}")
     save()
     for arm in args.arms.split(","):
-        extra = ["--enforce-eager"] if arm == "eager" else []
+        extra = ARMS[arm]
         t0 = time.monotonic()
         proc = start(["lorastack", "serve", str(serve_config(work, arm, extra, refs))], env,
                      work / f"{arm}.log")  # fmt: skip
@@ -221,7 +229,7 @@ def main() -> int:
                     (work / "adapter" / "parity-reference.json").read_bytes()
                 )
                 verdict = check(f"http://127.0.0.1:{VLLM}", SERVED, reference,
-                                served_dtype=status.get("dtype") or "bfloat16")  # fmt: skip
+                                served_dtype=(status.get("dtype") or {}).get("served", "bfloat16"))  # fmt: skip
                 arm_out["base_against_adapter_reference"] = verdict.as_dict()
             else:
                 arm_out["log_tail"] = (work / "serve" / "vllm.log").read_text()[-3000:]

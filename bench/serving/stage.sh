@@ -38,7 +38,7 @@ deps=(fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydant
   python-json-logger==4.2.0 setproctitle==1.3.8 blake3==1.0.11 ijson==3.6.0 depyf==0.20.0
   astor==0.8.1 dill==0.4.1 compressed-tensors==0.17.0 loguru==0.7.3 opentelemetry-api==1.45.2
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-  redis==8.1.0)
+  redis==8.1.0 dnspython==2.9.2)  # dnspython: the gateway's DNS discovery
 rm -f "$root"/part2/whl/boto3-* "$root"/part2/whl/botocore-* "$root"/part2/whl/s3transfer-*
 pipdl "$root/part2/whl" "${deps[@]}"
 

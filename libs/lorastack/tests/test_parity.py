@@ -21,7 +21,9 @@ from lorastack.parity import (
 )
 
 
-def reference(dtype: str = "float32", quantization: str = "none", probes: int = 4) -> Reference:
+def reference(
+    dtype: str = "float32", quantization: str = "none", probes: int = 4, length: int = 3
+) -> Reference:
     return Reference(
         recorded_by="trainer",
         dtype=dtype,
@@ -33,8 +35,8 @@ def reference(dtype: str = "float32", quantization: str = "none", probes: int = 
                 messages=[{"role": "user", "content": f"q{i}"}],
                 prompt_text=f"<user>q{i}<assistant>",
                 prompt_ids=[1, 10 + i, 2],
-                output_ids=[5, 6, 7],
-                output_logprobs=[-0.01, -0.2, -0.05],
+                output_ids=list(range(5, 5 + length)),
+                output_logprobs=[(-0.01, -0.2, -0.05)[j % 3] for j in range(length)],
                 output_text="abc",
             )
             for i in range(probes)
@@ -126,6 +128,47 @@ def test_half_precision_tolerates_rounding_but_float32_does_not() -> None:
         if not ok:
             assert "max |Δ log-prob| 0.200 > 0.05" in v.problems[0]
             assert "the weights served are not the weights trained" in v.problems[0]
+
+
+def parted(replay: Replay, at: int, margin: float | None) -> Replay:
+    """`replay` whose greedy answer parts from the reference at token `at`, where the server
+    preferred its own token by `margin` nats (None: the reference's not in its top few)."""
+    top1 = [i != at for i in range(len(replay.forced_top1))]
+    margins = [0.0 if hit else margin for hit in top1]
+    greedy = [*replay.greedy_ids[:at], 99]
+    return dataclasses.replace(replay, forced_top1=top1, forced_margins=margins, greedy_ids=greedy)
+
+
+def test_greedy_parting_at_near_ties_is_rounding_but_at_clear_preferences_is_not() -> None:
+    """Half precision (the Llama-3.1-8B shape in bf16, bench/parity): every probe may part
+    where bf16 decided a near-tie the other way; a served model that parts where it clearly
+    prefers another token is not the trained one, though each position alone mostly agrees."""
+    ref = reference("bfloat16", probes=8, length=32)  # as the trainer records: 32 tokens each
+    ties = [parted(r, 2, 0.4) for r in faithful(ref, shift=0.1)]
+    v = judge("m", ref, ties, served_dtype="bfloat16")
+    assert v.ok, v.problems
+    assert (v.greedy_identical, v.greedy_near_ties, v.greedy_parted_margins) == (0, 8, [0.4] * 8)
+    assert "greedy identical 0/8 (+8 parted at a near-tie)" in v.summary()
+
+    clear = [parted(r, 2, 4.0) if i < 3 else r for i, r in enumerate(faithful(ref, shift=0.1))]
+    v = judge("m", ref, clear, served_dtype="bfloat16")
+    assert not v.ok and v.top1_agreement == pytest.approx(253 / 256)  # 3 misses of 256
+    assert "greedy identical on 5/8 probes, 0 more parted at a near-tie" in v.problems[0]
+
+    unknown = [parted(r, 0, None) if i < 3 else r for i, r in enumerate(faithful(ref))]
+    v = judge("m", ref, unknown, served_dtype="bfloat16")
+    assert v.greedy_near_ties == 0 and v.greedy_parted_margins == [None] * 3
+    assert "greedy identical on 5/8" in v.problems[0]
+
+
+def test_float32_accepts_only_ties_within_its_summation_order() -> None:
+    ref = reference("float32", probes=40)  # 1 miss in 120 tokens: top-1 99.2%
+    replays = faithful(ref)
+    replays[0] = parted(replays[0], 1, 0.05)  # both tokens moved by 0.025 at most: a tie
+    assert judge("m", ref, replays, served_dtype="float32").ok
+    replays[0] = parted(replays[0], 1, 0.3)
+    v = judge("m", ref, replays, served_dtype="float32")
+    assert not v.ok and v.greedy_near_ties == 0
 
 
 def test_a_dtype_mismatch_says_which_dtype_to_serve() -> None:

@@ -15,7 +15,11 @@ What is compared, per probe:
 - teacher-forced, the reference continuation through the server: is each reference token
   still the server's top-1 (top-1 agreement) and how far its log-probability moved
   (max |Δ log-prob|, nats);
-- greedy decoding on the server's own rendering of the prompt vs the reference tokens.
+- greedy decoding on the server's own rendering of the prompt vs the reference tokens; where
+  the two part, how strongly the server preferred its own token there (`Replay.forced_margins`):
+  a near-tie that rounding decided the other way, or a real difference (vLLM's own model
+  tests accept a parting whose tokens are in each other's top few, `check_logprobs_close`;
+  this asks for a margin in nats, so a parting at a clear preference is not accepted).
 
 The limits depend on the precisions on both sides (`limits_for`): float32 on both sides
 may differ only by the kernels' summation order; a half-precision side rounds every
@@ -74,6 +78,9 @@ class Replay:
     forced_logprobs: list[float]  # teacher-forced log-probability of each output token
     forced_top1: list[bool]  # ... and whether it was the server's most likely token
     greedy_ids: list[int]  # greedy decoding from rendered_ids
+    # per output token: the server's top-1 log-prob minus the reference token's (0 where it
+    # is the top-1; None where the reference token is not among the server's top few)
+    forced_margins: list[float | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -82,19 +89,24 @@ class Limits:
 
     min_top1: float  # fraction of reference tokens still the server's top-1
     max_abs_logprob: float  # nats, largest |Δ log-prob| of a reference token
-    min_greedy_identical: float  # fraction of probes whose greedy tokens are all equal
+    max_tie_margin: float  # nats: a greedy parting where the server preferred its own token
+    # by no more than this is a near-tie decided the other way, not a difference
+    min_greedy_agree: float  # fraction of probes whose greedy tokens are all equal, or part
+    # from the reference's only at a near-tie
 
 
 # float32 on both sides: vLLM's and Hugging Face's kernels sum in other orders (~1e-6
 # relative), which moves a log-prob by about 1e-4 nats; 0.05 leaves room for a long
-# sequence's accumulation and still catches a wrong weight, which moves whole nats.
-EXACT = Limits(min_top1=0.99, max_abs_logprob=0.05, min_greedy_identical=1.0)
+# sequence's accumulation and still catches a wrong weight, which moves whole nats. A tie
+# flips only when both of its tokens moved: 2 x 0.05.
+EXACT = Limits(min_top1=0.99, max_abs_logprob=0.05, max_tie_margin=0.1, min_greedy_agree=1.0)
 # A half-precision side rounds each weight and activation to 8 (bf16) or 11 (fp16)
-# significant bits: near-ties flip, and a greedy text parts for good after its first flip,
-# so top-1 agreement (each position on its own) carries the verdict and greedy identity
-# only has to hold for most probes. A swapped base, template or adapter moves most tokens
-# by whole nats, far outside these.
-HALF = Limits(min_top1=0.9, max_abs_logprob=3.0, min_greedy_identical=0.5)
+# significant bits: log-probs move by tenths of a nat (measured: up to 0.12 for SmolLM2
+# served in bf16, 0.70 for the Llama-3.1-8B layer shape, bench/parity), near-ties flip, and
+# a greedy text parts for good after its first flip. Each token of a flipped tie moved by
+# up to ~0.75 nats, hence a margin of 1.5; a swapped base, template or adapter moves most
+# tokens by whole nats and parts at clear preferences, far outside these.
+HALF = Limits(min_top1=0.9, max_abs_logprob=3.0, max_tie_margin=1.5, min_greedy_agree=0.75)
 
 
 def precision_of(reference: Reference, served_dtype: str) -> str:
@@ -167,7 +179,17 @@ class Verdict:
     max_abs_logprob_delta: float  # nats
     mean_abs_logprob_delta: float  # nats
     greedy_identical: int  # probes whose greedy tokens were all equal
+    # per probe that parted: the server's margin (nats) for its own token where it parted;
+    # None where it is not a near-tie's (the reference token not in the server's top few)
+    greedy_parted_margins: list[float | None] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # each: what differs; what to change
+
+    @property
+    def greedy_near_ties(self) -> int:
+        """Probes whose greedy tokens parted from the reference's only at a near-tie."""
+        return sum(
+            m is not None and m <= self.limits.max_tie_margin for m in self.greedy_parted_margins
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The verdict as a JSON-ready dict."""
@@ -180,7 +202,8 @@ class Verdict:
             "limits": {
                 "min_top1": self.limits.min_top1,
                 "max_abs_logprob": self.limits.max_abs_logprob,
-                "min_greedy_identical": self.limits.min_greedy_identical,
+                "max_tie_margin": self.limits.max_tie_margin,
+                "min_greedy_agree": self.limits.min_greedy_agree,
             },
             "probes": self.probes,
             "positions": self.positions,
@@ -188,6 +211,10 @@ class Verdict:
             "max_abs_logprob_delta": round(self.max_abs_logprob_delta, 4),
             "mean_abs_logprob_delta": round(self.mean_abs_logprob_delta, 4),
             "greedy_identical": self.greedy_identical,
+            "greedy_near_ties": self.greedy_near_ties,
+            "greedy_parted_margins": [
+                None if m is None else round(m, 4) for m in self.greedy_parted_margins
+            ],
             "problems": self.problems,
         }
 
@@ -206,10 +233,13 @@ def describe(record: dict[str, Any]) -> str:
         state = "pass"
     else:
         state = "FAIL (refused)" if record["policy"] == "refuse" else "FAIL (warned)"
+    ties = record.get("greedy_near_ties", 0)
+    parted = f" (+{ties} parted at a near-tie)" if ties else ""
     return (
         f"parity {name}: {state}; top-1 {record['top1_agreement']:.1%} of "
         f"{record['positions']} tokens, max |Δ log-prob| {record['max_abs_logprob_delta']:.3f}, "
-        f"greedy identical {record['greedy_identical']}/{record['probes']} ({record['precision']})"
+        f"greedy identical {record['greedy_identical']}/{record['probes']}{parted} "
+        f"({record['precision']})"
     )
 
 
@@ -260,18 +290,20 @@ def judge(
     agreement = sum(top1) / len(top1) if top1 else 1.0
     max_delta = max(deltas, default=0.0)
     mean_delta = math.fsum(deltas) / positions if positions else 0.0
-    identical = sum(
-        r.greedy_ids == p.output_ids for p, r in zip(reference.probes, replays, strict=True)
-    )
+    pairs = list(zip(reference.probes, replays, strict=True))
+    identical = sum(r.greedy_ids == p.output_ids for p, r in pairs)
+    parted = [_parting_margin(r) for p, r in pairs if r.greedy_ids != p.output_ids]
+    agree = identical + sum(m is not None and m <= limits.max_tie_margin for m in parted)
     numeric = []
     if agreement < limits.min_top1:
         numeric.append(f"top-1 agreement {agreement:.1%} < {limits.min_top1:.0%}")
     if max_delta > limits.max_abs_logprob:
         numeric.append(f"max |Δ log-prob| {max_delta:.3f} > {limits.max_abs_logprob}")
-    if identical < limits.min_greedy_identical * len(replays):
+    if agree < limits.min_greedy_agree * len(replays):
         numeric.append(
-            f"greedy identical on {identical}/{len(replays)} probes "
-            f"< {limits.min_greedy_identical:.0%}"
+            f"greedy identical on {identical}/{len(replays)} probes, "
+            f"{agree - identical} more parted at a near-tie (<= {limits.max_tie_margin} nats): "
+            f"{agree}/{len(replays)} < {limits.min_greedy_agree:.0%}"
         )
     if numeric:
         problems.append(
@@ -290,8 +322,20 @@ def judge(
         max_abs_logprob_delta=max_delta,
         mean_abs_logprob_delta=mean_delta,
         greedy_identical=identical,
+        greedy_parted_margins=parted,
         problems=problems,
     )
+
+
+def _parting_margin(replay: Replay) -> float | None:
+    """The server's margin for its own token where its greedy answer parted from the
+    reference's: at the first reference token that is not the server's top-1 (the greedy
+    answer follows the reference up to there when the prompts agree). None where no such
+    token is known (no teacher-forced miss, or the reference token outside the top few)."""
+    for i, top1 in enumerate(replay.forced_top1):
+        if not top1:
+            return replay.forced_margins[i] if i < len(replay.forced_margins) else None
+    return None
 
 
 def _numeric_hint(reference: Reference, served_dtype: str) -> str:

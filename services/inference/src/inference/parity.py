@@ -85,11 +85,14 @@ def _steps(answer: dict[str, Any]) -> list[tuple[list[int], list[dict[int, float
     return out
 
 
-def _forced_at(top: dict[int, float], token: int, chosen: int) -> tuple[float, bool]:
-    """The log-probability of `token` where the server chose `chosen`, and whether it was
-    the server's top-1. A token outside the top TOP_LOGPROBS gets the least of them: its
-    own is lower still, so the |Δ| reported is a lower bound."""
-    return top.get(token, min(top.values(), default=float("-inf"))), token == chosen
+def _forced_at(top: dict[int, float], token: int, chosen: int) -> tuple[float, bool, float | None]:
+    """The log-probability of `token` where the server chose `chosen`, whether it was the
+    server's top-1, and by how much the server preferred `chosen` (None when `token` is not
+    among the top TOP_LOGPROBS). A token outside them gets the least of them: its own is
+    lower still, so the |Δ| reported is a lower bound."""
+    if token not in top:
+        return min(top.values(), default=float("-inf")), False, None
+    return top[token], token == chosen, top.get(chosen, top[token]) - top[token]
 
 
 def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
@@ -128,9 +131,10 @@ def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
     return Replay(
         rendered_ids=rendered,
         encoded_ids=encoded,
-        forced_logprobs=[lp for lp, _ in forced],
-        forced_top1=[top1 for _, top1 in forced],
+        forced_logprobs=[lp for lp, _, _ in forced],
+        forced_top1=[top1 for _, top1, _ in forced],
         greedy_ids=greedy,
+        forced_margins=[margin for _, _, margin in forced],
     )
 
 
