@@ -138,12 +138,26 @@ def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
     )
 
 
+def served_quantization(engine_args: list[str]) -> str:
+    """How vLLM quantises the base as it loads it, from its arguments: `--quantization
+    bitsandbytes` quantises in flight to nf4 (vLLM's bitsandbytes loader), as QLoRA trains
+    against; another method by its name; none without the flag."""
+    method = "none"
+    for i, arg in enumerate(engine_args):
+        if arg.startswith("--quantization="):
+            method = arg.partition("=")[2]
+        elif arg in ("--quantization", "-q") and i + 1 < len(engine_args):
+            method = engine_args[i + 1]
+    return "nf4" if method == "bitsandbytes" else method
+
+
 def check(
     base_url: str,
     model: str,
     reference: Reference,
     *,
     served_dtype: str,
+    served_quantization: str = "none",
     served_base_digest: str = "",
     policy: Policy | None = None,
     api_key: str | None = None,
@@ -158,6 +172,7 @@ def check(
         reference,
         replays,
         served_dtype=served_dtype,
+        served_quantization=served_quantization,
         served_base_digest=served_base_digest,
         policy=policy,
     )
@@ -170,8 +185,16 @@ class ParityChecks:
     reference, or when vLLM cannot be asked, it is served and the record says why nothing
     was checked."""
 
-    def __init__(self, setting: str, *, served_dtype: str, api_key: str | None) -> None:
+    def __init__(
+        self,
+        setting: str,
+        *,
+        served_dtype: str,
+        api_key: str | None,
+        served_quantization: str = "none",
+    ) -> None:
         self.setting, self.served_dtype, self.api_key = setting, served_dtype, api_key
+        self.served_quantization = served_quantization
         self._lock = threading.Lock()
         self._results: dict[str, dict[str, Any]] = {}  # served name -> Verdict.as_dict() or why not
 
@@ -204,6 +227,7 @@ class ParityChecks:
                 served_name,
                 reference,
                 served_dtype=self.served_dtype,
+                served_quantization=self.served_quantization,
                 served_base_digest=served_base_digest,
                 policy=None if self.setting == "auto" else self.setting,  # type: ignore[arg-type]
                 api_key=self.api_key,

@@ -80,8 +80,9 @@ class InferenceSettings(CommonSettings):
         "auto",
         description="what a served model or adapter whose answers differ from its parity "
         "reference (recorded where it was trained) gets: refuse = not served (the model: not "
-        "ready; an adapter: unloaded), warn = served and reported, auto = refuse, except an "
-        "adapter trained on a quantised (nf4) base, whose gap is the quantisation's: warn",
+        "ready; an adapter: unloaded), warn = served and reported, auto = refuse, except where "
+        "either side's base is quantised (an adapter trained on nf4, QLoRA; a base vLLM "
+        "quantises, --quantization in extra_vllm_args), whose gap is the quantisation's: warn",
     )
     kv_cache_dtype: str = Field("auto", description="auto = the compute dtype; fp8 on GPU")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)

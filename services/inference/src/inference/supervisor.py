@@ -92,7 +92,10 @@ class Supervisor:
         self.last_error = ""
         self.kv = KvFigures(plan.estimate)  # the estimate and what vLLM reported
         self.parity = parity.ParityChecks(
-            settings.parity, served_dtype=plan.dtype, api_key=self._vllm_key
+            settings.parity,
+            served_dtype=plan.dtype,
+            api_key=self._vllm_key,
+            served_quantization=parity.served_quantization(settings.extra_vllm_args),
         )
 
     # -- lifecycle ---------------------------------------------------------------------
