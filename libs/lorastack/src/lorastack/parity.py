@@ -193,17 +193,11 @@ class Verdict:
     max_abs_logprob_delta: float  # nats
     mean_abs_logprob_delta: float  # nats
     greedy_identical: int  # probes whose greedy tokens were all equal
+    greedy_near_ties: int = 0  # probes whose greedy tokens parted only at a near-tie
     # per probe that parted: the server's margin (nats) for its own token where it parted;
-    # None where it is not a near-tie's (the reference token not in the server's top few)
+    # None where the reference token was not among the server's top few (not a tie)
     greedy_parted_margins: list[float | None] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # each: what differs; what to change
-
-    @property
-    def greedy_near_ties(self) -> int:
-        """Probes whose greedy tokens parted from the reference's only at a near-tie."""
-        return sum(
-            m is not None and m <= self.limits.max_tie_margin for m in self.greedy_parted_margins
-        )
 
     def as_dict(self) -> dict[str, Any]:
         """The verdict as a JSON-ready dict."""
@@ -309,7 +303,8 @@ def judge(
     pairs = list(zip(reference.probes, replays, strict=True))
     identical = sum(r.greedy_ids == p.output_ids for p, r in pairs)
     parted = [_parting_margin(r) for p, r in pairs if r.greedy_ids != p.output_ids]
-    agree = identical + sum(m is not None and m <= limits.max_tie_margin for m in parted)
+    near_ties = sum(m is not None and m <= limits.max_tie_margin for m in parted)
+    agree = identical + near_ties
     numeric = []
     if agreement < limits.min_top1:
         numeric.append(f"top-1 agreement {agreement:.1%} < {limits.min_top1:.0%}")
@@ -318,7 +313,7 @@ def judge(
     if agree < limits.min_greedy_agree * len(replays):
         numeric.append(
             f"greedy identical on {identical}/{len(replays)} probes, "
-            f"{agree - identical} more parted at a near-tie (<= {limits.max_tie_margin} nats): "
+            f"{near_ties} more parted at a near-tie (<= {limits.max_tie_margin} nats): "
             f"{agree}/{len(replays)} < {limits.min_greedy_agree:.0%}"
         )
     if numeric:
@@ -339,6 +334,7 @@ def judge(
         max_abs_logprob_delta=max_delta,
         mean_abs_logprob_delta=mean_delta,
         greedy_identical=identical,
+        greedy_near_ties=near_ties,
         greedy_parted_margins=parted,
         problems=problems,
     )
