@@ -8,7 +8,10 @@
 # for each worker count in $WORKERS (default 1 2 4): the gateway on cores 0..N-1, the fake
 # on 4-9, the client on 10-15; $OUT/gw-wN.json each. $TOKENIZER: the tokenizer folder.
 # The peer: Debian 12's nginx binary in .dev-gw/bin (`apt-get download nginx`, `dpkg -x`;
-# glibc >= 2.34), measured in the same run through --peer-nginx when it starts there.
+# glibc >= 2.34), measured in the same run through --peer-nginx when it starts there
+# (NGINX=0: not). $EXTRA: more gateway_latency.py arguments; the throughput scaling
+# (README, "Several workers"): WORKERS="1 4" LEVELS="256 512" NGINX=0
+# EXTRA="--pace 0.0025 --fakes 3 --client-procs 3".
 set -uo pipefail
 t0=$(date +%s)
 S=/tmp/site
@@ -23,13 +26,13 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target $S \
   libs/lorastack libs/testing services/gateway apps/lorastack || exit 1
 PEER=""
-if [ -x .dev-gw/bin/nginx ] && .dev-gw/bin/nginx -v 2>&1; then
+if [ "${NGINX:-1}" = 1 ] && [ -x .dev-gw/bin/nginx ] && .dev-gw/bin/nginx -v 2>&1; then
   export PATH=$PWD/.dev-gw/bin:$PATH; PEER=--peer-nginx
 fi
 for w in ${WORKERS:-1 2 4}; do
   timeout 170 python3 bench/gateway/gateway_latency.py --tokenizer "${TOKENIZER:-/tmp/stage/tokenizer}" \
     --duration "${DURATION:-8}" --concurrency ${LEVELS:-64 256} --keep-alive --workers "$w" $PEER \
-    --pin-gateway "0-$((w - 1))" --pin-upstream 4-9 --pin-client 10-15 \
+    --pin-gateway "0-$((w - 1))" --pin-upstream 4-9 --pin-client 10-15 ${EXTRA:-} \
     > "$OUT/gw-w$w.json" 2> "$OUT/gw-w$w.log"
   echo "workers $w: rc $? at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/gw-w$w.log"
   PEER=""  # nginx, one process: the floor per core, measured beside the first count only

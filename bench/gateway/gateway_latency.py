@@ -10,7 +10,7 @@ harness.py's, beside this script.
 
     .venv/bin/python bench/gateway/gateway_latency.py --tokenizer DIR [--duration 10] \
         [--concurrency 1 16 64 256] [--soak 600] [--lockstep] [--keep-alive] \
-        [--long-prompt-streams 2] [--peer-nginx] \
+        [--long-prompt-streams 2] [--peer-nginx] [--workers 4 --fakes 3 --client-procs 3] \
         [--pin-gateway 0 --pin-upstream 1 --pin-client 1] \
         > bench/gateway/results/$(date +%F)-$(git rev-parse --short HEAD).json
 
@@ -26,6 +26,12 @@ like the gateway, `proxy_buffering off`, kept-alive upstream connections): the c
 reverse-proxy hop written in C, which does no parsing, counting or routing, on the same
 machine in the same run. It needs `nginx` on PATH (Debian: `apt-get install nginx`).
 
+Upstream and client past one core: `--fakes K` starts K fakes behind the gateway (its
+backends; the direct arm's worker i calls fake i % K) and `--client-procs P` splits each
+point's streams over P forked client processes, pooling their latencies; with `--pace`
+short enough that the closed loop's ceiling (streams / (tokens x pace)) is above what the
+gateway relays, throughput then measures the gateway, not the harness.
+
 Soak: streams through the gateway for --soak seconds, a random fraction of which the
 client abandons mid-stream; before and after (and after a short settle) it records the
 gateway's RSS, its open TCP connections and its in-flight gauge.
@@ -36,11 +42,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -116,17 +125,30 @@ async def stream_once(
             writer.close()
 
 
-async def load(
-    port: int,
+@dataclass
+class Raw:
+    """What some of a point's workers measured, before pooling (`summary`)."""
+
+    ttfts: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    errors: int = 0
+    long_done: int = 0
+    wall: float = 0.0
+
+
+async def load_raw(
+    port: int | list[int],
     body: bytes,
     concurrency: int,
     duration: float,
     spread: float = 0.0,
     long: tuple[int, bytes] = (0, b""),
     keep_alive: bool = False,
-) -> dict[str, Any]:
+    workers: range | None = None,
+) -> Raw:
     """Closed loop: `concurrency` workers, each streaming one request after the other
-    (each on a connection of its own that it keeps alive, with `keep_alive`).
+    (each on a connection of its own that it keeps alive, with `keep_alive`); worker i
+    sends to port[i % len(port)] when given several; `workers`: the ones run here (all).
 
     `spread` > 0 staggers the workers' first requests evenly over that many seconds (one
     stream's length): arrivals are then steady. With 0 all start at once and, as every
@@ -134,42 +156,105 @@ async def load(
     `long` = (n, body): the first n workers send that body instead; the latencies are
     the other workers' (what a long prompt costs everyone else).
     """
-    ttfts: list[float] = []
-    e2es: list[float] = []
-    errors = 0
-    long_done = 0
+    ports = port if isinstance(port, list) else [port]
+    raw = Raw()
     stop = time.perf_counter() + duration
 
     async def worker(i: int) -> None:
-        nonlocal errors, long_done
         pool: dict[str, Any] | None = {} if keep_alive else None
+        to = ports[i % len(ports)]
         await asyncio.sleep(spread * i / concurrency)
         while time.perf_counter() < stop:
             try:
                 if i < long[0]:
-                    await stream_once(port, long[1], pool=pool)
-                    long_done += 1
+                    await stream_once(to, long[1], pool=pool)
+                    raw.long_done += 1
                     continue
-                ttft, e2e = await stream_once(port, body, pool=pool)
-                ttfts.append(ttft)
-                e2es.append(e2e)
+                ttft, e2e = await stream_once(to, body, pool=pool)
+                raw.ttfts.append(ttft)
+                raw.e2es.append(e2e)
             except (OSError, RuntimeError, asyncio.IncompleteReadError):
-                errors += 1
+                raw.errors += 1
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    wall = time.perf_counter() - t0
+    await asyncio.gather(*(worker(i) for i in workers or range(concurrency)))
+    raw.wall = time.perf_counter() - t0
+    return raw
+
+
+def summary(raws: list[Raw], long: bool = False) -> dict[str, Any]:
+    """The latencies of every worker of a point pooled, and the rate over the longest wall."""
+    ttfts = [t for r in raws for t in r.ttfts]
+    e2es = [t for r in raws for t in r.e2es]
+    wall = max(r.wall for r in raws)
     ms = 1000.0
     return {
         "requests": len(e2es),
-        **({"long_prompt_requests": long_done} if long[0] else {}),
-        "errors": errors,
+        **({"long_prompt_requests": sum(r.long_done for r in raws)} if long else {}),
+        "errors": sum(r.errors for r in raws),
         "requests_per_s": round(len(e2es) / wall, 1),
         "ttft_p50_ms": round(pct(ttfts, 50) * ms, 3),
         "ttft_p99_ms": round(pct(ttfts, 99) * ms, 3),
         "e2e_p50_ms": round(pct(e2es, 50) * ms, 3),
         "e2e_p99_ms": round(pct(e2es, 99) * ms, 3),
     }
+
+
+async def load(
+    port: int | list[int],
+    body: bytes,
+    concurrency: int,
+    duration: float,
+    spread: float = 0.0,
+    long: tuple[int, bytes] = (0, b""),
+    keep_alive: bool = False,
+) -> dict[str, Any]:
+    """`load_raw` in this process, summarised."""
+    raw = await load_raw(port, body, concurrency, duration, spread, long, keep_alive)
+    return summary([raw], long=long[0] > 0)
+
+
+def _client(out: Connection, point: dict[str, Any], workers: range) -> None:
+    """A client process's share of a point (`load_split`): its workers on a loop of its own."""
+    import uvloop
+
+    out.send(uvloop.run(load_raw(**point, workers=workers)))
+    out.close()
+
+
+def load_split(
+    procs: int,
+    port: int | list[int],
+    body: bytes,
+    concurrency: int,
+    duration: float,
+    spread: float = 0.0,
+    long: tuple[int, bytes] = (0, b""),
+    keep_alive: bool = False,
+    excerpt_port: int | None = None,
+) -> tuple[dict[str, Any], str]:
+    """One arm of a point from `procs` client processes (worker i in process i % procs,
+    forked, each pinned where this one is), their latencies pooled: one asyncio client
+    tops out near ~1,500 streamed requests/s, below what several gateway workers relay.
+    With `excerpt_port`, that port's /metrics read half-way through."""
+    ctx = multiprocessing.get_context("fork")
+    point = {"port": port, "body": body, "concurrency": concurrency, "duration": duration,
+             "spread": spread, "long": long, "keep_alive": keep_alive}  # fmt: skip
+    ends, children = [], []
+    for k in range(procs):
+        mine, theirs = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_client, args=(theirs, point, range(k, concurrency, procs)))
+        child.start()
+        ends.append(mine)
+        children.append(child)
+    text = ""
+    if excerpt_port is not None:
+        time.sleep(duration / 2)
+        text = metrics_excerpt(excerpt_port)
+    raws = [end.recv() for end in ends]
+    for child in children:
+        child.join()
+    return summary(raws, long=long[0] > 0), text
 
 
 async def load_with_excerpt(
@@ -246,19 +331,24 @@ def cpu_per_request(
     gw_port: int,
     body: bytes,
     gw: psutil.Process,
-    fake_pid: int,
+    fake_pids: list[int],
     seconds: float,
     spread: float,
 ) -> dict[str, float]:
-    """CPU milliseconds (user + system, and system alone) the gateway and the fake spend
+    """CPU milliseconds (user + system, and system alone) the gateway and the fakes spend
     per request at 16 streams (less sensitive to other load on the machine than latency)."""
-    procs = {"gateway": gw, "fake_upstream": psutil.Process(fake_pid)}
-    before = {k: cpu_times(p) for k, p in procs.items()}  # the gateway's workers too
+    procs = {"gateway": [gw], "fake_upstream": [psutil.Process(pid) for pid in fake_pids]}
+
+    def times(who: str) -> tuple[float, float]:  # the gateway's workers too
+        both = [cpu_times(p) for p in procs[who]]
+        return sum(t[0] for t in both), sum(t[1] for t in both)
+
+    before = {k: times(k) for k in procs}
     r = loop.run_until_complete(load(gw_port, body, 16, seconds, spread))
     n = max(1, r["requests"])
     out: dict[str, float] = {}
-    for k, p in procs.items():
-        t0, t1 = before[k], cpu_times(p)
+    for k in procs:
+        t0, t1 = before[k], times(k)
         out[k] = round((sum(t1) - sum(t0)) / n * 1000, 2)
         out[f"{k}_system"] = round((t1[1] - t0[1]) / n * 1000, 2)
     return out
@@ -304,6 +394,18 @@ def main() -> None:
         default=1,
         help="gateway worker processes (lorastack gateway --workers)",
     )
+    p.add_argument(
+        "--fakes",
+        type=int,
+        default=1,
+        help="fake vLLMs behind the gateway (its backends; the direct arm spreads over them)",
+    )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes a point's streams are split over (pooled latencies)",
+    )
     p.add_argument("--soak-concurrency", type=int, default=32)
     for who in ("gateway", "upstream", "client"):
         p.add_argument(
@@ -317,23 +419,29 @@ def main() -> None:
         help="start every stream of a point at once (bursts) instead of staggered",
     )
     a = p.parse_args()
+    if a.peer_nginx and a.fakes > 1:
+        p.error("--peer-nginx relays to one fake: leave --fakes at 1")
     spread = 0.0 if a.lockstep else a.tokens * a.pace
     if a.pin_client is not None:
         os.sched_setaffinity(0, cpu_set(a.pin_client))
 
     import uvloop
 
-    fake_port, gw_port = free_port(), free_port()
+    fake_ports, gw_port = [free_port() for _ in range(a.fakes)], free_port()
+    fake_port = fake_ports[0]
     env = dict(os.environ, HF_HUB_OFFLINE="1", LORASTACK_HOME=str(REPO / ".cache" / "bench-home"))
-    fake = start_fake(fake_port, a.tokens, a.pace, env, a.pin_upstream)
+    fakes = [start_fake(port, a.tokens, a.pace, env, a.pin_upstream) for port in fake_ports]
     gw_env = dict(env, LORASTACK_WORKERS=str(a.workers))
-    gw = start_gateway(gw_port, fake_port, a.tokenizer, gw_env, a.pin_gateway)
+    gw = start_gateway(
+        gw_port, fake_port, a.tokenizer, gw_env, a.pin_gateway, upstreams=fake_ports[1:]
+    )
     peers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
     if a.peer_nginx:
         nginx_port = free_port()
         peers["nginx"] = (nginx_port, start_nginx(fake_port, nginx_port, a.pin_gateway))
     try:
-        wait_http(fake_port, "/v1/models")
+        for port in fake_ports:
+            wait_http(port, "/v1/models")
         wait_http(gw_port, "/ready")
         for port, _ in peers.values():
             wait_http(port, "/v1/models")
@@ -354,6 +462,8 @@ def main() -> None:
                 else "one per request",
                 "long_prompt_streams": a.long_prompt_streams,
                 "long_prompt_chars": a.long_prompt_chars if a.long_prompt_streams else 0,
+                "fakes": a.fakes,
+                "client_processes": a.client_procs,
             },
             "points": [],
         }
@@ -365,12 +475,17 @@ def main() -> None:
             loop.run_until_complete(load(port, body, 4, 2.0))
         for c in a.concurrency:
             point = (body, c, a.duration, spread, long, a.keep_alive)
-            direct = loop.run_until_complete(load(fake_port, *point))
-            if c == 64:
-                via, text = loop.run_until_complete(load_with_excerpt(gw_port, *point))
+            if a.client_procs > 1:
+                direct, _ = load_split(a.client_procs, fake_ports, *point)
+                via, text = load_split(a.client_procs, gw_port, *point, excerpt_port=gw_port)
                 results["metrics_excerpt_during_64_streams"] = text
             else:
-                via = loop.run_until_complete(load(gw_port, *point))
+                direct = loop.run_until_complete(load(fake_ports, *point))
+                if c == 64:
+                    via, text = loop.run_until_complete(load_with_excerpt(gw_port, *point))
+                    results["metrics_excerpt_during_64_streams"] = text
+                else:
+                    via = loop.run_until_complete(load(gw_port, *point))
             row: dict[str, Any] = {"concurrency": c, "direct": direct, "gateway": via}
             row.update(added(via, direct))
             for name, (port, _) in peers.items():
@@ -379,7 +494,7 @@ def main() -> None:
             results["points"].append(row)
             print(json.dumps(results["points"][-1]), file=sys.stderr)
         results["cpu_ms_per_request"] = cpu_per_request(
-            loop, gw_port, body, gw_proc, fake.pid, a.duration, spread
+            loop, gw_port, body, gw_proc, [f.pid for f in fakes], a.duration, spread
         )
         if a.soak > 0:
             results["soak"] = loop.run_until_complete(
@@ -388,7 +503,7 @@ def main() -> None:
         results["machine"]["load_avg_at_end"] = os.getloadavg()
         print(json.dumps(results, indent=2))
     finally:
-        for proc in (gw, fake, *(proc for _, proc in peers.values())):
+        for proc in (gw, *fakes, *(proc for _, proc in peers.values())):
             proc.terminate()
             try:
                 proc.wait(15)
