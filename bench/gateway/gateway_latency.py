@@ -133,6 +133,7 @@ class Raw:
     e2es: list[float] = field(default_factory=list)
     errors: int = 0
     long_done: int = 0
+    long_streams: int = 0  # of the point's workers, how many sent the long body
     wall: float = 0.0
 
 
@@ -157,7 +158,7 @@ async def load_raw(
     the other workers' (what a long prompt costs everyone else).
     """
     ports = port if isinstance(port, list) else [port]
-    raw = Raw()
+    raw = Raw(long_streams=long[0])
     stop = time.perf_counter() + duration
 
     async def worker(i: int) -> None:
@@ -182,7 +183,7 @@ async def load_raw(
     return raw
 
 
-def summary(raws: list[Raw], long: bool = False) -> dict[str, Any]:
+def summary(raws: list[Raw]) -> dict[str, Any]:
     """The latencies of every worker of a point pooled, and the rate over the longest wall."""
     ttfts = [t for r in raws for t in r.ttfts]
     e2es = [t for r in raws for t in r.e2es]
@@ -190,7 +191,9 @@ def summary(raws: list[Raw], long: bool = False) -> dict[str, Any]:
     ms = 1000.0
     return {
         "requests": len(e2es),
-        **({"long_prompt_requests": sum(r.long_done for r in raws)} if long else {}),
+        **(
+            {"long_prompt_requests": sum(r.long_done for r in raws)} if raws[0].long_streams else {}
+        ),
         "errors": sum(r.errors for r in raws),
         "requests_per_s": round(len(e2es) / wall, 1),
         "ttft_p50_ms": round(pct(ttfts, 50) * ms, 3),
@@ -200,18 +203,9 @@ def summary(raws: list[Raw], long: bool = False) -> dict[str, Any]:
     }
 
 
-async def load(
-    port: int | list[int],
-    body: bytes,
-    concurrency: int,
-    duration: float,
-    spread: float = 0.0,
-    long: tuple[int, bytes] = (0, b""),
-    keep_alive: bool = False,
-) -> dict[str, Any]:
-    """`load_raw` in this process, summarised."""
-    raw = await load_raw(port, body, concurrency, duration, spread, long, keep_alive)
-    return summary([raw], long=long[0] > 0)
+async def load(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`load_raw` (the same arguments) in this process, summarised."""
+    return summary([await load_raw(*args, **kwargs)])
 
 
 def _client(out: Connection, point: dict[str, Any], workers: range) -> None:
@@ -223,23 +217,14 @@ def _client(out: Connection, point: dict[str, Any], workers: range) -> None:
 
 
 def load_split(
-    procs: int,
-    port: int | list[int],
-    body: bytes,
-    concurrency: int,
-    duration: float,
-    spread: float = 0.0,
-    long: tuple[int, bytes] = (0, b""),
-    keep_alive: bool = False,
-    excerpt_port: int | None = None,
+    procs: int, point: dict[str, Any], excerpt_port: int | None = None
 ) -> tuple[dict[str, Any], str]:
-    """One arm of a point from `procs` client processes (worker i in process i % procs,
-    forked, each pinned where this one is), their latencies pooled: one asyncio client
-    tops out near ~1,500 streamed requests/s, below what several gateway workers relay.
-    With `excerpt_port`, that port's /metrics read half-way through."""
+    """One arm of a point (`load_raw`'s arguments) from `procs` client processes (worker i
+    in process i % procs, forked, each pinned where this one is), their latencies pooled:
+    one asyncio client tops out near ~1,500 streamed requests/s, below what several gateway
+    workers relay. With `excerpt_port`, that port's /metrics read half-way through."""
     ctx = multiprocessing.get_context("fork")
-    point = {"port": port, "body": body, "concurrency": concurrency, "duration": duration,
-             "spread": spread, "long": long, "keep_alive": keep_alive}  # fmt: skip
+    concurrency = point["concurrency"]
     ends, children = [], []
     for k in range(procs):
         mine, theirs = ctx.Pipe(duplex=False)
@@ -249,28 +234,20 @@ def load_split(
         children.append(child)
     text = ""
     if excerpt_port is not None:
-        time.sleep(duration / 2)
+        time.sleep(point["duration"] / 2)
         text = metrics_excerpt(excerpt_port)
     raws = [end.recv() for end in ends]
     for child in children:
         child.join()
-    return summary(raws, long=long[0] > 0), text
+    return summary(raws), text
 
 
-async def load_with_excerpt(
-    port: int,
-    body: bytes,
-    concurrency: int,
-    duration: float,
-    spread: float,
-    long: tuple[int, bytes] = (0, b""),
-    keep_alive: bool = False,
-) -> tuple[dict[str, Any], str]:
-    """`load`, with the gateway's /metrics read half-way through."""
-    task = asyncio.ensure_future(load(port, body, concurrency, duration, spread, long, keep_alive))
-    await asyncio.sleep(duration / 2)
-    text = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, port)
-    return await task, text
+async def load_with_excerpt(point: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`load` of a point (`load_raw`'s arguments), with its port's /metrics read half-way."""
+    task = asyncio.ensure_future(load(**point))
+    await asyncio.sleep(point["duration"] / 2)
+    metrics = await asyncio.get_running_loop().run_in_executor(None, metrics_excerpt, point["port"])
+    return await task, metrics
 
 
 async def soak(
@@ -474,22 +451,25 @@ def main() -> None:
         for port, _ in peers.values():
             loop.run_until_complete(load(port, body, 4, 2.0))
         for c in a.concurrency:
-            point = (body, c, a.duration, spread, long, a.keep_alive)
+            point = {"body": body, "concurrency": c, "duration": a.duration, "spread": spread,
+                     "long": long, "keep_alive": a.keep_alive}  # fmt: skip
             if a.client_procs > 1:
-                direct, _ = load_split(a.client_procs, fake_ports, *point)
-                via, text = load_split(a.client_procs, gw_port, *point, excerpt_port=gw_port)
+                direct, _ = load_split(a.client_procs, {"port": fake_ports, **point})
+                via, text = load_split(a.client_procs, {"port": gw_port, **point}, gw_port)
                 results["metrics_excerpt_during_64_streams"] = text
             else:
-                direct = loop.run_until_complete(load(fake_ports, *point))
+                direct = loop.run_until_complete(load(fake_ports, **point))
                 if c == 64:
-                    via, text = loop.run_until_complete(load_with_excerpt(gw_port, *point))
+                    via, text = loop.run_until_complete(
+                        load_with_excerpt({"port": gw_port, **point})
+                    )
                     results["metrics_excerpt_during_64_streams"] = text
                 else:
-                    via = loop.run_until_complete(load(gw_port, *point))
+                    via = loop.run_until_complete(load(gw_port, **point))
             row: dict[str, Any] = {"concurrency": c, "direct": direct, "gateway": via}
             row.update(added(via, direct))
             for name, (port, _) in peers.items():
-                row[name] = loop.run_until_complete(load(port, *point))
+                row[name] = loop.run_until_complete(load(port, **point))
                 row.update(added(row[name], direct, f"{name}_"))
             results["points"].append(row)
             print(json.dumps(results["points"][-1]), file=sys.stderr)
