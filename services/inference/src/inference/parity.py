@@ -140,8 +140,10 @@ def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
 
 def served_quantization(engine_args: list[str]) -> str:
     """How vLLM quantises the base as it loads it, from its arguments: `--quantization
-    bitsandbytes` quantises in flight to nf4 (vLLM's bitsandbytes loader), as QLoRA trains
-    against; another method by its name; none without the flag."""
+    bitsandbytes` quantises in flight to nf4 (vLLM 0.26's bitsandbytes_loader:
+    `quantize_4bit(quant_type="nf4", compress_statistics=True)`, the 4-bit weights QLoRA
+    trains against); another method by its name; none without the flag. A scan, not vLLM's
+    own parser: the supervisor runs vLLM as a process and need not import it."""
     method = "none"
     for i, arg in enumerate(engine_args):
         if arg.startswith("--quantization="):
