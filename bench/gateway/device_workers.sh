@@ -3,7 +3,7 @@
 # "Several workers"), from the repository root there: in one call that carries .dev-gw (the
 # gateway's wheels the machine lacks: fastapi, uvicorn, pydantic, ..., `pip download` of
 # services/gateway/requirements.txt's pins) and .dev-serve/part1/tokenizer, or after
-# bench/serving's two staging calls with .dev-llama (dnspython); installs them,
+# bench/serving's two staging calls (their wheels hold the gateway's); installs them,
 # lorastack_testing (the fake vLLM) and this tree's gateway, then runs gateway_latency.py
 # for each worker count in $WORKERS (default 1 2 4): the gateway on cores 0..N-1, the fake
 # on 4-9, the client on 10-15; $OUT/gw-wN.json each. $TOKENIZER: the tokenizer folder.
@@ -11,7 +11,9 @@
 # glibc >= 2.34), measured in the same run through --peer-nginx when it starts there
 # (NGINX=0: not). $EXTRA: more gateway_latency.py arguments; the throughput scaling
 # (README, "Several workers"): WORKERS="1 4" LEVELS="256 512" NGINX=0
-# EXTRA="--pace 0.0025 --fakes 3 --client-procs 3".
+# EXTRA="--pace 0.0025 --fakes 3 --client-procs 3". GATEWAY_CPUS (a comma list, the first N
+# for N workers; "auto": one thread of each of the first N physical cores, the other cores'
+# CPUs split between the fakes and the clients), UPSTREAM_CPUS, CLIENT_CPUS: other pins.
 set -uo pipefail
 t0=$(date +%s)
 S=/tmp/site
@@ -21,7 +23,6 @@ if compgen -G ".dev-gw/*.whl" >/dev/null; then  # the gateway's wheels, carried 
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $S .dev-gw/*.whl || exit 1
 else
   [ -f $S/.installed ] || { echo "run bench/serving's staging calls first, or carry .dev-gw" >&2; exit 3; }
-  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $S .dev-llama/dnspython-*.whl || exit 1
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target $S \
   libs/lorastack libs/testing services/gateway apps/lorastack || exit 1
@@ -29,10 +30,21 @@ PEER=""
 if [ "${NGINX:-1}" = 1 ] && [ -x .dev-gw/bin/nginx ] && .dev-gw/bin/nginx -v 2>&1; then
   export PATH=$PWD/.dev-gw/bin:$PATH; PEER=--peer-nginx
 fi
+# the physical cores: CPUs listed together share one (hyperthreads)
+echo "thread siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | sort -un | tr '\n' ' ')"
+if [ "${GATEWAY_CPUS:-}" = auto ]; then  # each worker a physical core, its sibling idle
+  read -r GATEWAY_CPUS UPSTREAM_CPUS CLIENT_CPUS < <(python3 bench/gateway/harness.py \
+    spread "$(echo ${WORKERS:-1 2 4} | tr ' ' '\n' | sort -n | tail -1)")
+  echo "auto pins: gateway $GATEWAY_CPUS, upstream $UPSTREAM_CPUS, client $CLIENT_CPUS"
+fi
 for w in ${WORKERS:-1 2 4}; do
+  gw_cpus="0-$((w - 1))"
+  if [ -n "${GATEWAY_CPUS:-}" ]; then  # e.g. "0,2,4,6": the first w of them
+    gw_cpus=$(echo "$GATEWAY_CPUS" | cut -d, -f1-"$w")
+  fi
   timeout 170 python3 bench/gateway/gateway_latency.py --tokenizer "${TOKENIZER:-/tmp/stage/tokenizer}" \
     --duration "${DURATION:-8}" --concurrency ${LEVELS:-64 256} --keep-alive --workers "$w" $PEER \
-    --pin-gateway "0-$((w - 1))" --pin-upstream 4-9 --pin-client 10-15 ${EXTRA:-} \
+    --pin-gateway "$gw_cpus" --pin-upstream "${UPSTREAM_CPUS:-4-9}" --pin-client "${CLIENT_CPUS:-10-15}" ${EXTRA:-} \
     > "$OUT/gw-w$w.json" 2> "$OUT/gw-w$w.log"
   echo "workers $w: rc $? at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/gw-w$w.log"
   PEER=""  # nginx, one process: the floor per core, measured beside the first count only

@@ -62,12 +62,14 @@ from harness import (
     REPO,
     added,
     chat_bodies,
+    cores_busy,
     cpu_set,
     cpu_times,
     gateway_state,
     machine,
     metrics_excerpt,
     pct,
+    process_cpu,
     start_fake,
     start_gateway,
     start_nginx,
@@ -455,18 +457,21 @@ def main() -> None:
                      "long": long, "keep_alive": a.keep_alive}  # fmt: skip
             if a.client_procs > 1:
                 direct, _ = load_split(a.client_procs, {"port": fake_ports, **point})
-                via, text = load_split(a.client_procs, {"port": gw_port, **point}, gw_port)
-                results["metrics_excerpt_during_64_streams"] = text
             else:
                 direct = loop.run_until_complete(load(fake_ports, **point))
-                if c == 64:
-                    via, text = loop.run_until_complete(
-                        load_with_excerpt({"port": gw_port, **point})
-                    )
-                    results["metrics_excerpt_during_64_streams"] = text
-                else:
-                    via = loop.run_until_complete(load(gw_port, **point))
+            cpu0, t0 = process_cpu(gw_proc), time.monotonic()
+            if a.client_procs > 1:
+                via, text = load_split(a.client_procs, {"port": gw_port, **point}, gw_port)
+                results["metrics_excerpt_during_64_streams"] = text
+            elif c == 64:
+                via, text = loop.run_until_complete(load_with_excerpt({"port": gw_port, **point}))
+                results["metrics_excerpt_during_64_streams"] = text
+            else:
+                via = loop.run_until_complete(load(gw_port, **point))
+            busy = cores_busy(cpu0, process_cpu(gw_proc), time.monotonic() - t0)
             row: dict[str, Any] = {"concurrency": c, "direct": direct, "gateway": via}
+            # the parent's share, then each worker's: a worker near 1.0 is saturated
+            row["gateway_cores_busy"] = busy
             row.update(added(via, direct))
             for name, (port, _) in peers.items():
                 row[name] = loop.run_until_complete(load(port, **point))

@@ -130,6 +130,25 @@ def cpu_times(proc: psutil.Process) -> tuple[float, float]:
     return user, system
 
 
+def cores_busy(before: dict[int, float], after: dict[int, float], wall: float) -> list[float]:
+    """Each process's CPU over `wall` seconds (1.0: one core all the time), from two
+    `process_cpu` readings: the parent first, then the workers; one that is no longer
+    there counts from 0."""
+    return [round((after[pid] - before.get(pid, 0.0)) / wall, 2) for pid in after]
+
+
+def process_cpu(proc: psutil.Process) -> dict[int, float]:
+    """CPU seconds (user + system) of `proc` and of each of its live children, by pid."""
+    out = {}
+    for p in (proc, *proc.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[p.pid] = t.user + t.system
+    return out
+
+
 def wait_http(port: int, path: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -210,12 +229,39 @@ def chat_bodies(long_chars: int) -> tuple[bytes, bytes]:
     return body, long_body
 
 
+def thread_siblings() -> list[str]:
+    """The CPUs that share a physical core, one entry a core ("0,8": two hyperthreads):
+    CPUs pinned apart may still share a core's execution units."""
+    cpus = Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list")
+    return sorted({f.read_text().strip() for f in cpus}, key=lambda s: int(re.split("[,-]", s)[0]))
+
+
+def spread_pins(gateway_cores: int) -> tuple[str, str, str]:
+    """CPUs for (gateway, upstream, client): one hyperthread of each of the first
+    `gateway_cores` physical cores for the gateway (their siblings left idle, so each
+    worker has a core to itself), the other cores' CPUs halved between the fakes and the
+    clients."""
+    cores = [sorted(cpu_set(s)) for s in thread_siblings()]
+    rest = [cpu for core in cores[gateway_cores:] for cpu in core]
+    half = len(rest) // 2
+    return tuple(  # type: ignore[return-value]
+        ",".join(map(str, cpus))
+        for cpus in ([c[0] for c in cores[:gateway_cores]], rest[:half], rest[half:])
+    )
+
+
 def machine(gateway: str | None, upstream: str | None, client: str | None) -> dict[str, Any]:
     """The machine a result was measured on, and the CPUs each process was pinned to."""
     return {
         "cpus": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
+        "thread_siblings": thread_siblings(),
         "python": platform.python_version(),
         "pinned": {"gateway": gateway, "upstream": upstream, "client": client},
         "load_avg_at_start": os.getloadavg(),
     }
+
+
+if __name__ == "__main__":  # `harness.py spread N`: spread_pins(N), for device_workers.sh
+    if sys.argv[1:2] == ["spread"]:
+        print(*spread_pins(int(sys.argv[2])))
