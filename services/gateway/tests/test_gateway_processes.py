@@ -5,6 +5,7 @@ crosses workers is chosen, not left to the kernel."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import http.client
@@ -21,9 +22,17 @@ import psutil
 import pytest
 from test_gateway_proxy import CHAT, METRICS_KEY, metric
 
+from gateway.admission import Admission
+from gateway.backends import Backends
+from gateway.errors import NoKvRoom
 from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
+from gateway.metrics import GatewayMetrics
+from gateway.routing import RouteRequest, Thresholds, Weights
+from gateway.scrape import BackendMetrics, ModelInfo
 from gateway.settings import GatewaySettings
 from gateway.shared_claims import SharedInflight
+from gateway.tokens import TokenizerCache
+from gateway.upstream import Upstream
 from lorastack_testing.fake_vllm import FakeState, serve_fake
 from lorastack_testing.net import free_port, wait_for
 from lorastack_testing.redis_server import require_redis_server, serve_redis
@@ -107,6 +116,78 @@ def test_a_pick_holds_every_workers_lock(tmp_path) -> None:
         fcntl.flock(two._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     fcntl.flock(two._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the hold ends
     fcntl.flock(two._fd, fcntl.LOCK_UN)
+
+
+def test_claimed_reads_one_backend_of_every_worker_even_one_registered_elsewhere(
+    tmp_path,
+) -> None:
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = SharedInflight(path, 0), SharedInflight(path, 1)
+    one.add("http://a", 1, 320)
+    assert one.counts == {"http://a": 1}  # read once, before worker 2 registers http://b
+    two.add("http://a", 1, 160)
+    two.add("http://b", 1, 16)
+    assert one.claimed("http://a") == (2, 480) and one.claimed("http://b") == (1, 16)
+    assert one.counts == {"http://a": 2, "http://b": 1}  # the new entry is read too
+
+
+class _RacingCount(SharedInflight):
+    """Worker 1's counts, where worker 2 runs `race` just before worker 1 next takes the
+    lock: after routing chose a backend without the lock, before the claim is counted."""
+
+    race: Any = None
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        if self.race is not None and self._depth == 0:
+            race, self.race = self.race, None
+            race()
+        with super().exclusive():
+            yield
+
+
+class _NoNetwork(Upstream):
+    async def _attempt(
+        self, backend: str, path: str, body: bytes, headers: Any, tokens: int = 0
+    ) -> Any:  # type: ignore[override]
+        return backend, tokens
+
+
+def test_a_pick_made_without_the_lock_routes_again_once_another_worker_took_its_room(
+    tmp_path,
+) -> None:
+    """Routing scores the backends without the workers' lock; under it the claim is
+    confirmed: room another worker took meanwhile sends the request to the other backend,
+    and with no room left anywhere it is refused, never over-admitted."""
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = _RacingCount(path, 0), SharedInflight(path, 1)
+    a, b = "http://a", "http://b"
+    settings = GatewaySettings(backends=[a, b], kv_admit_wait_s=0)
+    backends = Backends(settings, GatewayMetrics(), TokenizerCache(settings), None, inflight=one)  # type: ignore[arg-type]
+    # usable KV (less vLLM's null block): a 320 tokens, b 176; 16 claimed on each
+    for url, blocks in ((a, 21), (b, 12)):
+        st = backends.states[url]
+        st.up, st.models = True, {"m": ModelInfo("m", 4096, None, None)}
+        st.metrics = BackendMetrics(kv_capacity_tokens=blocks * 16, block_size=16)
+        one.add(url, 1, 16)
+    upstream = _NoNetwork(settings, GatewayMetrics(), one)
+    admission = Admission(settings, backends, upstream, Thresholds(), Weights())
+    req = RouteRequest("m", sequences=(150,))  # a claim of 160 tokens: whole blocks
+
+    def send() -> Any:
+        return asyncio.run(admission.open(req, "/v1/chat/completions", b"{}", "rid"))
+
+    # routing chooses a (a tie, broken by name); worker 2 then claims 160 of a's room
+    one.race = lambda: two.add(a, 1, 160)
+    assert send() == (b, 160)  # confirmed under the lock: a has 144 left, so b
+    assert one.claimed(a) == (2, 176) and one.claimed(b) == (2, 176)  # b is full now
+    two.add(a, -1, -160)  # a has room again, so routing chooses it; taken again meanwhile
+    one.race = lambda: two.add(a, 1, 160)
+    with pytest.raises(NoKvRoom):
+        send()
+    assert one.claimed(a) == (2, 176) and one.claimed(b) == (2, 176)
 
 
 def test_limits_with_several_workers_need_redis(tmp_path) -> None:

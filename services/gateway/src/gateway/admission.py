@@ -49,9 +49,8 @@ class Admission:
         # a request with no claim takes no room the line waits for: it never joins
         turn = line.join() if line.waiting and wait_s > 0 and route_req.sequences else None
 
-        def pick(tried: Collection[str]) -> str:
-            nonlocal turn
-            url = pick_backend(
+        def route(tried: Collection[str]) -> str:
+            return pick_backend(
                 route_req,
                 self.backends.views(),
                 thresholds=self.thresholds,
@@ -59,6 +58,16 @@ class Admission:
                 avoid=tried,
                 retry_after_s=interval,
             )
+
+        choice = ""  # routed before the upstream takes the count's lock (`route` scores
+        # every backend: under a lock all workers share, it would hold them up)
+
+        def pick(tried: Collection[str]) -> str:
+            """Under the count's lock: the choice made without it while its claim still
+            fits there, else routing again on the exact counts."""
+            nonlocal turn
+            fits = choice not in tried and self.backends.still_fits(route_req, choice)
+            url = choice if fits else route(tried)
             if turn is not None:  # admitted: the next in line looks once this claim counts
                 line.leave(turn)  # (the upstream counts it before its first await)
                 turn = None
@@ -75,6 +84,7 @@ class Admission:
             while True:
                 if turn is None or line.is_head(turn):
                     try:
+                        choice = route(())
                         return await self.upstream.open(pick, path, body, headers, claim)
                     except NoKvRoom:
                         # no KV room anywhere yet: wait for a request to end (bounded), then

@@ -37,7 +37,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.routing import BackendView, InflightCounter
+from gateway.routing import BackendView, InflightCounter, RouteRequest, fits_kv
 from gateway.scrape import BackendMetrics, ModelInfo, probe_embeddings, scrape_backend
 from gateway.settings import GatewaySettings
 from gateway.shared_claims import Inflight
@@ -272,6 +272,24 @@ class Backends:
     def block_size(self, url: str) -> int:
         """Tokens per KV block of the backend at `url`, as last scraped."""
         return (self.states[url].metrics or BackendMetrics()).block_size
+
+    def still_fits(self, req: RouteRequest, url: str) -> bool:
+        """Whether `req`'s KV claim fits on `url` beside the claims counted now (`fits_kv`),
+        and `url` still takes requests: exact while the count's lock is held, where
+        `Admission` confirms a pick made without it."""
+        st = self.states.get(url)
+        if st is None or not st.up or st.draining:
+            return False
+        m = st.metrics or BackendMetrics()
+        n, tokens = self.inflight.claimed(url)
+        view = BackendView(
+            url,
+            inflight=n,
+            inflight_tokens=tokens,
+            kv_capacity_tokens=m.kv_capacity_tokens,
+            block_size=m.block_size,
+        )
+        return fits_kv(req, view)
 
     def views(self) -> list[BackendView]:
         """Each backend as routing sees it (`BackendView`): health, load, adapters, claims."""

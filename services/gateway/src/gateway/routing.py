@@ -295,6 +295,10 @@ class InflightCounter:
         if delta < 0 and self._line:
             self._line[0].set()  # room given back: the head looks again
 
+    def claimed(self, url: str) -> tuple[int, int]:
+        """(open requests, their KV claims in tokens) on `url` now."""
+        return self.counts.get(url, 0), self.tokens.get(url, 0)
+
     def forget(self, url: str) -> None:
         """Drop a backend the gateway forgot (nothing is open on it)."""
         for table in (self.counts, self.sent, self.tokens):

@@ -16,10 +16,14 @@ admission and the upstream use either. What makes it exact across processes:
   (from one counter), and only the lowest ticket among the workers' line heads looks
   for room. A head in another worker learns of room given back within `POLL_S`.
 
+Routing scores the backends on totals read without the lock (it would hold up every
+worker); the lock is held to confirm that the chosen backend still has room for the claim
+(`claimed`) and to count it.
+
 Layout, int64 words: the next ticket, a version (bumped by every change: readers reuse
 their last totals while it stands), the number of backend entries used, a registry
-generation (bumped when an entry is freed: each worker then reads the URLs again); then
-the requests ever sent to each backend (routing compares it with a scrape's); then per
+generation (bumped when an entry is taken or freed: each worker then reads the URLs
+again); then the requests ever sent to each backend (routing compares it with a scrape's); then per
 worker slot its line head's ticket, its waiting count, and per backend its open
 requests and their KV claims (tokens). After the words, the backend URLs, `URL_BYTES`
 each. A backend the gateway forgets (it left `backends_dns` and drained) frees its entry
@@ -158,7 +162,8 @@ class SharedInflight:
                 at = self._url_at(i)
                 self._map[at : at + URL_BYTES] = raw.ljust(URL_BYTES, b"\0")
                 self._words[2] = max(used, i + 1)
-                self._index[url] = i
+                self._words[_GENERATION] += 1  # every worker reads the URLs again
+                self._load_urls()
         return i
 
     def forget(self, url: str) -> None:
@@ -208,20 +213,42 @@ class SharedInflight:
             self._line[0].set()  # room given back: this worker's head looks again
 
     def _sums(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-        """Open requests, requests ever sent and KV claims per backend, all workers."""
+        """Open requests, requests ever sent and KV claims per backend, all workers: exact
+        under the lock; without it (routing's scores) each word is read whole, a change in
+        progress may show in part, and the version it bumps has the next call read again."""
         w = self._words
         version = int(w[1])
-        if version != self._seen:
-            with self.exclusive():
+        if version == self._seen:
+            return self._totals
+        if self._depth == 0 and w[_GENERATION] == self._generation:
+            self._seen, self._totals = version, self._read_sums()
+            return self._totals
+        with self.exclusive():
+            if w[_GENERATION] != self._generation:
                 self._load_urls()
-                counts, sent, tokens = {}, {}, {}
-                slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
-                for url, i in self._index.items():
-                    counts[url] = sum(w[b + 2 + i] for b in slots)
-                    tokens[url] = sum(w[b + 2 + MAX_BACKENDS + i] for b in slots)
-                    sent[url] = int(w[_SENT + i])
-                self._seen, self._totals = int(w[1]), (counts, sent, tokens)
+            self._seen, self._totals = int(w[1]), self._read_sums()
         return self._totals
+
+    def _read_sums(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        w = self._words
+        counts, sent, tokens = {}, {}, {}
+        slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
+        for url, i in self._index.items():
+            counts[url] = sum(w[b + 2 + i] for b in slots)
+            tokens[url] = sum(w[b + 2 + MAX_BACKENDS + i] for b in slots)
+            sent[url] = int(w[_SENT + i])
+        return counts, sent, tokens
+
+    def claimed(self, url: str) -> tuple[int, int]:
+        """(open requests, their KV claims in tokens) on `url`, every worker's: the one
+        backend `Admission` confirms a pick on, read under the lock without summing the others."""
+        i = self._backend(url)
+        w = self._words
+        slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
+        with self.exclusive():
+            count = sum(w[b + 2 + i] for b in slots)
+            tokens = sum(w[b + 2 + MAX_BACKENDS + i] for b in slots)
+        return int(count), int(tokens)
 
     @property
     def counts(self) -> dict[str, int]:
