@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -335,11 +336,19 @@ def client_processes(level: int) -> int:
 
 
 def _cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of one process so far (0 without a pid)."""
+    """User + system CPU seconds so far of a process and its live children (the workers
+    of `lorastack gateway --workers N`; 0 without a pid)."""
     if pid is None:
         return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    total = 0.0
+    proc = psutil.Process(pid)
+    for p in (proc, *proc.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def _children_cpu() -> float:
