@@ -5,10 +5,12 @@ under a lock on that file.
 `SharedInflight` has the interface of `routing.InflightCounter` (one process), so routing,
 admission and the upstream use either. What makes it exact across processes:
 
-- every change, and every pick with its claim (`exclusive()`, held by `Upstream.open`
-  from the routing decision to the claim being counted), holds an `flock` on the file,
-  so no two workers admit against the same room; the kernel drops the lock of a process
-  that dies, so a killed worker never blocks the others;
+- every change, and every claim with the check that it fits (`exclusive()`, held by
+  `Upstream.open` from confirming the backend routing chose, `claimed`, to the claim being
+  counted), holds an `flock` on the file, so no two workers admit against the same room;
+  routing itself scores on totals read without the lock (held around the scoring, it
+  kept the workers waiting on each other); the kernel drops the lock of a process that
+  dies, so a killed worker never blocks the others;
 - each worker counts its requests and claims in a slot of its own; the parent zeroes a
   dead worker's slot (`clear_slot`) before its replacement starts: the dead worker's
   streams died with it (their backend connections closed, so vLLM aborted them);
@@ -16,19 +18,15 @@ admission and the upstream use either. What makes it exact across processes:
   (from one counter), and only the lowest ticket among the workers' line heads looks
   for room. A head in another worker learns of room given back within `POLL_S`.
 
-Routing scores the backends on totals read without the lock (it would hold up every
-worker); the lock is held to confirm that the chosen backend still has room for the claim
-(`claimed`) and to count it.
-
 Layout, int64 words: the next ticket, a version (bumped by every change: readers reuse
 their last totals while it stands), the number of backend entries used, a registry
 generation (bumped when an entry is taken or freed: each worker then reads the URLs
-again); then the requests ever sent to each backend (routing compares it with a scrape's); then per
-worker slot its line head's ticket, its waiting count, and per backend its open
-requests and their KV claims (tokens). After the words, the backend URLs, `URL_BYTES`
-each. A backend the gateway forgets (it left `backends_dns` and drained) frees its entry
-once no worker counts anything on it, so replicas that come and go with new addresses
-never run the table out.
+again); then the requests ever sent to each backend (routing compares it with a
+scrape's); then per worker slot its line head's ticket, its waiting count, and per
+backend its open requests and their KV claims (tokens). After the words, the backend
+URLs, `URL_BYTES` each. A backend the gateway forgets (it left `backends_dns` and
+drained) frees its entry once no worker counts anything on it, so replicas that come and
+go with new addresses never run the table out.
 
 Owns: that file. Does not own: what the counts mean (`routing.py`), the processes
 (`processes.py`).
@@ -242,10 +240,10 @@ class SharedInflight:
     def claimed(self, url: str) -> tuple[int, int]:
         """(open requests, their KV claims in tokens) on `url`, every worker's: the one
         backend `Admission` confirms a pick on, read under the lock without summing the others."""
-        i = self._backend(url)
         w = self._words
         slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
         with self.exclusive():
+            i = self._backend(url)
             count = sum(w[b + 2 + i] for b in slots)
             tokens = sum(w[b + 2 + MAX_BACKENDS + i] for b in slots)
         return int(count), int(tokens)
