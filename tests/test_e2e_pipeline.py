@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
-from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT
+from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT, port_taken
 
 GATEWAY = f"http://127.0.0.1:{GATEWAY_PORT}"
 
@@ -42,6 +42,11 @@ def lorastack(*args: str, home: Path, timeout: float) -> subprocess.CompletedPro
 def demo(
     tmp_path_factory: pytest.TempPathFactory, embedded_model: Path
 ) -> Iterator[tuple[Path, str]]:
+    if taken := [p for p in (VLLM_PORT, SUPERVISOR_PORT, GATEWAY_PORT) if port_taken(p)]:
+        pytest.skip(
+            f"ports {taken} of 127.0.0.1 are taken (by `make demo`'s services? "
+            "'.venv/bin/lorastack down' stops them): the demo here needs them"
+        )
     home = tmp_path_factory.mktemp("e2e") / "home"
     # reuse the converted base model instead of converting the GGUF again (~1 min)
     from lorastack.base_model import find_default_gguf

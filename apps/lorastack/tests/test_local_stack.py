@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from gateway.settings import GatewaySettings
 from inference.settings import InferenceSettings
+from lorastack.errors import Refused
 from lorastack.settings import CommonSettings
-from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT, services
+from lorastack_app.local_stack import (
+    GATEWAY_PORT,
+    SUPERVISOR_PORT,
+    VLLM_PORT,
+    Service,
+    launch,
+    services,
+)
 
 
 def test_children_get_the_settings_the_stack_chose(
@@ -23,6 +32,7 @@ def test_children_get_the_settings_the_stack_chose(
     inference, gateway = services(settings, tmp_path / "serve.yaml", gateway_port=8099)
     assert inference.argv[-2:] == ["serve", str(tmp_path / "serve.yaml")]
     assert gateway.ready_url == "http://127.0.0.1:8099/ready"
+    assert inference.ports == (VLLM_PORT, SUPERVISOR_PORT) and gateway.ports == (8099,)
 
     def read_back(cls: type[CommonSettings], env: dict[str, str]) -> CommonSettings:
         with monkeypatch.context() as m:
@@ -41,3 +51,18 @@ def test_children_get_the_settings_the_stack_chose(
     for child in (inf, gw):
         assert child.home == settings.home
         assert child.resolved_store_url == settings.resolved_store_url
+
+
+def test_a_port_another_process_holds_is_refused_not_taken_for_ours(tmp_path: Path) -> None:
+    """Another home's stack (or compose) on the port would answer /ready for this one: the
+    demo would then talk to that stack's store. Nothing is started, nothing recorded."""
+    settings = CommonSettings(home=tmp_path / "home")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        svc = Service("gateway", ["false"], {}, f"http://127.0.0.1:{port}/ready", {}, (port,))
+        with pytest.raises(Refused, match=f"port {port} of 127.0.0.1 is taken") as e:
+            launch(settings, svc)
+    assert "lorastack down" in e.value.hint and str(settings.home) in str(e.value)
+    assert not (settings.home / "run" / "gateway.pid").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ class Service:
     env: dict[str, str]
     ready_url: str
     urls: dict[str, str]
+    ports: tuple[int, ...] = ()  # what it listens on (127.0.0.1)
 
 
 def services(settings: CommonSettings, serve_config: Path, gateway_port: int) -> list[Service]:
@@ -62,6 +64,7 @@ def services(settings: CommonSettings, serve_config: Path, gateway_port: int) ->
         argv=[*cli, "serve", str(serve_config)],
         env=common | child_env(InferenceSettings, port=VLLM_PORT, supervisor_port=SUPERVISOR_PORT),
         ready_url=f"http://127.0.0.1:{SUPERVISOR_PORT}/ready",
+        ports=(VLLM_PORT, SUPERVISOR_PORT),
         urls={
             "vLLM OpenAI API": f"http://127.0.0.1:{VLLM_PORT}/v1",
             "vLLM metrics": f"http://127.0.0.1:{VLLM_PORT}/metrics",
@@ -80,6 +83,7 @@ def services(settings: CommonSettings, serve_config: Path, gateway_port: int) ->
             serve_config=serve_config.resolve(),  # served name -> store artifact (tokenizers)
         ),
         ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        ports=(gateway_port,),
         urls={
             "gateway (OpenAI API)": f"http://127.0.0.1:{gateway_port}/v1",
             "gateway metrics": f"http://127.0.0.1:{gateway_port}/metrics",
@@ -151,8 +155,19 @@ def tail(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
+def port_taken(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def launch(settings: CommonSettings, svc: Service) -> subprocess.Popen[bytes] | None:
-    """Start the service's process; None when it already runs and answers /ready."""
+    """Start the service's process; None when it already runs and answers /ready.
+
+    Refused when another process holds one of its ports (the stack of another
+    LORASTACK_HOME, a compose stack): its /ready would pass for this service's, and this
+    home's commands would be served by that one's store and models."""
     pidfile, logfile = _paths(settings, svc.name)
     if (running := _ours(pidfile).process) is not None:
         pid = running.pid
@@ -162,6 +177,14 @@ def launch(settings: CommonSettings, svc: Service) -> subprocess.Popen[bytes] | 
         raise Refused(
             f"{svc.name} runs (pid {pid}) but is not ready",
             f"wait, or 'lorastack down' first; log: {logfile}",
+        )
+    if taken := [str(p) for p in svc.ports if port_taken(p)]:
+        raise Refused(
+            f"{svc.name} cannot start: {'ports' if len(taken) > 1 else 'port'}"
+            f" {', '.join(taken)} of 127.0.0.1 {'are' if len(taken) > 1 else 'is'} taken by"
+            f" a process this LORASTACK_HOME ({settings.home}) did not start",
+            "stop it ('lorastack down' with the LORASTACK_HOME that started it, or"
+            " 'docker compose down'), or give the gateway another --gateway-port",
         )
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     logfile.parent.mkdir(parents=True, exist_ok=True)
