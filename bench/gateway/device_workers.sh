@@ -12,8 +12,8 @@
 # (NGINX=0: not). $EXTRA: more gateway_latency.py arguments; the throughput scaling
 # (README, "Several workers"): WORKERS="1 4" LEVELS="256 512" NGINX=0
 # EXTRA="--pace 0.0025 --fakes 3 --client-procs 3". GATEWAY_CPUS (a comma list, the first N
-# for N workers; "auto": one thread of each of the first N physical cores, the other cores'
-# CPUs split between the fakes and the clients), UPSTREAM_CPUS, CLIENT_CPUS: other pins.
+# for N workers: e.g. one hyperthread a core where cores have two), UPSTREAM_CPUS,
+# CLIENT_CPUS: other pins.
 set -uo pipefail
 t0=$(date +%s)
 S=/tmp/site
@@ -32,11 +32,6 @@ if [ "${NGINX:-1}" = 1 ] && [ -x .dev-gw/bin/nginx ] && .dev-gw/bin/nginx -v 2>&
 fi
 # the physical cores: CPUs listed together share one (hyperthreads)
 echo "thread siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | sort -un | tr '\n' ' ')"
-if [ "${GATEWAY_CPUS:-}" = auto ]; then  # each worker a physical core, its sibling idle
-  read -r GATEWAY_CPUS UPSTREAM_CPUS CLIENT_CPUS < <(python3 bench/gateway/harness.py \
-    spread "$(echo ${WORKERS:-1 2 4} | tr ' ' '\n' | sort -n | tail -1)")
-  echo "auto pins: gateway $GATEWAY_CPUS, upstream $UPSTREAM_CPUS, client $CLIENT_CPUS"
-fi
 for w in ${WORKERS:-1 2 4}; do
   gw_cpus="0-$((w - 1))"
   if [ -n "${GATEWAY_CPUS:-}" ]; then  # e.g. "0,2,4,6": the first w of them

@@ -236,20 +236,6 @@ def thread_siblings() -> list[str]:
     return sorted({f.read_text().strip() for f in cpus}, key=lambda s: int(re.split("[,-]", s)[0]))
 
 
-def spread_pins(gateway_cores: int) -> tuple[str, str, str]:
-    """CPUs for (gateway, upstream, client): one hyperthread of each of the first
-    `gateway_cores` physical cores for the gateway (their siblings left idle, so each
-    worker has a core to itself), the other cores' CPUs halved between the fakes and the
-    clients."""
-    cores = [sorted(cpu_set(s)) for s in thread_siblings()]
-    rest = [cpu for core in cores[gateway_cores:] for cpu in core]
-    half = len(rest) // 2
-    return tuple(  # type: ignore[return-value]
-        ",".join(map(str, cpus))
-        for cpus in ([c[0] for c in cores[:gateway_cores]], rest[:half], rest[half:])
-    )
-
-
 def machine(gateway: str | None, upstream: str | None, client: str | None) -> dict[str, Any]:
     """The machine a result was measured on, and the CPUs each process was pinned to."""
     return {
@@ -260,8 +246,3 @@ def machine(gateway: str | None, upstream: str | None, client: str | None) -> di
         "pinned": {"gateway": gateway, "upstream": upstream, "client": client},
         "load_avg_at_start": os.getloadavg(),
     }
-
-
-if __name__ == "__main__":  # `harness.py spread N`: spread_pins(N), for device_workers.sh
-    if sys.argv[1:2] == ["spread"]:
-        print(*spread_pins(int(sys.argv[2])))
