@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import socket
+import http.server
+import sys
+import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -54,15 +57,36 @@ def test_children_get_the_settings_the_stack_chose(
 
 
 def test_a_port_another_process_holds_is_refused_not_taken_for_ours(tmp_path: Path) -> None:
-    """Another home's stack (or compose) on the port would answer /ready for this one: the
-    demo would then talk to that stack's store. Nothing is started, nothing recorded."""
+    """An impostor on the port answers /ready 200 (another home's stack, compose): before,
+    it passed for this service, and the demo talked to that stack's store. Now nothing is
+    started or recorded, and the impostor is sent nothing and keeps serving."""
     settings = CommonSettings(home=tmp_path / "home")
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        svc = Service("gateway", ["false"], {}, f"http://127.0.0.1:{port}/ready", {}, (port,))
+    asked: list[str] = []
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    impostor = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    port = impostor.server_address[1]
+    marker = tmp_path / "started"
+    argv = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    svc = Service("gateway", argv, {}, f"http://127.0.0.1:{port}/ready", {}, (port,))
+    try:
         with pytest.raises(Refused, match=f"port {port} of 127.0.0.1 is taken") as e:
             launch(settings, svc)
+        assert asked == []  # the check only connects: nothing is sent to the impostor
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
+            assert r.status == 200  # and it serves on, untouched
+    finally:
+        impostor.shutdown()
+        impostor.server_close()
     assert "lorastack down" in e.value.hint and str(settings.home) in str(e.value)
-    assert not (settings.home / "run" / "gateway.pid").exists()
+    assert not (settings.home / "run" / "gateway.pid").exists() and not marker.exists()
