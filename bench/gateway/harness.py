@@ -120,32 +120,28 @@ def start_gateway(
 def cpu_times(proc: psutil.Process) -> tuple[float, float]:
     """(user, system) CPU seconds of `proc` and its live children (the workers of
     `lorastack gateway --workers N`)."""
-    user = system = 0.0
-    for p in (proc, *proc.children(recursive=True)):
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        user, system = user + t.user, system + t.system
-    return user, system
+    each = process_cpu(proc).values()
+    return sum(t[0] for t in each), sum(t[1] for t in each)
 
 
-def cores_busy(before: dict[int, float], after: dict[int, float], wall: float) -> list[float]:
+def cores_busy(
+    before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], wall: float
+) -> list[float]:
     """Each process's CPU over `wall` seconds (1.0: one core all the time), from two
     `process_cpu` readings: the parent first, then the workers; one that is no longer
     there counts from 0."""
-    return [round((after[pid] - before.get(pid, 0.0)) / wall, 2) for pid in after]
+    return [round((sum(after[pid]) - sum(before.get(pid, (0.0, 0.0)))) / wall, 2) for pid in after]
 
 
-def process_cpu(proc: psutil.Process) -> dict[int, float]:
-    """CPU seconds (user + system) of `proc` and of each of its live children, by pid."""
+def process_cpu(proc: psutil.Process) -> dict[int, tuple[float, float]]:
+    """(user, system) CPU seconds of `proc` and of each of its live children, by pid."""
     out = {}
     for p in (proc, *proc.children(recursive=True)):
         try:
             t = p.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        out[p.pid] = t.user + t.system
+        out[p.pid] = (t.user, t.system)
     return out
 
 
