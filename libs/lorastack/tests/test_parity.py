@@ -4,26 +4,42 @@ follow the precisions, and `auto` serves in a dtype chosen on purpose."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 import pytest
 
 from lorastack.parity import (
     EXACT,
     HALF,
+    MIN_CONTROL,
     ProbeRecord,
     Reference,
     Replay,
+    UnreadableReference,
     default_policy,
     describe,
     judge,
     limits_for,
+    read_reference_bytes,
     serving_dtype,
 )
 
+RIVAL = 99  # the token a served model may prefer where the reference parts from it
+
 
 def reference(
-    dtype: str = "float32", quantization: str = "none", probes: int = 4, length: int = 3
+    dtype: str = "float32",
+    quantization: str = "none",
+    probes: int = 4,
+    length: int = 3,
+    rival_margin: float = 0.5,
+    base_gap: float = 3.0,
 ) -> Reference:
+    """A format-2 reference: at every position RIVAL is the trained model's runner-up,
+    `rival_margin` nats behind; the base alone gives each reference token `base_gap` nats
+    less (the control)."""
+    lps = [(-0.01, -0.2, -0.05)[j % 3] for j in range(length)]
     return Reference(
         recorded_by="trainer",
         dtype=dtype,
@@ -36,8 +52,10 @@ def reference(
                 prompt_text=f"<user>q{i}<assistant>",
                 prompt_ids=[1, 10 + i, 2],
                 output_ids=list(range(5, 5 + length)),
-                output_logprobs=[(-0.01, -0.2, -0.05)[j % 3] for j in range(length)],
+                output_logprobs=lps,
                 output_text="abc",
+                output_top=[{5 + j: lp, RIVAL: lp - rival_margin} for j, lp in enumerate(lps)],
+                base_logprobs=[lp - base_gap for lp in lps],
             )
             for i in range(probes)
         ],
@@ -53,6 +71,8 @@ def faithful(ref: Reference, shift: float = 0.0) -> list[Replay]:
             forced_logprobs=[lp + shift for lp in p.output_logprobs],
             forced_top1=[True] * len(p.output_ids),
             greedy_ids=list(p.output_ids),
+            forced_margins=[0.0] * len(p.output_ids),
+            forced_tokens=list(p.output_ids),
         )
         for p in ref.probes
     ]
@@ -118,25 +138,29 @@ def test_limits_follow_both_precisions(
 
 
 def test_half_precision_tolerates_rounding_but_float32_does_not() -> None:
-    """A 0.2-nat move and one flipped probe: bf16's rounding, a wrong weight in fp32."""
+    """A 0.1-nat move and one probe parted at a two-sided near-tie: bf16's rounding, a
+    wrong weight in fp32."""
     for dtype, ok in (("bfloat16", True), ("float32", False)):
         ref = reference(dtype)
-        replays = faithful(ref, shift=0.2)
-        replays[0] = dataclasses.replace(replays[0], greedy_ids=[5, 6, 8])
+        replays = faithful(ref, shift=0.1)
+        replays[0] = parted(replays[0], 2, 0.3)
         v = judge("m", ref, replays, served_dtype=dtype)
         assert v.ok is ok, v.problems
         if not ok:
-            assert "max |Δ log-prob| 0.200 > 0.05" in v.problems[0]
+            assert "max |Δ log-prob| 0.100 > 0.05" in v.problems[0]
             assert "the weights served are not the weights trained" in v.problems[0]
 
 
 def parted(replay: Replay, at: int, margin: float | None) -> Replay:
-    """`replay` whose greedy answer parts from the reference at token `at`, where the server
-    preferred its own token by `margin` nats (None: the reference's not in its top few)."""
+    """`replay` whose greedy answer parts from the reference at token `at` for RIVAL, which
+    the server preferred by `margin` nats (None: the reference's not in its top few)."""
     top1 = [i != at for i in range(len(replay.forced_top1))]
     margins = [0.0 if hit else margin for hit in top1]
-    greedy = [*replay.greedy_ids[:at], 99]
-    return dataclasses.replace(replay, forced_top1=top1, forced_margins=margins, greedy_ids=greedy)
+    tokens = [t if hit else RIVAL for t, hit in zip(replay.forced_tokens, top1, strict=True)]
+    greedy = [*replay.greedy_ids[:at], RIVAL]
+    return dataclasses.replace(
+        replay, forced_top1=top1, forced_margins=margins, forced_tokens=tokens, greedy_ids=greedy
+    )
 
 
 def test_greedy_parting_at_near_ties_is_rounding_but_at_clear_preferences_is_not() -> None:
@@ -147,22 +171,117 @@ def test_greedy_parting_at_near_ties_is_rounding_but_at_clear_preferences_is_not
     ties = [parted(r, 2, 0.4) for r in faithful(ref, shift=0.1)]
     v = judge("m", ref, ties, served_dtype="bfloat16")
     assert v.ok, v.problems
-    assert (v.greedy_identical, v.greedy_near_ties, v.greedy_parted_margins) == (0, 8, [0.4] * 8)
+    assert (v.greedy_identical, v.greedy_near_ties) == (0, 8)
+    assert [(p.server_margin, p.reference_margin) for p in v.partings] == [(0.4, 0.5)] * 8
     assert "greedy identical 0/8 (+8 parted at a near-tie)" in v.summary()
 
     clear = [parted(r, 2, 4.0) if i < 3 else r for i, r in enumerate(faithful(ref, shift=0.1))]
     v = judge("m", ref, clear, served_dtype="bfloat16")
     assert not v.ok and v.top1_agreement == pytest.approx(253 / 256)  # 3 misses of 256
-    assert "greedy identical on 5/8 probes, 0 more parted at a near-tie" in v.problems[0]
+    assert (
+        "greedy identical on 5/8 probes, 0 more parted at a two-sided near-tie" in (v.problems[0])
+    )
 
     unknown = [parted(r, 0, None) if i < 3 else r for i, r in enumerate(faithful(ref))]
     v = judge("m", ref, unknown, served_dtype="bfloat16")
-    assert v.greedy_near_ties == 0 and v.greedy_parted_margins == [None] * 3
+    assert v.greedy_near_ties == 0 and [p.server_margin for p in v.partings] == [None] * 3
     assert "greedy identical on 5/8" in v.problems[0]
 
 
+def test_a_parting_where_the_trained_model_was_sure_is_no_tie() -> None:
+    """The reviewer's model: one digit of every answer changed, its own digit preferred by
+    1.4 nats (within the server-side limit), where the trained model put it 6 nats behind."""
+    sure = reference("bfloat16", probes=8, length=10, rival_margin=6.0)
+    digit = [parted(r, 4, 1.4) for r in faithful(sure, shift=0.05)]
+    v = judge("m", sure, digit, served_dtype="float16")
+    assert not v.ok and v.greedy_near_ties == 0, v.as_dict()
+    assert [(p.server_margin, p.reference_margin) for p in v.partings] == [(1.4, 6.0)] * 8
+    # the same parting where the trained model was unsure too (0.5 nats) is rounding
+    unsure = reference("bfloat16", probes=8, length=10, rival_margin=0.5)
+    assert judge("m", unsure, [parted(r, 4, 1.4) for r in faithful(unsure, 0.05)],
+                 served_dtype="float16").ok  # fmt: skip
+    # the server's token outside the trained model's top few: no tie either
+    ref = reference("bfloat16", probes=8, length=10)
+    outside = [dataclasses.replace(parted(r, 4, 0.2), forced_tokens=[7] * 10)
+               for r in faithful(ref)]  # fmt: skip
+    assert judge("m", ref, outside, served_dtype="float16").greedy_near_ties == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kept", [0.0, 0.5, 0.75])
+def test_a_model_between_the_trained_one_and_its_base_is_refused(dtype: str, kept: float) -> None:
+    """The control: log-probs a share `kept` of the way to the base alone's (0: the base;
+    0.5: the adapter at half scale), the greedy answers unchanged. Refused in every precision."""
+    ref = reference(dtype, probes=8, length=10, base_gap=2.0)
+    replays = [
+        dataclasses.replace(
+            r,
+            forced_logprobs=[
+                lp + (1 - kept) * (b - lp)
+                for lp, b in zip(p.output_logprobs, p.base_logprobs, strict=True)
+            ],
+        )
+        for p, r in zip(ref.probes, faithful(ref), strict=True)
+    ]
+    v = judge("m", ref, replays, served_dtype=dtype)
+    assert (
+        not v.ok and "of the base model's distance from the trained one remains" in (v.problems[0])
+    ), v.problems
+    assert v.control_ratio == pytest.approx(1 - kept)
+
+
+def test_the_control_is_not_applied_where_the_probes_do_not_tell_adapter_from_base() -> None:
+    ref = reference("bfloat16", base_gap=MIN_CONTROL / 2)
+    v = judge("m", ref, faithful(ref, shift=0.1), served_dtype="bfloat16")
+    assert v.ok and "barely tell the trained model from its base" in v.notes[0], v.as_dict()
+
+
+def test_a_template_that_renders_todays_date_is_a_note_not_a_refusal() -> None:
+    ref = reference()
+    for p in ref.probes:
+        p.prompt_text = f"Today Date: 26 Jul 2024\n{p.prompt_text}"
+    replays = [
+        dataclasses.replace(
+            r,
+            rendered_ids=[*r.rendered_ids, 7],
+            rendered_text=p.prompt_text.replace("26 Jul 2024", "7 Dec 2026"),
+        )
+        for p, r in zip(ref.probes, faithful(ref), strict=True)
+    ]
+    v = judge("m", ref, replays, served_dtype="float32")
+    assert v.ok and "renders today's date" in v.notes[0], v.as_dict()
+    # any other difference in the rendering is the template's
+    other = [dataclasses.replace(r, rendered_text="You are helpful.\n" + r.rendered_text)
+             for r in replays]  # fmt: skip
+    v = judge("m", ref, other, served_dtype="float32")
+    assert not v.ok and "chat template renders the trained prompts differently" in v.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda d: d["probes"][0]["output_logprobs"].__setitem__(0, float("nan")), "finite"),
+        (lambda d: d["probes"][0]["base_logprobs"].__setitem__(0, float("-inf")), "finite"),
+        (lambda d: d["probes"][0]["output_logprobs"].__setitem__(0, None), "valid number"),
+        (lambda d: d["probes"][0]["output_logprobs"].pop(), "2 output_logprobs for 3"),
+        (lambda d: d["probes"][0]["output_top"].pop(), "2 output_top for 3"),
+        (lambda d: d["probes"][0]["output_logprobs"].__setitem__(0, 0.5), "above 0"),
+        (lambda d: d.__setitem__("format", 3), "format 3 is not one this lorastack reads"),
+        (lambda d: d.__setitem__("probes", []), "at least 1 item"),
+    ],
+)
+def test_a_hostile_reference_is_unreadable_with_its_cause(edit: Any, named: str) -> None:
+    data = json.loads(reference().model_dump_json())
+    edit(data)
+    with pytest.raises(UnreadableReference, match=r"ref\.json is not a parity reference") as e:
+        read_reference_bytes(json.dumps(data).encode(), "ref.json")
+    assert named in str(e.value)
+    with pytest.raises(UnreadableReference, match="not JSON"):
+        read_reference_bytes(b"\xff{", "ref.json")
+
+
 def test_float32_accepts_only_ties_within_its_summation_order() -> None:
-    ref = reference("float32", probes=40)  # 1 miss in 120 tokens: top-1 99.2%
+    ref = reference("float32", probes=40, rival_margin=0.05)  # 1 miss in 120: top-1 99.2%
     replays = faithful(ref)
     replays[0] = parted(replays[0], 1, 0.05)  # both tokens moved by 0.025 at most: a tie
     assert judge("m", ref, replays, served_dtype="float32").ok

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 AnswerFn = Callable[[str, str], str]  # (model, prompt text) -> answer text
+# (model, prompt token ids) -> the next token's most likely ids and their log-probs
+ScoreFn = Callable[[str, list[int]], dict[int, float]]
 
 
 def echo_answer(model: str, prompt: str) -> str:
@@ -61,6 +63,9 @@ class FakeState:
     send_usage: bool = True  # honour stream_options.include_usage
     embeds: bool = False  # serve /v1/embeddings (an embedding model)
     api_key: str | None = None  # vLLM's --api-key: /v1/* answers 401 without Bearer KEY
+    # set: /v1/completions of token ids with `logprobs` decode greedily by this scorer and
+    # answer with vLLM's logprobs shape (tokens as "token_id:N"), as the parity replay asks
+    scorer: ScoreFn | None = None
     # /metrics values (added to what the fake itself is doing)
     kv_usage: float = 0.0  # 0..1
     kv_per_request: float = 0.0  # when > 0: KV usage = this x requests generating
@@ -129,3 +134,28 @@ def plan_answer(s: FakeState, body: dict[str, Any], chat: bool) -> tuple[list[st
         finish = "length" if limit < len(source) else "stop"
     prompt_tokens = len(prompt.split()) if s.prompt_tokens is None else s.prompt_tokens
     return pieces, finish, prompt_tokens
+
+
+def score_completion(s: FakeState, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /v1/completions answer for token-id prompts with `logprobs`: greedy decoding
+    by `s.scorer`, each step's top `logprobs` tokens, a choice per prompt."""
+    assert s.scorer is not None
+    prompts = (
+        body["prompt"]
+        if body["prompt"] and isinstance(body["prompt"][0], list)
+        else [body["prompt"]]
+    )
+    choices = []
+    for index, prompt in enumerate(prompts):
+        seq, tops = list(prompt), []
+        for _ in range(int(body.get("max_tokens") or 16)):
+            top = s.scorer(body["model"], seq)
+            best = sorted(top.items(), key=lambda kv: -kv[1])[: int(body["logprobs"])]
+            seq.append(best[0][0])
+            tops.append({f"token_id:{t}": lp for t, lp in best})
+        ids = seq[len(prompt) :]
+        choices.append({
+            "index": index, "text": "", "finish_reason": "length",
+            "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "top_logprobs": tops},
+        })  # fmt: skip
+    return {"object": "text_completion", "model": body["model"], "choices": choices}

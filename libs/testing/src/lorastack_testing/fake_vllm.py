@@ -18,6 +18,7 @@ change at any time:
     queueing    at most `max_running` requests generate at once (0: no limit); the others
                 wait, reported as vllm:num_requests_waiting
     tokenize    `/tokenize` and `/detokenize` (vLLM's extension): one token per word
+    logprobs    `scorer`: completions of token ids with `logprobs` decode greedily by it
     LoRAs       `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's runtime API,
                 VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter joins `models` with
                 its path as `root` and the first model as `parent`; a name already
@@ -63,7 +64,7 @@ from lorastack_testing.fake_routes import (
     error_body,
     send_answer,
 )
-from lorastack_testing.fake_state import FakeState, echo_answer, plan_answer
+from lorastack_testing.fake_state import FakeState, echo_answer, plan_answer, score_completion
 from lorastack_testing.net import serve_in_thread
 
 
@@ -188,6 +189,8 @@ class FakeVLLM:
             return await send_answer(
                 send, 400, error_body(400, message, "BadRequestError", "max_tokens")
             )
+        if not chat and s.scorer is not None and body.get("logprobs") is not None:
+            return await send_answer(send, 200, json.dumps(score_completion(s, body)).encode())
         pieces, finish, prompt_tokens = plan_answer(s, body, chat)
         self._n += 1
         usage = {

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from lorastack.parity import CHECK_PREFIX
+
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # deprecated; older servers emit only this
 RUNNING = "vllm:num_requests_running"
@@ -102,10 +104,16 @@ def parse_metrics(text: str) -> BackendMetrics:
 
 
 def parse_models(body: dict[str, Any]) -> dict[str, ModelInfo]:
-    """The model cards of a /v1/models body by id (cards without a string id skipped)."""
+    """The model cards of a /v1/models body by id (cards without a string id skipped, and
+    adapters the inference supervisor is checking: loaded under lorastack.parity's
+    CHECK_PREFIX until their parity verdict, never listed or routed to)."""
     out = {}
     for card in body.get("data", []):
-        if isinstance(card, dict) and isinstance(card.get("id"), str):
+        if (
+            isinstance(card, dict)
+            and isinstance(card.get("id"), str)
+            and not card["id"].startswith(CHECK_PREFIX)
+        ):
             mml = card.get("max_model_len")
             out[card["id"]] = ModelInfo(
                 id=card["id"],

@@ -19,6 +19,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -40,7 +41,7 @@ from inference.parity import read_reference
 from inference.settings import InferenceSettings
 from inference.supervisor import ServePlan, Supervisor
 from lorastack.errors import ConfigError, InvalidInput, LorastackError
-from lorastack.parity import serving_dtype
+from lorastack.parity import Reference, UnreadableReference, serving_dtype
 from lorastack.store import ArtifactStore, open_store
 from lorastack.untrusted_json import read_object, schema_error
 
@@ -60,6 +61,16 @@ def gpu_memory_gib(settings: InferenceSettings) -> float:
     except Exception:  # no torch / no driver: the estimate says it lacks the figure
         pass
     return 0.0
+
+
+def _readable(folder: Path) -> Reference | None:
+    """The folder's parity reference for the dtype choice; an unreadable one counts as
+    none here (its parity check refuses it, naming why)."""
+    try:
+        return read_reference(folder)
+    except UnreadableReference as e:
+        log.warning("%s (its parity check refuses it)", e)
+        return None
 
 
 def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
@@ -90,7 +101,7 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
     shape = read_shape(model.path)
     dtype, why = settings.dtype, "set in the serve config"
     if dtype == "auto":
-        references = [read_reference(f) for f in [model.path, *(a.path for a in adapters)]]
+        references = [_readable(f) for f in [model.path, *(a.path for a in adapters)]]
         dtype, why = serving_dtype(
             [r for r in references if r is not None],
             platform=platform,

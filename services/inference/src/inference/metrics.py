@@ -83,7 +83,7 @@ class SupervisorCollector(Collector):
         )
         adapters.add_metric([], float(len(sup.adapters)))
         yield adapters
-        yield from parity_metrics(sup.parity.results())
+        yield from parity_metrics(sup.parity.results(), sup.parity.outcomes)
         if self.follower is not None:
             switches = CounterMetricFamily(
                 "lorastack_inference_label_switches",
@@ -101,17 +101,20 @@ class SupervisorCollector(Collector):
             yield from declared_metrics(self.reconciler)
 
 
-def parity_metrics(results: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+def parity_metrics(
+    results: dict[str, dict[str, Any]], outcomes: dict[str, int]
+) -> Iterator[Metric]:
     """Per served model and adapter: did its answers match its parity reference
-    (lorastack.parity), and by how much. Nothing for one without a reference."""
-    checked = {name: v for name, v in results.items() if v.get("ok") is not None}
-    families = {
-        "ok": GaugeMetricFamily(
-            "lorastack_inference_parity_ok",
-            "1 when what vLLM serves matched its parity reference (recorded where it was "
-            "trained), 0 when it did not",
-            labels=["model"],
-        ),
+    (lorastack.parity), by how much, and how long the check took; a check that could not
+    run counts as not matching (its model is served unchecked, or refused). The checks so
+    far by outcome. Nothing per model for one without a reference."""
+    ok = GaugeMetricFamily(
+        "lorastack_inference_parity_ok",
+        "1 when what vLLM serves matched its parity reference (recorded where it was "
+        "trained), 0 when it did not or its check could not run",
+        labels=["model"],
+    )
+    numbers = {
         "top1_agreement": GaugeMetricFamily(
             "lorastack_inference_parity_top1_agreement",
             "fraction of the reference's tokens that are still vLLM's most likely token",
@@ -122,11 +125,30 @@ def parity_metrics(results: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             "largest |log-prob served - log-prob trained| of a reference token, nats",
             labels=["model"],
         ),
+        "seconds": GaugeMetricFamily(
+            "lorastack_inference_parity_check_seconds",
+            "how long the last parity check of the model took, seconds",
+            labels=["model"],
+        ),
     }
-    for name, v in sorted(checked.items()):
-        for key, family in families.items():
-            family.add_metric([name], float(v[key]))
-    yield from families.values()
+    for name, v in sorted(results.items()):
+        if v.get("ok") is None and "error" not in v:
+            continue  # no reference: nothing was checked
+        ok.add_metric([name], 1.0 if v.get("ok") else 0.0)
+        for key, family in numbers.items():
+            if v.get(key) is not None:
+                family.add_metric([name], float(v[key]))
+    yield ok
+    yield from numbers.values()
+    checks = CounterMetricFamily(
+        "lorastack_inference_parity_checks",
+        "parity checks by outcome: passed, refused, warned (failed, served under warn), "
+        "error_refused / error_served (could not run), no_reference",
+        labels=["outcome"],
+    )
+    for outcome, n in outcomes.items():
+        checks.add_metric([outcome], float(n))
+    yield checks
 
 
 def declared_metrics(rec: AdapterReconciler) -> Iterator[Metric]:

@@ -2,70 +2,86 @@
 
 Owns the HTTP side of the check: for each probe, vLLM's `/tokenize` renders the probe's
 messages with the chat template the server uses and encodes the recorded prompt text
-with the server's tokenizer; `/v1/completions` decodes greedily from the server's own
-rendering and teacher-forces the recorded answer (`replay_probe`). Probes go to vLLM at
-once, so it batches them. vLLM's errors become EngineFailed. The verdict itself is
-lorastack.parity.judge; `ParityChecks` is the supervisor's use of it.
+with the server's tokenizer; `/v1/completions` decodes greedily from the trained prompt's
+token ids and teacher-forces the recorded answer (`replay_probe`). Probes go to vLLM at
+once, so it batches them; every request's timeout is cut to what is left of the check's
+deadline. vLLM's errors become EngineFailed. The verdict itself is lorastack.parity.judge;
+`ParityChecks` is the supervisor's use of it, and it fails closed: a check that cannot run
+refuses the model under `refuse` (and `auto` where the reference is readable and unquantised).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import Any, Literal
 
 from inference import vllm_api
 from inference.errors import EngineFailed
-from lorastack.parity import REFERENCE_FILE, Policy, ProbeRecord, Reference, Replay, Verdict, judge
+from lorastack.parity import (
+    REFERENCE_FILE,
+    Policy,
+    ProbeRecord,
+    Reference,
+    Replay,
+    UnreadableReference,
+    Verdict,
+    default_policy,
+    judge,
+    read_reference_bytes,
+)
 
 log = logging.getLogger(__name__)
 
 
 def read_reference(folder: Path) -> Reference | None:
     """The reference an artifact folder carries; None when it has none (made before
-    references were recorded, or with parity_probes: 0). A damaged one is an error."""
+    references were recorded, or with parity_probes: 0). A damaged one is
+    UnreadableReference, naming what is wrong."""
     path = folder / REFERENCE_FILE
     if not path.is_file():
         return None
-    try:
-        return Reference.model_validate_json(path.read_bytes())
-    except ValidationError as e:
-        raise EngineFailed(
-            f"{path} is not a parity reference: {e.errors()[0]['msg']}",
-            "publish the artifact again from its run (the trainer writes it)",
-        ) from None
+    return read_reference_bytes(path.read_bytes(), str(path))
 
 
 class _Vllm:
-    """vLLM's API as the replay asks it: one served model, its key, one timeout."""
+    """vLLM's API as the replay asks it: one served model, its key, a per-request timeout
+    and the deadline of the whole check (time.monotonic())."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None, timeout_s: float) -> None:
-        self.base_url, self.model, self.api_key, self.timeout_s = (
-            base_url,
-            model,
-            api_key,
-            timeout_s,
-        )
+    def __init__(
+        self, base_url: str, model: str, api_key: str | None, timeout_s: float, deadline: float
+    ) -> None:
+        self.base_url, self.model, self.api_key = base_url, model, api_key
+        self.timeout_s, self.deadline = timeout_s, deadline
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise EngineFailed(
+                "the parity replay ran out of time (parity_timeout_s)",
+                "see vLLM's log: is it overloaded or hanging? (or raise parity_timeout_s)",
+            )
         return vllm_api.post_json(
             self.base_url,
             path,
             {"model": self.model, **body},
             api_key=self.api_key,
-            timeout_s=self.timeout_s,
+            timeout_s=min(self.timeout_s, left),
         )
 
     def tokens(self, body: dict[str, Any]) -> list[int]:
         answer = self.post("/tokenize", {"add_special_tokens": False, **body})
         return [int(t) for t in answer["tokens"]]
 
+    def text(self, tokens: list[int]) -> str:
+        return str(self.post("/detokenize", {"tokens": tokens})["prompt"])
 
-TOP_LOGPROBS = 5  # alternatives vLLM returns per position (its max_logprobs is 20)
+
+TOP_LOGPROBS = 20  # alternatives vLLM returns per position (its default max_logprobs)
 
 
 def _steps(answer: dict[str, Any]) -> list[tuple[list[int], list[dict[int, float]]]]:
@@ -96,45 +112,43 @@ def _forced_at(top: dict[int, float], token: int, chosen: int) -> tuple[float, b
 
 
 def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
-    """The server's answers for one probe. Greedy decoding from the recorded prompt gives
-    the teacher-forced figures for free while it follows the recorded answer (the same
-    prefixes; it is the greedy decoding from the server's own rendering when the two
-    prompts agree); the positions after the two part are asked one prefix each, in one
-    batched request.
+    """The server's answers for one probe, by the trained prompt's token ids (so a template
+    that renders today's date does not change what is compared). Greedy decoding from them
+    gives the teacher-forced figures for free while it follows the recorded answer (the same
+    prefixes); the positions after the two part are asked one prefix each, in one batched
+    request. The server's own rendering of the messages is asked apart (and decoded where it
+    differs, for the verdict to tell a date from another template).
     (No `prompt_logprobs`: vLLM 0.32's CPU LoRA kernels fail on it and kill the engine.)"""
     chat: dict[str, Any] = {"messages": probe.messages, "add_generation_prompt": True}
     if probe.tools:
         chat["tools"] = probe.tools
     rendered = vllm.tokens(chat)
     encoded = vllm.tokens({"prompt": probe.prompt_text})
+    rendered_text = vllm.text(rendered) if rendered != probe.prompt_ids else probe.prompt_text
     asked = {"temperature": 0, "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}
     wanted = probe.output_ids
-
-    def decode(prompt: list[int]) -> tuple[list[int], list[dict[int, float]]]:
-        body = {"prompt": prompt, "max_tokens": len(wanted), **asked}
-        [(ids, tops)] = _steps(vllm.post("/v1/completions", body))
-        return ids, tops
-
-    greedy, tops = decode(rendered)
-    on_track, track = (greedy, tops) if rendered == probe.prompt_ids else decode(probe.prompt_ids)
+    body = {"prompt": probe.prompt_ids, "max_tokens": len(wanted), **asked}
+    [(greedy, tops)] = _steps(vllm.post("/v1/completions", body))
     same = 0
-    while same < min(len(on_track), len(wanted)) and on_track[same] == wanted[same]:
+    while same < min(len(greedy), len(wanted)) and greedy[same] == wanted[same]:
         same += 1
-    forced = [_forced_at(track[i], wanted[i], on_track[i]) for i in range(same)]
+    forced = [(*_forced_at(tops[i], wanted[i], greedy[i]), greedy[i]) for i in range(same)]
     if same < len(wanted):
         prefixes = [probe.prompt_ids + wanted[:i] for i in range(same, len(wanted))]
         answer = vllm.post("/v1/completions", {"prompt": prefixes, "max_tokens": 1, **asked})
         forced += [
-            _forced_at(top[0], wanted[i], ids[0])
+            (*_forced_at(top[0], wanted[i], ids[0]), ids[0])
             for i, (ids, top) in zip(range(same, len(wanted)), _steps(answer), strict=True)
         ]
     return Replay(
         rendered_ids=rendered,
         encoded_ids=encoded,
-        forced_logprobs=[lp for lp, _, _ in forced],
-        forced_top1=[top1 for _, top1, _ in forced],
+        forced_logprobs=[lp for lp, _, _, _ in forced],
+        forced_top1=[top1 for _, top1, _, _ in forced],
         greedy_ids=greedy,
-        forced_margins=[margin for _, _, margin in forced],
+        forced_margins=[margin for _, _, margin, _ in forced],
+        forced_tokens=[token for _, _, _, token in forced],
+        rendered_text=rendered_text,
     )
 
 
@@ -153,6 +167,22 @@ def served_quantization(engine_args: list[str]) -> str:
     return "nf4" if method == "bitsandbytes" else method
 
 
+def fitting(reference: Reference, max_model_len: int) -> tuple[Reference, list[str]]:
+    """The reference without the probes that cannot fit `max_model_len` (prompt + answer
+    tokens), and a note naming those left out."""
+    fit = [p for p in reference.probes if len(p.prompt_ids) + len(p.output_ids) <= max_model_len]
+    if len(fit) == len(reference.probes):
+        return reference, []
+    if not fit:
+        raise UnreadableReference(
+            f"no parity probe fits max_model_len {max_model_len} (the shortest needs "
+            f"{min(len(p.prompt_ids) + len(p.output_ids) for p in reference.probes)} tokens)",
+        )
+    left = len(reference.probes) - len(fit)
+    note = f"{left} probe(s) longer than max_model_len {max_model_len} were not replayed"
+    return reference.model_copy(update={"probes": fit}), [note]
+
+
 def check(
     base_url: str,
     model: str,
@@ -163,10 +193,12 @@ def check(
     served_base_digest: str = "",
     policy: Policy | None = None,
     api_key: str | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = 60.0,
+    deadline_s: float = 300.0,
 ) -> Verdict:
-    """Replay `reference` through the vLLM at `base_url` as `model` and judge it."""
-    vllm = _Vllm(base_url, model, api_key, timeout_s)
+    """Replay `reference` through the vLLM at `base_url` as `model` and judge it: each
+    request at most `timeout_s`, the whole replay at most `deadline_s` seconds."""
+    vllm = _Vllm(base_url, model, api_key, timeout_s, time.monotonic() + deadline_s)
     with ThreadPoolExecutor(max_workers=min(8, len(reference.probes))) as pool:
         replays = list(pool.map(lambda p: replay_probe(vllm, p), reference.probes))
     return judge(
@@ -180,12 +212,31 @@ def check(
     )
 
 
+Outcome = Literal["passed", "refused", "warned", "error_refused", "error_served", "no_reference"]
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What one parity check decided: the outcome, why a refused model is refused, and the
+    record /status shows (Verdict.as_dict(), or why no verdict was made)."""
+
+    model: str  # served name
+    outcome: Outcome
+    reason: str = ""  # why it must not be served ("" when it may)
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def serve(self) -> bool:
+        return self.outcome not in ("refused", "error_refused")
+
+
 class ParityChecks:
     """The parity checks of one supervisor: each served model or adapter replayed against
     the reference its folder carries, `setting` applied (auto | refuse | warn | off,
-    InferenceSettings.parity), the verdicts kept for /status and /metrics. Without a
-    reference, or when vLLM cannot be asked, it is served and the record says why nothing
-    was checked."""
+    InferenceSettings.parity), the verdicts kept for /status and /metrics. Fails closed: a
+    check that cannot run (an unreadable reference, vLLM not answering in time, any error)
+    refuses the model unless the policy is warn. Without a reference it is served and the
+    record says why nothing was checked."""
 
     def __init__(
         self,
@@ -194,54 +245,113 @@ class ParityChecks:
         served_dtype: str,
         api_key: str | None,
         served_quantization: str = "none",
+        max_model_len: int = 1 << 30,
+        timeout_s: float = 60.0,
+        deadline_s: float = 300.0,
     ) -> None:
         self.setting, self.served_dtype, self.api_key = setting, served_dtype, api_key
         self.served_quantization = served_quantization
+        self.max_model_len, self.timeout_s, self.deadline_s = max_model_len, timeout_s, deadline_s
         self._lock = threading.Lock()
-        self._results: dict[str, dict[str, Any]] = {}  # served name -> Verdict.as_dict() or why not
+        self._results: dict[str, dict[str, Any]] = {}  # served name -> Checked.record
+        self.outcomes: dict[str, int] = dict.fromkeys(Outcome.__args__, 0)  # type: ignore[attr-defined]
 
     def results(self) -> dict[str, dict[str, Any]]:
         """A copy of the verdicts so far, by served name."""
         with self._lock:
             return dict(self._results)
 
-    def check(
-        self, base_url: str, served_name: str, folder: Path, *, served_base_digest: str = ""
-    ) -> str:
-        """Check what vLLM at `base_url` serves as `served_name`; returns why it must not be
-        served ("" when it may). `served_base_digest`: the base an adapter runs on."""
-        if self.setting == "off":
-            return ""
-        record, refused = self._judge(base_url, served_name, folder, served_base_digest)
+    def restore(self, served_name: str, record: dict[str, Any] | None) -> None:
+        """Put back the record of what is served under `served_name` (a new version refused
+        in its place leaves the old one served, with its own verdict)."""
         with self._lock:
-            self._results[served_name] = record
-        return refused
+            if record is None:
+                self._results.pop(served_name, None)
+            else:
+                self._results[served_name] = record
+
+    def check(
+        self,
+        base_url: str,
+        served_name: str,
+        folder: Path,
+        *,
+        served_base_digest: str = "",
+        asked_as: str = "",
+    ) -> Checked:
+        """Check what vLLM at `base_url` serves as `asked_as` (default: `served_name`, the
+        name the verdict is kept under). `served_base_digest`: the base an adapter runs on."""
+        if self.setting == "off":
+            record = {"model": served_name, "ok": None, "why": "parity: off"}
+            return Checked(served_name, "no_reference", record=record)
+        started = time.monotonic()
+        checked = self._judge(base_url, served_name, folder, served_base_digest, asked_as)
+        checked.record["seconds"] = round(time.monotonic() - started, 3)
+        with self._lock:
+            self._results[served_name] = checked.record
+            self.outcomes[checked.outcome] += 1
+        return checked
+
+    def _policy(self, reference: Reference | None) -> Policy:
+        if self.setting in ("refuse", "warn"):
+            return self.setting  # type: ignore[return-value]
+        if reference is None:  # unreadable: nothing says it is quantised
+            return "refuse"
+        return default_policy(reference, self.served_quantization)
 
     def _judge(
-        self, base_url: str, served_name: str, folder: Path, served_base_digest: str
-    ) -> tuple[dict[str, Any], str]:
-        reference = read_reference(folder)
-        if reference is None:
-            return {"model": served_name, "ok": None, "reference": None}, ""
+        self,
+        base_url: str,
+        served_name: str,
+        folder: Path,
+        served_base_digest: str,
+        asked_as: str,
+    ) -> Checked:
+        reference: Reference | None = None
         try:
+            reference = read_reference(folder)
+            if reference is None:
+                record = {"model": served_name, "ok": None, "reference": None}
+                return Checked(served_name, "no_reference", record=record)
+            judged, notes = fitting(reference, self.max_model_len)
             verdict = check(
                 base_url,
-                served_name,
-                reference,
+                asked_as or served_name,
+                judged,
                 served_dtype=self.served_dtype,
                 served_quantization=self.served_quantization,
                 served_base_digest=served_base_digest,
-                policy=None if self.setting == "auto" else self.setting,  # type: ignore[arg-type]
+                policy=self._policy(reference),
                 api_key=self.api_key,
+                timeout_s=self.timeout_s,
+                deadline_s=self.deadline_s,
             )
-        except EngineFailed as e:
-            log.warning("parity of %s not checked: %s", served_name, e.message)
-            return {"model": served_name, "ok": None, "error": e.message}, ""
+        except (EngineFailed, UnreadableReference) as e:
+            return self._could_not(served_name, reference, str(e).replace("\n  hint:", ";"))
+        except Exception as e:  # a check that crashes must not leave the model served unjudged
+            log.exception("parity check of %s failed", served_name)
+            return self._could_not(served_name, reference, f"{type(e).__name__}: {e}")
+        verdict.model = served_name
+        verdict.notes[:0] = notes
+        record = verdict.as_dict()
         if verdict.ok:
             log.info("%s", verdict.summary())
-            return verdict.as_dict(), ""
+            return Checked(served_name, "passed", record=record)
         refuse = verdict.policy == "refuse"
         problems = "; ".join(verdict.problems)
         log.log(logging.ERROR if refuse else logging.WARNING, "%s: %s", verdict.summary(), problems)
+        if not refuse:
+            return Checked(served_name, "warned", record=record)
         reason = f"{served_name} differs from the model that was trained: {verdict.problems[0]}"
-        return verdict.as_dict(), reason if refuse else ""
+        return Checked(served_name, "refused", reason, record)
+
+    def _could_not(self, served_name: str, reference: Reference | None, why: str) -> Checked:
+        refuse = self._policy(reference) == "refuse"
+        record = {"model": served_name, "ok": None, "served": not refuse, "error": why}
+        if not refuse:
+            log.warning("parity of %s could not be checked (served: parity warn): %s",
+                        served_name, why)  # fmt: skip
+            return Checked(served_name, "error_served", record=record)
+        log.error("parity of %s could not be checked, so it is refused: %s", served_name, why)
+        reason = f"the parity check of {served_name} could not run: {why}"
+        return Checked(served_name, "error_refused", reason, record)

@@ -84,6 +84,17 @@ class InferenceSettings(CommonSettings):
         "either side's base is quantised (an adapter trained on nf4, QLoRA; a base vLLM "
         "quantises, --quantization in extra_vllm_args), whose gap is the quantisation's: warn",
     )
+    parity_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=3600,
+        description="seconds a parity check (every probe of one model or adapter) may take;"
+        " past it the check could not run: refused under refuse/auto, served under warn."
+        " /ready waits at most this long per model and adapter",
+    )
+    parity_request_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="seconds one request of a parity check may take"
+    )
     kv_cache_dtype: str = Field("auto", description="auto = the compute dtype; fp8 on GPU")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     gpu_overhead_gib: float = Field(
@@ -171,12 +182,9 @@ class InferenceSettings(CommonSettings):
     def _vllm_key(cls, v: SecretStr | None) -> SecretStr | None:
         # a short or placeholder key is a key an attacker on the network can guess
         if v is not None and (
-            len(v.get_secret_value()) < MIN_KEY_CHARS or v.get_secret_value().isspace()
+            problem := secret_problem(v.get_secret_value(), "vllm_api_key", MIN_KEY_CHARS)
         ):
-            raise ValueError(
-                f"vllm_api_key must be at least {MIN_KEY_CHARS} characters; make one with"
-                " python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
-            )
+            raise ValueError(problem)
         return v
 
     @field_validator("max_lora_rank")

@@ -9,16 +9,19 @@ or metric names (metrics.py). One background thread runs the loop:
 
 `ready` is true only after vLLM answered /v1/models AND a warm-up completion AND what it
 serves passed its parity check (inference.parity: the reference recorded where the model
-was trained, replayed through vLLM; an adapter that fails is unloaded, the model that fails
-leaves the server `refused`, never ready, under `parity: refuse` or `auto`). When vLLM
+was trained, replayed through vLLM). A model that fails, or whose check cannot run, stops
+vLLM and leaves the supervisor `refused` (under `parity: refuse` or `auto`), never ready.
+No client reaches an adapter before its verdict: each adapter, at start as at runtime, is
+loaded under a private name (lorastack.parity.CHECK_PREFIX, which the gateway never lists),
+checked there, and only then loaded under its served name; one refused, or whose check
+failed, is unloaded and the call answers 409 with the cause. When vLLM
 exits, ready goes false at once, its last log lines are kept with the engine's root cause
 (the first exception of vLLM's engine process, `engine_log.py`: the API server's own
 traceback only says "see root cause above"), and it is started again after
 min(restart_backoff_max_s, restart_backoff_s × 2^(failures−1)) seconds; the failure count
 resets once a start reaches ready. `max_identical_failures` starts in a row that die of
 the same cause end the loop (state `failed`): restarting cannot fix a missing module.
-Adapters loaded at runtime are passed as --lora-modules to the next start, so a restart
-keeps them, and are checked for parity as they load.
+Adapters loaded at runtime are loaded again (and checked again) after a restart.
 
 The exit record and the restart rules are restarts.py; the KV-cache comparison it logs
 and reports is kv_report.py; the /status body is status_report.py.
@@ -27,11 +30,11 @@ and reports is kv_report.py; the /status body is status_report.py.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from inference import parity, vllm_api
@@ -46,6 +49,7 @@ from inference.settings import InferenceSettings
 from inference.status_report import status_body
 from lorastack.errors import Conflict, NotFound, Refused
 from lorastack.manifest import validate_name
+from lorastack.parity import CHECK_PREFIX, REFERENCE_FILE
 from lorastack.store import ArtifactStore
 
 log = logging.getLogger(__name__)
@@ -96,6 +100,9 @@ class Supervisor:
             served_dtype=plan.dtype,
             api_key=self._vllm_key,
             served_quantization=parity.served_quantization(settings.extra_vllm_args),
+            max_model_len=settings.max_model_len,
+            timeout_s=settings.parity_request_timeout_s,
+            deadline_s=settings.parity_timeout_s,
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -141,8 +148,6 @@ class Supervisor:
 
     def _new_server(self) -> VllmServer:
         s = self.settings
-        with self._lock:
-            modules = {name: a.path for name, a in self._adapters.items()}
         return self._factory(
             self.plan.model.path,
             served_name=s.resolved_served_name,
@@ -152,7 +157,7 @@ class Supervisor:
             dtype=self.plan.dtype,
             kv_cache_gib=s.kv_cache_gib,
             enable_lora=s.enable_lora,
-            lora_modules=modules,
+            lora_modules={},  # each adapter is loaded once checked (_admit)
             max_lora_rank=s.max_lora_rank,
             max_loras=s.max_loras,
             max_num_seqs=s.max_num_seqs,
@@ -203,6 +208,10 @@ class Supervisor:
                         self.state, self.last_error = "refused", refused
                     else:
                         self.ready, self.state, self.last_error = True, "ready", ""
+                if refused:  # fail closed: nothing is served, and no restart serves it again
+                    log.error("%s: vLLM stopped", refused)
+                    server.stop()
+                    break
                 self.kv.log(self.engine_args)
                 while not self._stop.wait(0.5) and server.running:
                     pass
@@ -241,22 +250,51 @@ class Supervisor:
     # -- parity: is what vLLM serves what was trained? (lorastack.parity) -----------------
 
     def _check_served_parity(self, server: VllmServer) -> str:
-        """Check the model and every preloaded adapter against their references; unload the
-        adapters refused. Returns why the model itself is refused, or ""."""
-        refused = self.parity.check(
+        """Check the model, then load and check every adapter of the registry (_admit);
+        drop those refused. Returns why the model itself is refused, or ""."""
+        checked = self.parity.check(
             server.base_url, self.settings.resolved_served_name, self.plan.model.path
         )
+        if not checked.serve:
+            return checked.reason
         for name, adapter in self.adapters.items():
-            if problem := self._check_adapter_parity(server, name, adapter.path):
-                log.error("%s (unloading it)", problem)
-                vllm_api.unload_lora(server.base_url, name, api_key=self._vllm_key)
+            try:
+                self._admit(server, adapter)
+            except (Refused, EngineFailed) as e:
+                if not server.running:
+                    raise  # vLLM died: the loop restarts it, and every adapter is loaded again
+                log.error("adapter %s not served: %s", name, e.message)
                 with self._lock:
                     self._adapters.pop(name, None)
-        return refused
+        return ""
 
-    def _check_adapter_parity(self, server: VllmServer, served_name: str, folder: Path) -> str:
-        base = self.plan.model.manifest.digest
-        return self.parity.check(server.base_url, served_name, folder, served_base_digest=base)
+    def _admit(self, server: VllmServer, adapter: ServedAdapter, *, inplace: bool = False) -> None:
+        """Serve `adapter` under its served name only once it passed its parity check, run
+        under a private name no client can ask for; the private name is unloaded whatever
+        happens. Refused (409) with the cause when it fails or its check cannot run."""
+        url, key, name = server.base_url, self._vllm_key, adapter.served_name
+        if self.settings.parity == "off" or not (adapter.path / REFERENCE_FILE).is_file():
+            self.parity.check(url, name, adapter.path)  # records why nothing was checked
+            vllm_api.load_lora(url, name, adapter.path, inplace=inplace, api_key=key)
+            return
+        private = f"{CHECK_PREFIX}{secrets.token_hex(8)}"
+        vllm_api.load_lora(url, private, adapter.path, api_key=key)
+        try:
+            checked = self.parity.check(
+                url,
+                name,
+                adapter.path,
+                served_base_digest=self.plan.model.manifest.digest,
+                asked_as=private,
+            )
+        finally:
+            try:
+                vllm_api.unload_lora(url, private, api_key=key)
+            except EngineFailed as e:
+                log.warning("could not unload %s (%s): %s", private, name, e.message)
+        if not checked.serve:
+            raise Refused(checked.reason, "see /status parity for the numbers")
+        vllm_api.load_lora(url, name, adapter.path, inplace=inplace, api_key=key)
 
     # -- adapters ----------------------------------------------------------------------
 
@@ -304,42 +342,35 @@ class Supervisor:
                 )
 
     def add_adapter(self, adapter: ServedAdapter) -> ServedAdapter:
-        """Load a fetched adapter into vLLM and the registry (a restart keeps it)."""
+        """Check a fetched adapter's parity under a private name, then load it into vLLM
+        under its served name and into the registry (a restart loads it again)."""
         self.check_not_loaded(adapter)
         server = self.require_ready()
-        vllm_api.load_lora(
-            server.base_url, adapter.served_name, adapter.path, api_key=self._vllm_key
-        )
+        self._admit(server, adapter)
         with self._lock:
             self._adapters[adapter.served_name] = adapter
         log.info("loaded adapter %s as %s", adapter.manifest.ref, adapter.served_name)
-        if problem := self._check_adapter_parity(server, adapter.served_name, adapter.path):
-            self.unload_adapter(adapter.served_name)
-            raise Refused(problem, "see /status parity for the numbers")
         return adapter
 
     def switch_adapter(self, new: ServedAdapter) -> ServedAdapter:
         """Serve `new` in place of the adapter of the same served name (a followed label
-        moved); returns the one it replaced. vLLM loads it in place from the version's own
-        path, so requests never find the name missing."""
+        moved) once it passed its check; returns the one it replaced. vLLM loads it in place
+        from the version's own path, so requests never find the name missing; a refused
+        version leaves the old one served."""
         check_adapter(self.plan.chat, new.manifest)
         with self._lock:
             old = self._adapters.get(new.served_name)
         if old is None:
             raise NotFound(f"no adapter {new.served_name!r} is loaded", "it was unloaded")
         server = self.require_ready()
-        vllm_api.load_lora(
-            server.base_url, new.served_name, new.path, inplace=True, api_key=self._vllm_key
-        )
+        served = self.parity.results().get(new.served_name)
+        try:
+            self._admit(server, new, inplace=True)
+        except Refused as e:
+            self.parity.restore(new.served_name, served)  # the record of what is served
+            raise Refused(f"{e.message}; {old.manifest.ref} stays served", e.hint) from None
         with self._lock:
             self._adapters[new.served_name] = new
-        if problem := self._check_adapter_parity(server, new.served_name, new.path):
-            vllm_api.load_lora(
-                server.base_url, old.served_name, old.path, inplace=True, api_key=self._vllm_key
-            )
-            with self._lock:
-                self._adapters[old.served_name] = old
-            raise Refused(f"{problem}; {old.manifest.ref} stays served", "see /status parity")
         log.info(
             "%s moved: %s now serves %s (was %s)",
             new.follows,

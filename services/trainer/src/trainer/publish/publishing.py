@@ -15,6 +15,7 @@ from typing import Any
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
+from lorastack.parity import control_distance
 from lorastack.store import ArtifactStore
 from trainer.config import SAFE_TO_CHANGE, RunConfig
 from trainer.data.chat_templates import chat_format_record
@@ -215,11 +216,12 @@ def record_parity_reference(
     the model as trained: the run's device, dtype and quantisation. Returns what the
     manifest says of it (None when none was recorded)."""
     cfg = plan.config
-    conversations = reference.pick_conversations(
+    held_out = reference.pick_conversations(
         [item.conv for item in prep.splits.validation],
         [item.conv for item in prep.splits.test],
-        cfg.parity_probes,
+        3 * cfg.parity_probes,
     )
+    conversations, spare = held_out[: cfg.parity_probes], held_out[cfg.parity_probes :]
     if not conversations:
         return None
     if cfg.distributed == "fsdp" and plan.settings.world_size > 1:
@@ -233,17 +235,22 @@ def record_parity_reference(
         tokenizer=prep.tokenizer,
         conversations=conversations,
         base_digest=prep.base.digest,
+        spare=spare,
+        say=say,
     )
     path = reference.write_reference(ref, folder)
+    control = control_distance(ref.probes)
     say(
         f"parity reference: {len(ref.probes)} held-out prompts recorded in {ref.dtype}"
         f"{'' if ref.quantization == 'none' else ' on the ' + ref.quantization + ' base'}"
+        + ("" if control is None else f"; the base alone is {control:.2f} nats a token away")
     )
     return {
         "file": path.name,
         "probes": len(ref.probes),
         "dtype": ref.dtype,
         "quantization": ref.quantization,
+        "control_distance": None if control is None else round(control, 4),
     }
 
 

@@ -8,7 +8,14 @@ adapter published is the selected checkpoint's, not necessarily the last step's 
 that the training model holds. Greedy continuations come from `generate`; the
 log-probability of each generated token is read from one teacher-forced forward over
 prompt + continuation in float32 (log-softmax of the logits), as vLLM's prompt_logprobs
-computes it on the serving side.
+computes it on the serving side, with the TOP_K most likely tokens at each position (a
+parting at serving is a near-tie only where the trained model was unsure too). Generation
+stops where vLLM stops: at any end-of-sequence token of the model's generation config.
+
+The control: the same forward with the adapter switched off gives each reference token's
+log-probability under the base alone. When the probes barely tell the adapter from its base
+(mean distance under MIN_CONTROL nats), more held-out prompts are recorded and the most
+telling kept; if even they do not, the run says so (serving then cannot use the control).
 """
 
 from __future__ import annotations
@@ -19,7 +26,15 @@ from typing import Any
 import torch
 
 from lorastack.chat_data import Conversation
-from lorastack.parity import REFERENCE_FILE, ProbeRecord, Reference
+from lorastack.errors import Refused
+from lorastack.parity import (
+    MIN_CONTROL,
+    REFERENCE_FILE,
+    TOP_K,
+    ProbeRecord,
+    Reference,
+    control_distance,
+)
 from trainer.config import RunConfig
 from trainer.data.samples import render, template_messages
 from trainer.model.modeling import base_load_kwargs, compute_dtype
@@ -36,6 +51,16 @@ def pick_conversations(
     return [*validation, *test][:n]
 
 
+def stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The tokens generation stops at, as vLLM reads them: the generation config's
+    eos_token_id (an id or a list) and the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return sorted(set(ids))
+
+
 def record_reference(
     *,
     base_dir: Path,
@@ -46,9 +71,12 @@ def record_reference(
     conversations: list[Conversation],
     base_digest: str,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    spare: list[Conversation] | None = None,
+    say: Any = None,
 ) -> Reference:
     """Run the published adapter on `conversations`' prompts and return the reference
-    (written by `write_reference`)."""
+    (written by `write_reference`). `spare`: more held-out conversations to record when
+    the first do not tell the adapter from its base (MIN_CONTROL)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -56,41 +84,21 @@ def record_reference(
     if config.quantization != "nf4":
         base.to(device)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    stop = int(tokenizer.eos_token_id)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop
-    probes = []
+    stops = stop_ids(model, tokenizer)
     with torch.inference_mode():
-        for conv in conversations:
-            tools = conv.tool_dicts()
-            text = render(tokenizer, template_messages(conv)[:-1], prompt=True, tools=tools)
-            prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            ids = torch.tensor([prompt_ids], device=device)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=stop,
-                pad_token_id=pad,
-            )
-            output_ids = out[0, len(prompt_ids) :].tolist()
-            if stop in output_ids:  # generate pads past the stop when batching; keep the stop
-                output_ids = output_ids[: output_ids.index(stop) + 1]
-            logits = model(input_ids=out[:, : len(prompt_ids) + len(output_ids)]).logits[0]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            at = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(output_ids) - 1)
-            chosen = logprobs[at.to(logprobs.device), torch.tensor(output_ids, device=device)]
-            probes.append(
-                ProbeRecord(
-                    messages=conv.message_dicts()[:-1],  # as an OpenAI client sends them
-                    tools=tools,
-                    prompt_text=text,
-                    prompt_ids=prompt_ids,
-                    output_ids=output_ids,
-                    output_logprobs=[round(float(v), 6) for v in chosen.tolist()],
-                    output_text=tokenizer.decode(output_ids, skip_special_tokens=True),
-                )
-            )
+        probes = [_probe(model, tokenizer, c, device, stops, max_new_tokens) for c in conversations]
+        control = control_distance(probes)
+        if spare and control is not None and control < MIN_CONTROL:
+            more = [_probe(model, tokenizer, c, device, stops, max_new_tokens) for c in spare]
+            probes = sorted([*probes, *more], key=lambda p: -(control_distance([p]) or 0.0))
+            probes = probes[: len(conversations)]
+            control = control_distance(probes)
+    if say is not None and control is not None and control < MIN_CONTROL:
+        say(
+            f"parity reference: the held-out prompts barely tell the adapter from its base "
+            f"(mean {control:.3f} nats < {MIN_CONTROL}): serving cannot check that the adapter "
+            "is applied; hold out prompts of the task the adapter was trained for"
+        )
     del model, base
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -101,7 +109,69 @@ def record_reference(
         device=device.type,
         base_digest=base_digest,
         max_new_tokens=max_new_tokens,
+        stop_ids=stops,
         probes=probes,
+    )
+
+
+def _probe(
+    model: Any,
+    tokenizer: Any,
+    conv: Conversation,
+    device: torch.device,
+    stops: list[int],
+    max_new_tokens: int,
+) -> ProbeRecord:
+    """One probe: greedy continuation, its tokens' log-probs and runner-ups, and the
+    base alone's log-probs of the same tokens (the control)."""
+    tools = conv.tool_dicts()
+    text = render(tokenizer, template_messages(conv)[:-1], prompt=True, tools=tools)
+    prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor([prompt_ids], device=device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0],
+    )
+    output_ids = out[0, len(prompt_ids) :].tolist()
+    ends = [i for i, t in enumerate(output_ids) if t in stops]
+    if ends:  # generate pads past the stop when batching; keep the stop
+        output_ids = output_ids[: ends[0] + 1]
+    seq = out[:, : len(prompt_ids) + len(output_ids)]
+    at = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(output_ids) - 1, device=device)
+    chosen = torch.tensor(output_ids, device=device)
+    logprobs = torch.log_softmax(model(input_ids=seq).logits[0].float(), dim=-1)[at]
+    with model.disable_adapter():
+        base_lp = torch.log_softmax(model(input_ids=seq).logits[0].float(), dim=-1)[at]
+    top = torch.topk(logprobs, TOP_K, dim=-1)
+    values = [
+        logprobs[range(len(output_ids)), chosen].tolist(),
+        base_lp[range(len(output_ids)), chosen].tolist(),
+        top.values.flatten().tolist(),
+    ]
+    if not all(map(torch.isfinite, map(torch.tensor, values))):
+        raise Refused(
+            f"the trained model's log-probabilities on a held-out prompt are not finite "
+            f"(NaN or inf: {text[-60:]!r})",
+            "the run diverged or its dtype overflowed: check the loss curve, lower the "
+            "learning rate, or train in bfloat16/float32",
+        )
+    return ProbeRecord(
+        messages=conv.message_dicts()[:-1],  # as an OpenAI client sends them
+        tools=tools,
+        prompt_text=text,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        output_logprobs=[round(v, 6) for v in values[0]],
+        output_text=tokenizer.decode(output_ids, skip_special_tokens=True),
+        output_top=[
+            {int(t): round(float(v), 6) for t, v in zip(ti, vi, strict=True)}
+            for ti, vi in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        ],
+        base_logprobs=[round(v, 6) for v in values[1]],
     )
 
 
