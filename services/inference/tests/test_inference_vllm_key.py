@@ -34,12 +34,21 @@ def test_without_a_key_none_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "VLLM_API_KEY" not in s.environment()
 
 
-@pytest.mark.parametrize("key", ["", " " * 40, "changeme", "x" * (MIN_KEY_CHARS - 1)])
-def test_a_short_or_blank_key_is_refused_at_start(
-    key: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("", "is set but empty"),
+        (" " * 40, "is set but empty"),
+        ("changeme", "is the placeholder"),
+        ("REPLACE_ME_with_a_key_of_at_least_32_characters", "is the placeholder"),
+        ("x" * (MIN_KEY_CHARS - 1), f"has {MIN_KEY_CHARS - 1} characters, fewer than 32"),
+    ],
+)
+def test_a_short_blank_or_placeholder_key_is_refused_at_start(
+    key: str, why: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("LORASTACK_VLLM_API_KEY", raising=False)
-    with pytest.raises(ConfigError, match="vllm_api_key must be at least 32 characters"):
+    with pytest.raises(ConfigError, match=f"vllm_api_key {why}"):
         build_settings(model="m", vllm_api_key=key)
 
 
