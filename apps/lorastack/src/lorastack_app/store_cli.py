@@ -11,6 +11,8 @@ from typing import Any
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
 
+CHECK_HELP = "check the name, store settings and secrets as an import would, then stop"
+
 
 def _human(n: int) -> str:
     size = float(n)
@@ -74,6 +76,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_import_default(args: argparse.Namespace) -> int:
     from lorastack.base_model import import_default
 
+    if args.check:
+        return _check_import(args, hub=False)
     m = import_default(CommonSettings(), name=args.name)
     _print_published(m.model_dump())
     return 0
@@ -84,6 +88,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     from lorastack.errors import ConfigError
     from lorastack.hub import HubSettings
 
+    if args.check:
+        return _check_import(args, hub=is_repo_id(args.source))
     if not is_repo_id(args.source):
         if args.revision is not None:
             raise ConfigError(
@@ -103,6 +109,36 @@ def cmd_import(args: argparse.Namespace) -> int:
             print(f"pin this exact version next time: --revision {commit}", file=sys.stderr)
     _print_published(m.model_dump())
     return 0
+
+
+def _check_import(args: argparse.Namespace, *, hub: bool) -> int:
+    """`model import --check`: the name, the store settings and (from a hub) the token, as
+    an import would take them; nothing is downloaded or published."""
+    from lorastack.check_mode import run_check
+    from lorastack.errors import ConfigError
+    from lorastack.hub import HubSettings
+    from lorastack.manifest import validate_name
+    from lorastack.secrets import secret_problem
+
+    validate_name(args.name)
+    source = getattr(args, "source", "the embedded SmolLM2")
+    if hub:
+        from huggingface_hub import constants  # the library's reading of HF_HUB_OFFLINE
+
+        if constants.HF_HUB_OFFLINE:
+            raise ConfigError(
+                f"model import: {args.source} is on the model hub and HF_HUB_OFFLINE is set",
+                'set HF_HUB_OFFLINE to "0" in the import\'s environment',
+            )
+        token = HubSettings().token_value  # unset or empty: anonymous, as the import runs
+        if token is not None and (why := secret_problem(token, "HF_TOKEN")):
+            raise ConfigError(f"model import: {why}", "set HF_TOKEN to your token, or unset it")
+    elif getattr(args, "source", None) is not None and not Path(args.source).is_dir():
+        raise ConfigError(
+            f"{args.source} is neither a folder nor a repo id OWNER/NAME",
+            "give the folder of a Hugging Face model, or a repo id",
+        )
+    return run_check("model import", CommonSettings(), source=source, name=args.name)
 
 
 def _print_published(m: dict[str, Any]) -> None:
@@ -131,6 +167,7 @@ def register(sub: Any) -> None:
         "import-default", help="convert the SmolLM2-135M-Instruct GGUF shipped on PyPI"
     )
     p.add_argument("--name", default="smollm2-135m-instruct")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
     p.set_defaults(handler=cmd_import_default)
     p = m.add_parser(
         "import",
@@ -147,4 +184,5 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--revision", help="repo ids only: branch, tag or commit sha to pin (default: main)"
     )
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
     p.set_defaults(handler=cmd_import)

@@ -42,6 +42,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if args.workers is not None:
         overrides["workers"] = args.workers
     settings = _settings(**overrides)
+    if args.check:  # the settings as a start builds them; nothing listens
+        from lorastack.check_mode import run_check
+
+        return run_check("gateway", settings, workers=settings.workers)
     if settings.workers > 1:
         return serve(settings)  # N processes on the port, state shared (`processes.py`)
     app = create_app(settings)
@@ -126,6 +130,11 @@ def register(sub: Any) -> None:
         metavar="N",
         help="worker processes on the port, about one core each (default 1, LORASTACK_WORKERS);"
         " KV admission stays exact across them; per-key limits then need LORASTACK_REDIS_URL",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the settings and secrets as a start would, then stop (exit 0: ok)",
     )
     p.set_defaults(handler=cmd_gateway)
     keys = p.add_subparsers(dest="gateway_command", metavar="{keys}").add_parser(

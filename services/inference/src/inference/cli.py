@@ -13,7 +13,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from inference.main import serve
     from inference.settings import load_serve_config
 
-    return serve(load_serve_config(Path(args.config)))
+    settings = load_serve_config(Path(args.config))
+    if args.check:  # the settings and the serve config as a start builds them; nothing runs
+        from lorastack.check_mode import run_check
+
+        admin = "on" if settings.admin_key is not None else "loopback only"
+        return run_check("serve", settings, model=settings.model, admin=admin)
+    return serve(settings)
 
 
 def _model_folder(ref_or_dir: str) -> Path:
@@ -130,6 +136,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "and run the supervisor (/health /ready /status /metrics /admin/adapters).",
     )
     p.add_argument("config", help="serve YAML file (see services/inference/README.md)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the settings, serve config and secrets as a start would, then stop",
+    )
     p.set_defaults(handler=cmd_serve)
 
     k = sub.add_parser(

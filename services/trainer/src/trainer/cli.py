@@ -4,6 +4,7 @@
     lorastack data inspect CONFIG [--index N] [--split train] [key=value ...]
     lorastack data check CONFIG [--json] [key=value ...]  (exit 0 ok, 1 warnings, 3 refused)
     lorastack train CONFIG [--smoke] [--resume [auto]] [--overfit N] [--auto-batch] [key=value ...]
+    lorastack train CONFIG --check  (settings, config, processes, no placeholder; no work)
     lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]
 
 Settings are built once here and passed down; heavy imports stay inside handlers.
@@ -20,6 +21,8 @@ from typing import Any
 from lorastack.errors import ConfigError
 from trainer.config import RunConfig, load_config, with_overrides
 from trainer.settings import TrainerSettings
+
+CHECK_HELP = "check the settings, config and secrets as a start would, then stop (exit 0: ok)"
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -119,6 +122,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.ranks:
         raise ConfigError("--ranks belongs to 'lorastack train sweep CONFIG --ranks 4,8,16'", "")
     config, settings = _config(args), TrainerSettings()
+    if args.check:
+        return _check(config, settings)
     result = run_training(
         config,
         settings,
@@ -148,6 +153,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             "on_complete.timeout_s",
         )
     return 0
+
+
+def _check(config: RunConfig, settings: TrainerSettings) -> int:
+    """`train --check`: the settings, the config against the processes torchrun starts,
+    no placeholder; nothing is fetched or trained."""
+    from lorastack.check_mode import run_check
+    from trainer.config import check_processes
+
+    check_processes(config, settings.world_size)
+    return run_check("train", settings, world_size=settings.world_size, output=config.output)
 
 
 def _resume(args: argparse.Namespace, config: RunConfig, settings: TrainerSettings) -> bool:
@@ -271,5 +286,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--auto-batch", action="store_true", help="largest micro-batch that fits (CUDA)")
     p.add_argument("--ranks", help="sweep only: comma-separated LoRA ranks")
+    p.add_argument("--check", action="store_true", help=CHECK_HELP)
     p.set_defaults(handler=cmd_train)
     _overrides_anywhere(p)

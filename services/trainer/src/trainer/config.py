@@ -252,6 +252,14 @@ class RunConfig(_Strict):
             validate_name(self.output, "output name")
         except ConfigError as e:
             raise ValueError(f"{e.message}; {e.hint}") from None
+        # the run publishes its own split there: after the first run the artifact holds
+        # the split's files, and a restart (--resume auto) cannot tell which to read
+        if self.dataset.ref is not None and parse_ref(self.dataset.ref)[0] == f"{self.output}/data":
+            raise ValueError(
+                f"dataset.ref {self.dataset.ref!r} is where this run publishes its own split"
+                f" ({self.output}/data); publish your file as a dataset of its own"
+                " (`lorastack data publish FILE --name NAME`) and set dataset.ref: NAME"
+            )
         unknown = [m for m in self.lora.target_modules if not m.replace("_", "").isalnum()]
         if unknown:
             raise ValueError(f"lora.target_modules holds invalid module names {unknown}")
@@ -283,6 +291,22 @@ class RunConfig(_Strict):
         if data.get("distributed") == "ddp":  # likewise
             data.pop("distributed", None)
         return "sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def check_processes(config: RunConfig, world_size: int) -> None:
+    """Refuse a run config whose optimizer step cannot split over `world_size` processes:
+    each takes grad_accum / world_size micro-batches of every step.
+
+    Raises:
+        ConfigError: grad_accum is not a multiple of world_size.
+    """
+    if config.grad_accum % world_size:
+        raise ConfigError(
+            f"grad_accum={config.grad_accum} does not split over {world_size} processes: each "
+            "takes grad_accum / world_size micro-batches of every optimizer step",
+            f"set grad_accum to a multiple of {world_size} (the global batch is micro_batch x "
+            "grad_accum, whatever the number of processes)",
+        )
 
 
 def is_default(path: str, value: Any) -> bool:

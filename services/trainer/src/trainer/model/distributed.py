@@ -15,8 +15,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from lorastack.errors import ConfigError
-from trainer.config import RunConfig
+from trainer.config import RunConfig, check_processes
 from trainer.settings import TrainerSettings
 
 T = TypeVar("T")
@@ -29,13 +28,7 @@ def wrap_for_processes(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    if cfg.grad_accum % world:
-        raise ConfigError(
-            f"grad_accum={cfg.grad_accum} does not split over {world} processes: each "
-            "takes grad_accum / world_size micro-batches of every optimizer step",
-            f"set grad_accum to a multiple of {world} (the global batch is micro_batch x "
-            "grad_accum, whatever the number of processes)",
-        )
+    check_processes(cfg, world)
     if device.type == "cuda":  # the object collectives (rank0_decides) use this GPU
         torch.cuda.set_device(device)
     if not dist.is_initialized():
