@@ -24,9 +24,17 @@ import httpx
 import pytest
 from test_gateway_proxy import chat, metric, wait_for
 
-from gateway.errors import Overloaded
+from gateway.errors import KvClaimTooLarge, NoKvRoom, Overloaded
 from gateway.prepared import OutputPlan, kv_sequences
-from gateway.routing import BackendView, RouteRequest, fits_kv, kv_claim, pick_backend
+from gateway.routing import (
+    BackendView,
+    InflightCounter,
+    RouteRequest,
+    Thresholds,
+    fits_kv,
+    kv_claim,
+    pick_backend,
+)
 from gateway.scrape import parse_metrics
 
 B = 16  # tokens per block
@@ -355,3 +363,118 @@ def test_a_large_request_is_admitted_before_smaller_ones_that_came_later(
         sent = [call["max_tokens"] for call in state.calls("/completions")]
         assert sent == [23, 87, 23, 23, 23, 23]  # the holder, then in order of arrival
         wait_for(lambda: _claimed(gw, url) == 0)
+
+
+def test_a_request_for_an_idle_backend_never_waits_behind_another_backends_line(
+    make_gateway, fake, second_fake, embedded_model
+) -> None:
+    """Issue 58, finding 1: the line for KV room is per backend. A request for `other`,
+    served by an idle backend, is answered while a request for `smollm2` still waits for
+    room on its own, full backend (before: it waited behind it, 3.91 s)."""
+    url, state = fake
+    other_url, other = second_fake
+    other.models = [{"id": "other", "max_model_len": 2048}]
+    state.tokens = [f" t{i}" for i in range(MAX_TOKENS)]
+    state.pace_s = 30.0  # the holder lasts until the test hangs up
+    state.num_gpu_blocks, state.block_size = 20, B  # 19 usable blocks: one claim of 14
+    body = completion(max_tokens=MAX_TOKENS)
+    tokenizers = {"smollm2": str(embedded_model), "other": str(embedded_model)}
+    # 60 s: far longer than the steps below take on a loaded machine, so the waiter is
+    # still in line when `other` is answered (it is the test that ends the holder)
+    with make_gateway([url, other_url], kv_admit_wait_s=60, tokenizers=tokenizers) as gw:
+        wait_for(lambda: _capacity_seen(gw, url))
+        wait_for(lambda: httpx.get(f"{gw}/v1/models/other").status_code == 200)
+        with ThreadPoolExecutor(1) as pool, _holding(gw, body):
+            waiter = pool.submit(httpx.post, f"{gw}/v1/completions", json=body, timeout=90)
+            wait_for(lambda: _waiting(gw) == 1)
+            r = httpx.post(f"{gw}/v1/completions", json=body | {"model": "other"}, timeout=90)
+            assert r.status_code == 200, r.text
+            assert _waiting(gw) == 1 and not waiter.done()  # still in its own line
+            assert len(other.calls("/completions")) == 1
+            state.pace_s = 0.0
+        assert waiter.result().status_code == 200
+
+
+A3200 = view(url="a", kv_capacity_tokens=3200)  # 200 blocks: 1,600 tokens at a share of 0.5
+B6400 = view(url="b", kv_capacity_tokens=6400)
+
+
+@pytest.mark.parametrize(
+    ("sequences", "views", "share", "outcome"),
+    [
+        ((1009,) * 8, [A3200], 0.5, "too large"),  # n=8 x (9 + 1000): 8 x 1,024 tokens
+        ((200,) * 8, [A3200, B6400], 0.5, "b"),  # 8 x 208 = 1,664: over a's 1,600, not b's
+        ((190,) * 8, [A3200], 0.5, "a"),  # 8 x 192 = 1,536: within a's share
+        ((3000,), [A3200], 0.5, "a"),  # one sequence: held to max_model_len, not to the share
+        # within the share (8,192 of 8,208), but 32 tokens are claimed already: it waits
+        ((1009,) * 8, [view(kv_capacity_tokens=8208, inflight=1, inflight_tokens=32)], 1, "wait"),
+    ],
+)
+def test_a_request_over_its_share_of_every_backend_is_refused_with_the_numbers(
+    sequences: tuple[int, ...], views: list[BackendView], share: float, outcome: str
+) -> None:
+    req = RouteRequest("m", sequences=sequences)
+    thresholds = Thresholds(kv_request_share=share)
+    if outcome == "too large":
+        with pytest.raises(KvClaimTooLarge) as e:
+            pick_backend(req, views, thresholds=thresholds)
+        assert e.value.status == 400 and e.value.param == "n"
+        text = e.value.body()["error"]["message"]
+        assert "8192 tokens" in text and "at most 1600 tokens" in text, text
+        assert "3200-token KV cache" in text and "n x (prompt + max_tokens) <= 1600" in text
+    elif outcome == "wait":
+        with pytest.raises(NoKvRoom):
+            pick_backend(req, views, thresholds=thresholds)
+    else:
+        assert pick_backend(req, views, thresholds=thresholds) == outcome
+
+
+def test_n_times_max_tokens_over_the_share_is_a_400_and_small_requests_keep_their_room(
+    make_gateway, fake
+) -> None:
+    """Issue 58, finding 2: `n=8, max_tokens=1000` on a 3,200-token backend claimed 10,624
+    tokens and was admitted because the backend was empty; every small request after it
+    got 429 for as long as it ran. Now it is a 400 that names the numbers, and a request
+    of two sequences within the share runs beside a small one."""
+    url, state = fake
+    state.pace_s = 30.0  # held until the test hangs up
+    state.num_gpu_blocks, state.block_size = 200, B
+    with make_gateway([url], kv_admit_wait_s=0) as gw:
+        wait_for(lambda: _capacity_seen(gw, url))
+        r = httpx.post(f"{gw}/v1/completions", json=completion(n=8, max_tokens=1000))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "kv_claim_too_large" and error["param"] == "n"
+        assert "8 sequences" in error["message"] and "at most 1600 tokens" in error["message"]
+        assert state.calls("/completions") == []  # vLLM never saw it
+        # 2 x 512 of 1,600: within its share; a small one still fits beside it
+        with (
+            _holding(gw, completion(n=2, max_tokens=500)),
+            _holding(gw, completion(max_tokens=500)),
+        ):
+            assert _claimed(gw, url) == 3 * 512
+        wait_for(lambda: _claimed(gw, url) == 0)
+
+
+def test_one_process_lines_wake_only_the_first_waiter_of_the_backend_given_room() -> None:
+    line = InflightCounter()
+    a, b = "http://a", "http://b"
+
+    async def scenario() -> None:
+        first = line.join({a})
+        second = line.join({a, b})
+        third = line.join({b})
+        assert line.blocked(None) == {a, b} and line.blocked(second) == {a}
+        line.add(b, -1)  # room on b: second is first in b's line
+        assert second.is_set() and not first.is_set() and not third.is_set()
+        second.clear()
+        line.add(a, -1)
+        assert first.is_set() and not second.is_set()
+        line.leave(first)  # second is first in a's line now
+        assert second.is_set() and line.blocked(third) == {a, b}
+        line.leave(second)
+        assert third.is_set() and line.blocked(third) == set()
+        line.leave(third)
+        assert line.waiting == 0 and line.blocked(None) == set()
+
+    asyncio.run(scenario())

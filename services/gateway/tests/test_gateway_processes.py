@@ -90,21 +90,64 @@ def test_forgotten_backends_free_their_entries_so_new_addresses_never_run_out(
     assert two.counts == {"http://keep": 0}
 
 
-def test_the_admission_line_is_one_line_across_workers(tmp_path) -> None:
+def test_the_admission_lines_are_one_line_per_backend_across_workers(tmp_path) -> None:
+    """Tickets order the requests of every worker; a request looks for room only on the
+    backends where no earlier ticket waits, whichever worker holds it (issue 58)."""
     path = tmp_path / "claims"
     SharedInflight.create(path, 2)
     one, two = SharedInflight(path, 0), SharedInflight(path, 1)
-    first = one.join()
-    second = two.join()
-    third = one.join()
-    assert one.waiting == two.waiting == 3
-    assert one.is_head(first) and not two.is_head(second) and not one.is_head(third)
-    one.leave(first)
-    assert two.is_head(second) and not one.is_head(third)  # it came before `third`
-    two.leave(second)
-    assert one.is_head(third)
-    one.leave(third)
-    assert two.waiting == 0
+    a, b = "http://a", "http://b"
+
+    async def scenario() -> None:
+        first = one.join({a})
+        second = two.join({a, b})
+        third = one.join({b})
+        assert one.waiting == two.waiting == 3
+        assert one.blocked(None) == two.blocked(None) == {a, b}  # a newcomer: both taken
+        assert one.blocked(first) == set()
+        assert two.blocked(second) == {a}  # b is its to take: nobody came before it there
+        assert one.blocked(third) == {a, b}  # second, in the other worker, waits on b first
+        one.leave(first)
+        assert two.blocked(second) == set() and one.blocked(third) == {a, b}
+        two.leave(second)
+        assert one.blocked(third) == set()
+        one.leave(third)
+        assert two.waiting == 0 and two.blocked(None) == set()
+
+    asyncio.run(scenario())
+    one.close()
+    two.close()
+
+
+def test_room_given_back_wakes_the_first_waiter_of_that_backend_in_another_worker(
+    tmp_path,
+) -> None:
+    """No poll: a claim given back in one worker, or the first request leaving a line,
+    wakes the worker whose request is next in that backend's line (one datagram), and
+    nobody else."""
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    one, two = SharedInflight(path, 0), SharedInflight(path, 1)
+    a, b = "http://a", "http://b"
+
+    async def scenario() -> None:
+        one.add(a, 1, 64)
+        one.add(b, 1, 64)
+        on_a = two.join({a})
+        on_b = two.join({b})
+        one.add(b, -1, -64)  # room on b: only b's first waiter is woken
+        # the wait only bounds a failure: the datagram is read by this loop's next turn
+        await asyncio.wait_for(on_b.wait(), 10)
+        assert not on_a.is_set()
+        first = one.join({a})  # a later ticket: behind on_a
+        two.leave(on_a)  # the first in a's line left: the next, in worker one, looks
+        await asyncio.wait_for(first.wait(), 10)
+        one.leave(first)
+        two.leave(on_b)
+
+    asyncio.run(scenario())
+    one.close()
+    two.close()
 
 
 def test_a_pick_holds_every_workers_lock(tmp_path) -> None:

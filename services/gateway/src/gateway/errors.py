@@ -3,8 +3,10 @@
     LorastackError (lorastack.errors)
     └── GatewayError                 status 500, type "internal_error"
         ├── BadRequest               400  invalid body, unsupported content
-        │   └── ContextLengthExceeded 400 prompt + max_tokens > max-model-len
-        │                                 (reason context_length)
+        │   ├── ContextLengthExceeded 400 prompt + max_tokens > max-model-len
+        │   │                             (reason context_length)
+        │   └── KvClaimTooLarge      400  n x (prompt + max_tokens) over kv_request_share
+        │                                 of every backend's KV cache
         ├── PayloadTooLarge          413  body over max_body_bytes
         ├── UnsupportedMediaType     415  a body that is not declared as JSON
         ├── Unauthorized             401  missing or wrong API key (reason unauthorized)
@@ -81,6 +83,13 @@ class ContextLengthExceeded(BadRequest):
 
     code = "context_length_exceeded"
     reason = "context_length"
+
+
+class KvClaimTooLarge(BadRequest):
+    """400: a request of several sequences whose KV claim is over `kv_request_share` of
+    every backend serving its model: admitted, it would shut every other request out."""
+
+    code = "kv_claim_too_large"
 
 
 class PayloadTooLarge(GatewayError):

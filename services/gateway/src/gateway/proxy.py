@@ -99,7 +99,9 @@ class Proxy:
         self.auth = auth
         self.metrics = metrics
         self.weights = Weights(prefix=settings.prefix_weight, session=settings.session_weight)
-        thresholds = Thresholds(settings.admit_max_kv_usage, settings.admit_max_waiting)
+        thresholds = Thresholds(
+            settings.admit_max_kv_usage, settings.admit_max_waiting, settings.kv_request_share
+        )
         self.admission = Admission(settings, backends, upstream, thresholds, self.weights)
         self.affinity = Affinity(settings.affinity_table_size)
 

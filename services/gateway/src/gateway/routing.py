@@ -3,10 +3,12 @@
 Each scorer maps `{backend url: score in 0..1}` (1 = best) and is a small plugin for one
 concern: KV-cache usage, capacity (free running slots, then the queue), LoRA affinity,
 prefix-cache affinity (the replica that last served the prompt's leading blocks) and
-session affinity (the replica the session used last). `pick_backend` drops unhealthy and
-saturated backends (admission control: the KV cache this gateway has itself claimed there,
-`fits_kv`, then the scraped usage as the correction), then backends with no free slot while another
-has one (so no request waits in a queue next to an idle slot), combines the scores with
+session affinity (the replica the session used last). `pick_backend` drops unhealthy
+backends, those the request's claim is too large for (`within_share`: a 400), those where
+requests that came earlier wait for room (`InflightCounter`'s lines), and saturated ones
+(admission control: the KV cache this gateway has itself claimed there, `fits_kv`, then
+the scraped usage as the correction), then backends with no free slot while another has
+one (so no request waits in a queue next to an idle slot), combines the scores with
 weights and breaks ties by the gateway's own in-flight count, then by URL, so the result
 is deterministic. No I/O here; the tables behind the affinities live in `affinity.py`.
 """
@@ -15,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from gateway.errors import NoKvRoom, Overloaded, UpstreamUnavailable
+from gateway.errors import KvClaimTooLarge, NoKvRoom, Overloaded, UpstreamUnavailable
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,13 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a backend counts as saturated: KV usage and waiting requests both at these."""
+    """When a backend counts as saturated (KV usage and waiting requests both at these), and
+    the share of its KV cache one request may claim."""
 
     max_kv_usage: float = 0.95  # 0..1
     max_waiting: int = 8  # requests
+    # the most of a backend's KV cache (0..1) one request of several sequences may claim
+    kv_request_share: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -222,17 +227,24 @@ def fits_kv(req: RouteRequest, v: BackendView) -> bool:
     return kv_claimed(v) + kv_claim(req, v.block_size) <= usable
 
 
-def pick_backend(
-    req: RouteRequest,
-    views: list[BackendView],
-    *,
-    thresholds: Thresholds = Thresholds(),
-    weights: Weights = Weights(),
-    avoid: Collection[str] = (),
-    retry_after_s: float = 1.0,
-) -> str:
-    """The best backend for `req`; `avoid` (already tried) is used only when nothing else
-    is left."""
+def within_share(req: RouteRequest, v: BackendView, share: float) -> bool:
+    """Whether `req`'s claim may ever be admitted on `v`: at most `share` of its KV cache.
+
+    A request of one sequence is exempt: vLLM sizes its cache for at least one sequence of
+    max_model_len, and the length check already holds that sequence to max_model_len. One
+    of several (`n > 1`, a batch of prompts) claims them all at once, and is the request
+    that would otherwise be admitted alone and leave no room to anyone while it runs."""
+    if len(req.sequences) <= 1 or v.kv_capacity_tokens is None:
+        return True
+    return kv_claim(req, v.block_size) <= share * v.kv_capacity_tokens
+
+
+def candidates(req: RouteRequest, views: list[BackendView], share: float) -> list[BackendView]:
+    """The backends that could take `req` once room is given back: up, serving its model
+    (embedding if it embeds), and large enough for its claim (`within_share`).
+
+    Raises UpstreamUnavailable when no backend serves it, KvClaimTooLarge when its claim
+    is over the share of every backend that does."""
     serving = [
         v for v in views if v.healthy and req.model in v.models and (v.embeds or not req.embed)
     ]
@@ -241,10 +253,48 @@ def pick_backend(
             f"no healthy backend serves {req.model!r} right now",
             "check the inference service; the gateway retries its backends every few seconds",
         )
-    roomy = [v for v in serving if fits_kv(req, v)]
+    sized = [v for v in serving if within_share(req, v, share)]
+    if not sized:
+        largest = max(serving, key=lambda v: v.kv_capacity_tokens or 0)
+        capacity = largest.kv_capacity_tokens or 0
+        limit = int(share * capacity)
+        longest = max(req.sequences)
+        raise KvClaimTooLarge(
+            f"this request would claim {kv_claim(req, largest.block_size)} tokens of KV cache"
+            f" at once: {len(req.sequences)} sequences (n x prompts) of up to {longest} tokens"
+            f" (prompt + max_tokens), but one request may claim at most {limit} tokens,"
+            f" {share:g} of the {capacity}-token KV cache of the largest backend serving"
+            f" {req.model!r} (kv_request_share), so that it never shuts other requests out.",
+            f"lower n or max_tokens so that n x (prompt + max_tokens) <= {limit} tokens, send"
+            " fewer prompts per request, or raise LORASTACK_KV_REQUEST_SHARE",
+            param="n",
+        )
+    return sized
+
+
+def pick_backend(
+    req: RouteRequest,
+    views: list[BackendView],
+    *,
+    thresholds: Thresholds = Thresholds(),
+    weights: Weights = Weights(),
+    avoid: Collection[str] = (),
+    blocked: Collection[str] = (),
+    retry_after_s: float = 1.0,
+) -> str:
+    """The best backend for `req`; `avoid` (already tried) is used only when nothing else
+    is left; `blocked` (where requests that came earlier wait for KV room) is never used.
+
+    Raises UpstreamUnavailable or KvClaimTooLarge (`candidates`), NoKvRoom (no room on
+    any candidate), Overloaded (every candidate with room saturated)."""
+    serving = candidates(req, views, thresholds.kv_request_share)
+    roomy = [v for v in serving if v.url not in blocked and fits_kv(req, v)]
     if not roomy:
         full = ", ".join(
-            f"{v.url}: {kv_claimed(v)} of {v.kv_capacity_tokens} tokens claimed" for v in serving
+            f"{v.url}: requests that came earlier wait for room there"
+            if v.url in blocked
+            else f"{v.url}: {kv_claimed(v)} of {v.kv_capacity_tokens} tokens claimed"
+            for v in serving
         )
         raise NoKvRoom(
             f"no KV-cache room for this request's {sum(req.sequences)} tokens (prompt + max"
@@ -270,20 +320,40 @@ def pick_backend(
     return min(scores, key=lambda u: (-round(scores[u], 9), by_url[u].inflight, u))
 
 
+class Turn(asyncio.Event):
+    """A request's place in the line for KV-cache room: its ticket (order of arrival, one
+    counter across workers) and the backends it waits for (those serving its model that
+    could ever take its claim); set when it should look for room again."""
+
+    def __init__(self, ticket: int, backends: frozenset[str]) -> None:
+        super().__init__()
+        self.ticket = ticket
+        self.backends = backends
+
+
+NO_TICKET = 2**62  # no request waits: later than any ticket
+
+
 @dataclass
 class InflightCounter:
     """The gateway's own open requests per backend (single event loop: no lock needed),
-    how many it ever sent to each (so a scrape can tell which came after it), and the line
-    of requests waiting for KV-cache room.
+    how many it ever sent to each (so a scrape can tell which came after it), and the
+    lines of requests waiting for KV-cache room: one per backend.
 
-    The line is first come, first served: only its head looks for room, and a request
-    that arrives while others wait joins the end instead of taking room they wait for (a
-    large request would otherwise starve behind a stream of small ones)."""
+    Each line is first come, first served: a request looks for room only on the backends
+    where no request that came before it waits, so a large request is not starved by a
+    stream of small ones on its backend, and a request for a model whose backends have
+    room never waits behind a request that waits for another backend (issue 58). Room
+    given back on a backend wakes the first request in its line; a request leaving the
+    line wakes the next on each of its backends."""
 
     counts: dict[str, int] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # KV claims of open requests
-    _line: deque[asyncio.Event] = field(default_factory=deque)  # waiting requests, head first
+    # backend -> the requests waiting for room on it, first come first
+    _lines: dict[str, list[Turn]] = field(default_factory=dict)
+    _waiting: int = 0
+    _tickets: Iterator[int] = field(default_factory=itertools.count)
 
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
         """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`)."""
@@ -292,8 +362,8 @@ class InflightCounter:
             self.sent[url] = self.sent.get(url, 0) + delta
         if tokens:
             self.tokens[url] = self.tokens.get(url, 0) + tokens
-        if delta < 0 and self._line:
-            self._line[0].set()  # room given back: the head looks again
+        if delta < 0 and (line := self._lines.get(url)):
+            line[0].set()  # room given back: the first in its line looks again
 
     def claimed(self, url: str) -> tuple[int, int]:
         """(open requests, their KV claims in tokens) on `url` now."""
@@ -311,31 +381,46 @@ class InflightCounter:
 
     @property
     def waiting(self) -> int:
-        """Requests in the line now."""
-        return len(self._line)
+        """Requests in line now."""
+        return self._waiting
 
-    def join(self) -> asyncio.Event:
-        """A place at the end of the line; `leave` it once admitted, refused or cancelled."""
-        turn = asyncio.Event()
-        self._line.append(turn)
+    def blocked(self, turn: Turn | None) -> frozenset[str]:
+        """Backends where a request that came before `turn` (None: any request) waits."""
+        if not self._waiting:
+            return frozenset()
+        ticket = NO_TICKET if turn is None else turn.ticket
+        return frozenset(url for url, line in self._lines.items() if line[0].ticket < ticket)
+
+    def join(self, backends: Collection[str]) -> Turn:
+        """A place at the end of the line of each of `backends`; `leave` it once admitted,
+        refused or cancelled."""
+        turn = Turn(next(self._tickets), frozenset(backends))
+        for url in turn.backends:
+            self._lines.setdefault(url, []).append(turn)
+        self._waiting += 1
         return turn
 
-    def is_head(self, turn: asyncio.Event) -> bool:
-        """Whether `turn` is first in the line waiting for KV-cache room."""
-        return bool(self._line) and self._line[0] is turn
+    def heads(self, turn: Turn) -> bool:
+        """Whether `turn` is first in the line of one of its backends."""
+        return any(self._lines[url][0] is turn for url in turn.backends)
 
-    async def next_turn(self, turn: asyncio.Event, timeout_s: float) -> None:
-        """Return once `turn` heads the line and a claim was given back since it last
-        looked (or the request before it left), or after `timeout_s`."""
-        try:
-            await asyncio.wait_for(turn.wait(), timeout_s)
-        except TimeoutError:
-            pass
+    async def next_turn(self, turn: Turn, timeout_s: float, relook_s: float) -> None:
+        """Return once woken (room given back on one of `turn`'s backends, or the request
+        before it left), after `relook_s` when `turn` heads a line (a scrape may have found
+        room or a backend come up), or after `timeout_s`."""
+        wait_s = min(timeout_s, relook_s) if self.heads(turn) else timeout_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(turn.wait(), wait_s)
         turn.clear()
 
-    def leave(self, turn: asyncio.Event) -> None:
-        """Out of the line; the next head looks for room (some may be left)."""
-        was_head = self.is_head(turn)
-        self._line.remove(turn)
-        if was_head and self._line:
-            self._line[0].set()
+    def leave(self, turn: Turn) -> None:
+        """Out of the line; the next on each of its backends looks for room."""
+        for url in turn.backends:
+            line = self._lines[url]
+            was_head = line[0] is turn
+            line.remove(turn)
+            if not line:
+                del self._lines[url]
+            elif was_head:
+                line[0].set()
+        self._waiting -= 1

@@ -100,6 +100,16 @@ class GatewaySettings(CommonSettings):
         description="seconds a request may wait for KV-cache room (its prompt + max_tokens"
         " beside what the gateway has open on the backend) before it is answered 429",
     )
+    kv_request_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="the most of a backend's KV cache (0..1) one request of several sequences"
+        " (n > 1, a batch of prompts) may claim: n x (prompt + max_tokens) over this share of"
+        " every backend serving the model is a 400 naming both numbers, since admitted alone"
+        " it would leave no room to anyone else while it runs. A one-sequence request is"
+        " held to max_model_len instead",
+    )
     backend_max_num_seqs: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict,
         description="backend URL -> the requests it runs at once (vLLM's --max-num-seqs, which"

@@ -1,4 +1,4 @@
-"""The in-flight counts, KV claims and admission line of `lorastack gateway --workers N`,
+"""The in-flight counts, KV claims and admission lines of `lorastack gateway --workers N`,
 shared by the worker processes of one host: a file mapped into each (mmap), changed
 under a lock on that file.
 
@@ -14,22 +14,27 @@ admission and the upstream use either. What makes it exact across processes:
 - each worker counts its requests and claims in a slot of its own; the parent zeroes a
   dead worker's slot (`clear_slot`) before its replacement starts: the dead worker's
   streams died with it (their backend connections closed, so vLLM aborted them);
-- the line for KV room is one line across workers: each request in it holds a ticket
-  (from one counter), and only the lowest ticket among the workers' line heads looks
-  for room. A head in another worker learns of room given back within `POLL_S`.
+- the lines for KV room are one line per backend across workers: each waiting request
+  holds a ticket (from one counter), each worker publishes per backend the lowest ticket
+  of its own requests waiting there, and a request looks for room only on backends where
+  no lower ticket waits (`blocked`). Waiting costs no CPU: room given back, or a request
+  leaving a line, marks that backend in the wake-up words of the worker whose request is
+  now first in its line and rings it (one datagram on its socket, `wake_address`); that
+  worker reads its words and sets its own waiters' events; nothing polls.
 
 Layout, int64 words: the next ticket, a version (bumped by every change: readers reuse
 their last totals while it stands), the number of backend entries used, a registry
 generation (bumped when an entry is taken or freed: each worker then reads the URLs
 again); then the requests ever sent to each backend (routing compares it with a
-scrape's); then per worker slot its line head's ticket, its waiting count, and per
-backend its open requests and their KV claims (tokens). After the words, the backend
-URLs, `URL_BYTES` each. A backend the gateway forgets (it left `backends_dns` and
-drained) frees its entry once no worker counts anything on it, so replicas that come and
-go with new addresses never run the table out.
+scrape's); then per worker slot (`_Slot` offsets) its waiting count, and per backend its
+open requests, their KV claims (tokens), the lowest ticket of its requests waiting
+there and its wake-up word. After the words, the backend URLs, `URL_BYTES` each. A
+backend the gateway forgets (it left `backends_dns` and drained) frees its entry once no
+worker counts anything on it or waits for it, so replicas that come and go with new
+addresses never run the table out.
 
-Owns: that file. Does not own: what the counts mean (`routing.py`), the processes
-(`processes.py`).
+Owns: that file and the wake-up sockets. Does not own: what the counts mean
+(`routing.py`), the processes (`processes.py`).
 """
 
 from __future__ import annotations
@@ -39,26 +44,42 @@ import contextlib
 import fcntl
 import mmap
 import os
-from collections import deque
-from collections.abc import Iterator
+import socket
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.routing import InflightCounter
+from gateway.routing import NO_TICKET, InflightCounter, Turn
 
 MAX_BACKENDS = 256
 URL_BYTES = 512  # bytes of one backend URL (UTF-8), at most
-NO_TICKET = 2**62  # a slot whose line is empty
-POLL_S = 0.01  # seconds between two looks of a line head at the room other workers gave back
 _HEADER = 4  # next ticket, version, backend entries used, registry generation
 _GENERATION = 3
 _SENT = _HEADER
 _SLOTS = _SENT + MAX_BACKENDS
-_SLOT_WORDS = 2 + 2 * MAX_BACKENDS  # head ticket, waiting, counts[], tokens[]
+
+
+class _Slot:
+    """Offsets of a worker slot's words from its start."""
+
+    WAITING = 0  # requests of this worker in line
+    COUNTS = 1  # per backend: open requests
+    TOKENS = COUNTS + MAX_BACKENDS  # per backend: their KV claims, tokens
+    HEADS = TOKENS + MAX_BACKENDS  # per backend: lowest ticket waiting there, or NO_TICKET
+    WAKE = HEADS + MAX_BACKENDS  # per backend: 1 = its first waiter here should look again
+    WORDS = WAKE + MAX_BACKENDS
 
 
 def _size(workers: int) -> int:
-    return (_SLOTS + workers * _SLOT_WORDS) * 8 + MAX_BACKENDS * URL_BYTES
+    return (_SLOTS + workers * _Slot.WORDS) * 8 + MAX_BACKENDS * URL_BYTES
+
+
+def wake_address(claims: Path, slot: int) -> bytes:
+    """The datagram socket worker `slot` is woken on: in Linux's abstract namespace, named
+    after the shared file's inode, so it is no file (none is left behind by a killed
+    worker or parent) and no path length limit applies."""
+    st = os.stat(claims)
+    return f"\0lorastack-gateway-{st.st_dev}-{st.st_ino}-{slot}".encode()
 
 
 @dataclass(frozen=True)
@@ -68,14 +89,6 @@ class WorkerSlot:
     slot: int  # 0..N-1: where this worker counts its own requests
     claims: Path  # the shared counts (`SharedInflight`)
     metrics_dir: Path  # prometheus_client's multiprocess files (`metrics.py`)
-
-
-class Turn(asyncio.Event):
-    """A request's place in the line: set when it may look for room again."""
-
-    def __init__(self, ticket: int) -> None:
-        super().__init__()
-        self.ticket = ticket
 
 
 class SharedInflight:
@@ -88,16 +101,22 @@ class SharedInflight:
         self._map = mmap.mmap(self._fd, 0)
         self._words = memoryview(self._map).cast("B").cast("q")
         self.workers = (len(self._map) - MAX_BACKENDS * URL_BYTES) // 8 - _SLOTS
-        self.workers //= _SLOT_WORDS
+        self.workers //= _Slot.WORDS
         if not 0 <= slot < self.workers:
             raise ValueError(f"slot {slot} outside the {self.workers} workers of {path}")
-        self._base = _SLOTS + slot * _SLOT_WORDS
+        self._base = self._slot_base(slot)
         self._depth = 0  # the lock is re-entered within a process (flock is not counted)
         self._index: dict[str, int] = {}
         self._generation = 0  # of the registry `_index` was read at
-        self._line: deque[Turn] = deque()
+        # backend -> this worker's requests waiting for room on it, first come first
+        self._lines: dict[str, list[Turn]] = {}
         self._seen = -1  # the version of the cached totals
         self._totals: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
+        self._addresses = [wake_address(path, s) for s in range(self.workers)]
+        self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sender.setblocking(False)
+        self._inbox: socket.socket | None = None  # bound once this worker has a waiter
+        self._inbox_loop: asyncio.AbstractEventLoop | None = None
 
     @staticmethod
     def create(path: Path, workers: int) -> None:
@@ -107,11 +126,18 @@ class SharedInflight:
         shared = SharedInflight(path, 0)
         with shared.exclusive():
             for slot in range(workers):
-                shared._words[_SLOTS + slot * _SLOT_WORDS] = NO_TICKET
+                heads = shared._slot_base(slot) + _Slot.HEADS
+                for i in range(MAX_BACKENDS):
+                    shared._words[heads + i] = NO_TICKET
         shared.close()
 
     def close(self) -> None:
-        """Release the shared words, unmap the file and close it."""
+        """Release the shared words, unmap the file and close it (and the wake socket)."""
+        if self._inbox is not None:
+            if self._inbox_loop is not None and not self._inbox_loop.is_closed():
+                self._inbox_loop.remove_reader(self._inbox.fileno())
+            self._inbox.close()
+        self._sender.close()
         self._words.release()
         self._map.close()
         os.close(self._fd)
@@ -129,15 +155,31 @@ class SharedInflight:
             if self._depth == 0:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    @staticmethod
+    def _slot_base(slot: int) -> int:
+        return _SLOTS + slot * _Slot.WORDS
+
+    def _bases(self) -> list[int]:
+        return [self._slot_base(s) for s in range(self.workers)]
+
     def clear_slot(self, slot: int) -> None:
-        """Forget what a dead worker counted (the parent, before it starts its replacement)."""
+        """Forget what a dead worker counted and what it had waiting (the parent, before it
+        starts its replacement); every other worker looks at its lines again, since the
+        dead one's requests may have come first in them."""
         w = self._words
-        base = _SLOTS + slot * _SLOT_WORDS
+        base = self._slot_base(slot)
         with self.exclusive():
-            w[base] = NO_TICKET
-            for i in range(1, _SLOT_WORDS):
+            for i in range(_Slot.WORDS):
                 w[base + i] = 0
+            for i in range(MAX_BACKENDS):
+                w[base + _Slot.HEADS + i] = NO_TICKET
+            for other in range(self.workers):
+                for i in range(MAX_BACKENDS):
+                    w[self._slot_base(other) + _Slot.WAKE + i] = int(other != slot)
             w[1] += 1
+        for other in range(self.workers):
+            if other != slot:
+                self._ring(other)
 
     # --- backends -----------------------------------------------------------------
     def _backend(self, url: str) -> int:
@@ -165,17 +207,20 @@ class SharedInflight:
         return i
 
     def forget(self, url: str) -> None:
-        """Free `url`'s entry once no worker counts a request or claim on it (the gateway
-        forgot the backend); a worker still counting keeps it until its own forget."""
+        """Free `url`'s entry once no worker counts a request or claim on it, or has one
+        waiting for it (the gateway forgot the backend); a worker still counting keeps it
+        until its own forget."""
         w = self._words
         with self.exclusive():
             self._load_urls()
             i = self._index.get(url)
             if i is None:
                 return
-            slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
-            if any(w[b + 2 + i] or w[b + 2 + MAX_BACKENDS + i] for b in slots):
-                return
+            for b in self._bases():
+                if w[b + _Slot.COUNTS + i] or w[b + _Slot.TOKENS + i]:
+                    return
+                if w[b + _Slot.HEADS + i] != NO_TICKET:
+                    return
             at = self._url_at(i)
             self._map[at : at + URL_BYTES] = bytes(URL_BYTES)
             w[_SENT + i] = 0
@@ -184,7 +229,7 @@ class SharedInflight:
             self._load_urls()
 
     def _url_at(self, i: int) -> int:
-        return (_SLOTS + self.workers * _SLOT_WORDS) * 8 + i * URL_BYTES
+        return (_SLOTS + self.workers * _Slot.WORDS) * 8 + i * URL_BYTES
 
     def _load_urls(self) -> None:
         """`_index` as the registry has it now (called with the lock held)."""
@@ -197,18 +242,78 @@ class SharedInflight:
 
     # --- InflightCounter's interface ---------------------------------------------
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
-        """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`)."""
+        """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`);
+        room given back wakes the worker first in `url`'s line."""
         i = self._backend(url)
         w = self._words
         with self.exclusive():
-            w[self._base + 2 + i] += delta
+            w[self._base + _Slot.COUNTS + i] += delta
             if delta > 0:
                 w[_SENT + i] += delta
             if tokens:
-                w[self._base + 2 + MAX_BACKENDS + i] += tokens
+                w[self._base + _Slot.TOKENS + i] += tokens
             w[1] += 1
-        if delta < 0 and self._line:
-            self._line[0].set()  # room given back: this worker's head looks again
+            first = self._first_waiting(i) if delta < 0 else None
+        if first is not None:
+            self._wake(first, url)
+
+    def _first_waiting(self, i: int) -> int | None:
+        """The slot whose request is first in backend `i`'s line; None when none waits."""
+        w = self._words
+        tickets = [int(w[b + _Slot.HEADS + i]) for b in self._bases()]
+        first = min(tickets)
+        return None if first == NO_TICKET else tickets.index(first)
+
+    def _wake(self, slot: int, url: str) -> None:
+        """Have worker `slot`'s first request in `url`'s line look for room again."""
+        if slot == self.slot:
+            if line := self._lines.get(url):
+                line[0].set()
+            return
+        with self.exclusive():
+            self._words[self._slot_base(slot) + _Slot.WAKE + self._backend(url)] = 1
+        self._ring(slot)
+
+    def _ring(self, slot: int) -> None:
+        """One datagram to worker `slot`: read your wake-up words. A full socket holds
+        unread datagrams already, each of which makes it read them all; a worker with no
+        socket has no waiter."""
+        with contextlib.suppress(OSError):
+            self._sender.sendto(b"w", self._addresses[slot])
+
+    def _woken(self) -> None:
+        """Another worker gave room back, or left a line: the first request of each line
+        it marked looks again."""
+        assert self._inbox is not None
+        with contextlib.suppress(OSError):
+            while self._inbox.recv(64):
+                pass
+        w = self._words
+        wake = self._base + _Slot.WAKE
+        marked = []
+        with self.exclusive():
+            if w[_GENERATION] != self._generation:
+                self._load_urls()
+            for url, i in self._index.items():
+                if w[wake + i]:
+                    w[wake + i] = 0
+                    marked.append(url)
+        for url in marked:
+            if line := self._lines.get(url):
+                line[0].set()
+
+    def _listen(self) -> None:
+        """Bind this worker's wake socket and read it on the running loop (once per loop)."""
+        loop = asyncio.get_running_loop()
+        if self._inbox is None:
+            self._inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._inbox.setblocking(False)
+            self._inbox.bind(self._addresses[self.slot])
+        if self._inbox_loop is not loop:
+            if self._inbox_loop is not None and not self._inbox_loop.is_closed():
+                self._inbox_loop.remove_reader(self._inbox.fileno())
+            loop.add_reader(self._inbox.fileno(), self._woken)
+            self._inbox_loop = loop
 
     def _sums(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         """Open requests, requests ever sent and KV claims per backend, all workers: exact
@@ -230,10 +335,10 @@ class SharedInflight:
     def _read_sums(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         w = self._words
         counts, sent, tokens = {}, {}, {}
-        slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
+        bases = self._bases()
         for url, i in self._index.items():
-            counts[url] = sum(w[b + 2 + i] for b in slots)
-            tokens[url] = sum(w[b + 2 + MAX_BACKENDS + i] for b in slots)
+            counts[url] = sum(w[b + _Slot.COUNTS + i] for b in bases)
+            tokens[url] = sum(w[b + _Slot.TOKENS + i] for b in bases)
             sent[url] = int(w[_SENT + i])
         return counts, sent, tokens
 
@@ -241,11 +346,11 @@ class SharedInflight:
         """(open requests, their KV claims in tokens) on `url`, every worker's: the one
         backend `Admission` confirms a pick on, read under the lock without summing the others."""
         w = self._words
-        slots = [_SLOTS + s * _SLOT_WORDS for s in range(self.workers)]
+        bases = self._bases()
         with self.exclusive():
             i = self._backend(url)
-            count = sum(w[b + 2 + i] for b in slots)
-            tokens = sum(w[b + 2 + MAX_BACKENDS + i] for b in slots)
+            count = sum(w[b + _Slot.COUNTS + i] for b in bases)
+            tokens = sum(w[b + _Slot.TOKENS + i] for b in bases)
         return int(count), int(tokens)
 
     @property
@@ -262,50 +367,80 @@ class SharedInflight:
 
     @property
     def waiting(self) -> int:
-        """Requests in the line now, in every worker."""
+        """Requests in line now, in every worker."""
         w = self._words
-        return sum(int(w[_SLOTS + s * _SLOT_WORDS + 1]) for s in range(self.workers))
+        return sum(int(w[b + _Slot.WAITING]) for b in self._bases())
 
-    def join(self) -> Turn:
-        """A place at the end of the line (of every worker); `leave` it once admitted,
-        refused or cancelled."""
+    def blocked(self, turn: Turn | None) -> frozenset[str]:
+        """Backends where a request that came before `turn` (None: any request) waits, in
+        any worker: each word read whole (exact under the lock)."""
+        if not self.waiting:
+            return frozenset()
+        if self._words[_GENERATION] != self._generation:
+            with self.exclusive():
+                self._load_urls()
+        w = self._words
+        ticket = NO_TICKET if turn is None else turn.ticket
+        bases = self._bases()
+        return frozenset(
+            url
+            for url, i in self._index.items()
+            if any(w[b + _Slot.HEADS + i] < ticket for b in bases)
+        )
+
+    def join(self, backends: Collection[str]) -> Turn:
+        """A place at the end of the line of each of `backends` (of every worker); `leave`
+        it once admitted, refused or cancelled."""
+        self._listen()  # before it is seen waiting: no wake-up can be lost
+        urls = frozenset(backends)
+        index = {url: self._backend(url) for url in urls}
         w = self._words
         with self.exclusive():
-            turn = Turn(int(w[0]))
+            turn = Turn(int(w[0]), urls)
             w[0] += 1
-            if not self._line:
-                w[self._base] = turn.ticket
-            w[self._base + 1] += 1
-        self._line.append(turn)
+            for url, i in index.items():
+                line = self._lines.setdefault(url, [])
+                if not line:
+                    w[self._base + _Slot.HEADS + i] = turn.ticket
+                line.append(turn)
+            w[self._base + _Slot.WAITING] += 1
         return turn
 
-    def is_head(self, turn: asyncio.Event) -> bool:
-        """`turn` leads this worker's line, and no other worker's head came before it."""
-        if not self._line or self._line[0] is not turn:
-            return False
-        w = self._words
-        with self.exclusive():
-            first = min(int(w[_SLOTS + s * _SLOT_WORDS]) for s in range(self.workers))
-        return first == self._line[0].ticket
+    def heads(self, turn: Turn) -> bool:
+        """Whether `turn` is first in this worker's line of one of its backends."""
+        return any(self._lines[url][0] is turn for url in turn.backends)
 
-    async def next_turn(self, turn: asyncio.Event, timeout_s: float) -> None:
-        """Return once this worker gave room back or the line moved here, or after
-        `POLL_S` (room another worker gave back), or after `timeout_s`."""
+    async def next_turn(self, turn: Turn, timeout_s: float, relook_s: float) -> None:
+        """Return once woken (room given back on one of `turn`'s backends, or the request
+        before it left, in any worker), after `relook_s` when `turn` is first in this
+        worker's line of a backend (a scrape may have found room), or after `timeout_s`."""
+        wait_s = min(timeout_s, relook_s) if self.heads(turn) else timeout_s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(turn.wait(), min(timeout_s, POLL_S))
+            await asyncio.wait_for(turn.wait(), wait_s)
         turn.clear()
 
-    def leave(self, turn: asyncio.Event) -> None:
-        """Out of the line; the next head looks for room (some may be left)."""
-        assert isinstance(turn, Turn)
-        was_head = bool(self._line) and self._line[0] is turn
-        self._line.remove(turn)
+    def leave(self, turn: Turn) -> None:
+        """Out of the line; the next on each of its backends, in whichever worker, looks
+        for room."""
         w = self._words
+        woken: list[tuple[int, str]] = []
         with self.exclusive():
-            w[self._base] = self._line[0].ticket if self._line else NO_TICKET
-            w[self._base + 1] -= 1
-        if was_head and self._line:
-            self._line[0].set()
+            for url in turn.backends:
+                line = self._lines[url]
+                was_head = line[0] is turn
+                line.remove(turn)
+                if not was_head:
+                    continue
+                i = self._backend(url)
+                w[self._base + _Slot.HEADS + i] = line[0].ticket if line else NO_TICKET
+                if not line:
+                    del self._lines[url]
+                first = self._first_waiting(i)
+                if first is not None and turn.ticket < w[self._slot_base(first) + _Slot.HEADS + i]:
+                    woken.append((first, url))  # it was first of every worker's: the next is
+            w[self._base + _Slot.WAITING] -= 1
+        for slot, url in woken:
+            self._wake(slot, url)
 
 
 # what routing, admission and the upstream count with: one process's, or every worker's
