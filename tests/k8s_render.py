@@ -13,6 +13,7 @@ missing tool fails the test instead of hiding a check.
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import re
@@ -33,8 +34,18 @@ TARGETS = [
     "deploy/k8s/overlays/multi-gpu-training",
     "deploy/k8s/overlays/autoscale",
     "deploy/k8s/overlays/multi-node-training",
+    "deploy/k8s/overlays/minio",
 ]
+MONITORING = "deploy/k8s/monitoring"  # for the cluster's Prometheus: no workload of its own
 PLACEHOLDER = re.compile(r"REPLACE_ME\w*")
+# where each secrets file goes: the base's, or the MinIO component's root user
+SECRETS_DIRS = {
+    "minio": ("components/minio/secrets",),
+    "gateway-metrics": ("base/secrets", "monitoring/secrets"),  # the gateway's, Prometheus's
+}
+# the one setting a user writes besides the secrets (base/configmap.yaml): their S3
+SHIPPED_ENDPOINT = "https://REPLACE_ME.s3.example"
+USER_ENDPOINT = "https://s3.eu-west-1.amazonaws.com"
 
 HOW = {
     "kubectl": "install kubectl (https://kubernetes.io/docs/tasks/tools/: the static binary or"
@@ -70,15 +81,28 @@ def kustomize(folder: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def write_user_secrets(k8s: Path) -> dict[str, dict[str, str]]:
-    """What a user writes into `base/secrets/` from the examples: each placeholder replaced
-    by a fresh key (a JSON list of one for LORASTACK_API_KEYS). {file stem: {key: value}}."""
-    out = k8s / "base/secrets"
-    out.mkdir(parents=True, exist_ok=True)
+def write_user_values(k8s: Path, leave: tuple[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """What a user writes from the examples: each secrets file (into `base/secrets/`, or the
+    folder SECRETS_DIRS names), every placeholder replaced by a fresh key, and their S3's
+    address in base/configmap.yaml. `leave` (file stem, key): that value stays as shipped,
+    as a user who missed it would leave it ("configmap" for the endpoint).
+    {file stem: {key: value}}."""
+    configmap = k8s / "base/configmap.yaml"
+    shipped = configmap.read_text()
+    assert SHIPPED_ENDPOINT in shipped
+    if leave != ("configmap", "LORASTACK_S3_ENDPOINT_URL"):
+        configmap.write_text(shipped.replace(SHIPPED_ENDPOINT, USER_ENDPOINT))
     written: dict[str, dict[str, str]] = {}
     for example in sorted((K8S / "secrets.example").glob("*.env")):
-        text = PLACEHOLDER.sub(lambda _: secrets.token_urlsafe(32), example.read_text())
-        (out / example.name).write_text(text)
+        lines = []
+        for line in example.read_text().splitlines():
+            if (example.stem, line.partition("=")[0]) != leave:
+                line = PLACEHOLDER.sub(lambda _: secrets.token_urlsafe(32), line)
+            lines.append(line)
+        text = "\n".join(lines) + "\n"
+        for folder in SECRETS_DIRS.get(example.stem, ("base/secrets",)):
+            (k8s / folder).mkdir(parents=True, exist_ok=True)
+            (k8s / folder / example.name).write_text(text)
         written[example.stem] = dict(
             line.split("=", 1)
             for line in text.splitlines()
@@ -87,15 +111,27 @@ def write_user_secrets(k8s: Path) -> dict[str, dict[str, str]]:
     return written
 
 
+def render_copy(
+    target: str, root: Path, leave: tuple[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """`target` rendered from a copy of deploy/k8s under `root`, the user's values written
+    there (`leave`: one left as shipped, see write_user_values)."""
+    shutil.copytree(K8S, root / "deploy/k8s")
+    write_user_values(root / "deploy/k8s", leave)
+    r = kustomize(root / target)
+    assert r.returncode == 0, f"kubectl kustomize {target}:\n{r.stderr}"
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
 @functools.cache
 def _rendered() -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, str]], str]:
     # one render per session; the folder lives as long as the test process
     root = Path(tempfile.mkdtemp(prefix="lorastack-k8s-"))
     shutil.copytree(K8S, root / "deploy/k8s")
-    user_secrets = write_user_secrets(root / "deploy/k8s")
+    user_secrets = write_user_values(root / "deploy/k8s")
     docs: dict[str, list[dict[str, Any]]] = {}
     texts = []
-    for target in TARGETS:
+    for target in [*TARGETS, MONITORING]:
         r = kustomize(root / target)
         assert r.returncode == 0, f"kubectl kustomize {target}:\n{r.stderr}"
         docs[target] = [d for d in yaml.safe_load_all(r.stdout) if d]
@@ -119,3 +155,82 @@ def user_secrets() -> dict[str, dict[str, str]]:
 def rendered_text() -> str:
     """Every target's output, as `kubectl kustomize` printed it (for checkov)."""
     return _rendered()[2]
+
+
+# -- a container as its service would see it -------------------------------------------
+
+
+def secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    """A rendered Secret's values (the secretGenerator writes base64 `data`)."""
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return data | dict(secret.get("stringData") or {})
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """`$(VAR)` as the kubelet expands it in env values and args (an unknown one stays)."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), value)
+
+
+class Pod:
+    """One container as the service would see it: argv, environment, mounted files."""
+
+    def __init__(self, docs: list[dict[str, Any]], workload: dict[str, Any], root: Path) -> None:
+        by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+        spec = workload["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        self.env: dict[str, str] = {}
+        self.secrets: set[str] = set()  # the Secrets it reads
+        self.secret_env: dict[str, str] = {}  # the variables that come from a Secret
+        for src in container.get("envFrom", []):
+            if "configMapRef" in src:
+                data = by_name[("ConfigMap", src["configMapRef"]["name"])]["data"]
+            else:
+                self.secrets.add(src["secretRef"]["name"])
+                data = secret_data(by_name[("Secret", src["secretRef"]["name"])])
+                self.secret_env |= data
+            self.env |= {k: v for k, v in data.items() if k.isupper()}  # files are not env
+        for e in container.get("env", []):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref is not None:
+                self.secrets.add(ref["name"])
+                self.env[e["name"]] = secret_data(by_name[("Secret", ref["name"])])[ref["key"]]
+                self.secret_env[e["name"]] = self.env[e["name"]]
+            else:
+                self.env[e["name"]] = expand(e["value"], self.env)
+        self.args: list[str] = [expand(a, self.env) for a in container["args"]]
+        self.mounts: dict[str, Path] = {}  # mountPath -> folder here holding its files
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for m in container.get("volumeMounts", []):
+            folder = root / workload["metadata"]["name"] / m["name"]
+            folder.mkdir(parents=True)
+            cm = volumes.get(m["name"], {}).get("configMap")  # else a claim or emptyDir
+            if cm is not None:
+                data = by_name[("ConfigMap", cm["name"])]["data"]
+                items = cm.get("items") or [{"key": k, "path": k} for k in data]
+                for it in items:
+                    (folder / it["path"]).write_text(data[it["key"]])
+            self.mounts[m["mountPath"]] = folder
+
+    def local(self, path: str) -> str:
+        """A path inside the container -> the file written here (or unchanged)."""
+        for mount, folder in self.mounts.items():
+            if path.startswith(mount + "/"):
+                return str(folder / path.removeprefix(mount + "/"))
+        return path
+
+    def lorastack_argv(self) -> list[str]:
+        """The arguments after `lorastack` (also through `torchrun ... -m lorastack.cli`)."""
+        if self.args[0] == "lorastack":
+            return self.args[1:]
+        assert self.args[0] == "torchrun", self.args
+        i = self.args.index("-m")
+        assert self.args[i + 1] == "lorastack.cli", self.args
+        return self.args[i + 2 :]
+
+
+KINDS = {"Deployment", "StatefulSet", "Job"}
+
+
+def runs_lorastack(workload: dict[str, Any]) -> bool:
+    args = workload["spec"]["template"]["spec"]["containers"][0].get("args", [""])
+    return args[0] in ("lorastack", "torchrun")

@@ -6,6 +6,7 @@ Prometheus configuration with promtool, and the Kubernetes manifests rendered by
 
 from __future__ import annotations
 
+import base64
 import inspect
 import re
 import secrets
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_render import TARGETS, hadolint, render
+from k8s_render import MONITORING, TARGETS, hadolint, render
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
@@ -296,9 +297,14 @@ def test_prometheus_config_and_rules_pass_promtool(tmp_path: Path) -> None:
 
 
 def test_k8s_prometheus_scrape_config_passes_promtool(tmp_path: Path) -> None:
-    docs = render("deploy/k8s/base")
-    cm = next(d for d in docs if d["metadata"]["name"] == "prometheus-scrape")
-    assert promtool_check(cm["data"]["prometheus.yml"], tmp_path) == ""
+    """The monitoring target's scrape jobs and rules, as one Prometheus config loading both."""
+    docs = {d["metadata"]["name"]: d for d in render(MONITORING)}
+    jobs = base64.b64decode(docs["lorastack-scrape-configs"]["data"]["scrape-configs.yaml"])
+    (tmp_path / "rules").mkdir()
+    rules = tmp_path / "rules/rules.yml"
+    rules.write_text(docs["lorastack-prometheus-rules"]["data"]["rules.yml"])
+    config = {"scrape_configs": yaml.safe_load(jobs), "rule_files": [str(rules)]}
+    assert promtool_check(yaml.safe_dump(config), tmp_path) == ""
 
 
 def test_compose_prometheus_scrapes_the_gateway_with_its_metrics_key(tmp_path: Path) -> None:
@@ -432,8 +438,10 @@ def test_k8s_autoscale_overlay_scales_inference_on_the_gateways_metrics() -> Non
     down, up = spec["behavior"]["scaleDown"], spec["behavior"]["scaleUp"]
     assert down["stabilizationWindowSeconds"] >= 300 > up["stabilizationWindowSeconds"]
     assert all(p["value"] == 1 for p in down["policies"])  # one replica drains at a time
-    (rules,) = [d for d in docs if d["metadata"]["name"] == "prometheus-adapter-rules"]
-    rules_list = yaml.safe_load(rules["data"]["rules.yaml"])
+    values = yaml.safe_load(
+        (REPO / "deploy/k8s/monitoring/prometheus-adapter-values.yaml").read_text()
+    )
+    rules_list = values["rules"]["external"]  # the chart writes them where the adapter reads
     served = {r["name"]["as"] for r in rules_list}
     assert {m["external"]["metric"]["name"] for m in spec["metrics"]} <= served
     metrics = GatewayMetrics()
@@ -449,7 +457,7 @@ def test_k8s_autoscale_overlay_scales_inference_on_the_gateways_metrics() -> Non
 
 def test_multi_gpu_overlay_runs_torchrun() -> None:
     docs = render("deploy/k8s/overlays/multi-gpu-training")
-    job = next(d for d in docs if d["kind"] == "Job")
+    job = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "trainer")
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][0] == "torchrun" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
 

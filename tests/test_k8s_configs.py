@@ -1,19 +1,18 @@
-"""The configs embedded in deploy/k8s, validated by the classes the services build at start,
-and who may do what there: Pod Security "restricted", the NetworkPolicies, one Secret per
-workload, Redis with a password, and checkov's Kubernetes checks.
+"""The configs embedded in deploy/k8s read together, and who may do what there: the
+gateway's tokenizers and Redis, Prometheus's key, Pod Security "restricted", the
+NetworkPolicies, one Secret per workload, and checkov's Kubernetes checks.
 
-Everything is rendered by `kubectl kustomize` (tests/k8s_render.py), with the secrets files
-a user writes from deploy/k8s/secrets.example. Each container's command line goes through
-the real `lorastack` parser, its environment (ConfigMap + Secret + env, `$(VAR)` expanded as
-the kubelet does) into the service's settings class, and every file it reads from a mounted
-ConfigMap (serve.yaml, train.yaml) through the same loader the service uses. Schema checks
-(kubernetes_validate) live in test_deploy.py; these check the contents.
+Everything is rendered by `kubectl kustomize` (tests/k8s_render.py), with the values a user
+writes from deploy/k8s/secrets.example. Where a test needs a service's view of a container,
+its command line goes through the real `lorastack` parser and its environment (ConfigMap +
+Secret + env, `$(VAR)` expanded as the kubelet does) into the service's settings class.
+Each container's own check mode, run as a process of its own, is test_k8s_containers.py's;
+schema checks (kubernetes_validate) live in test_deploy.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import re
@@ -27,91 +26,27 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from k8s_render import K8S, PLACEHOLDER, checkov, kustomize, render, rendered_text
+from k8s_render import (
+    K8S,
+    KINDS,
+    MONITORING,
+    PLACEHOLDER,
+    TARGETS,
+    Pod,
+    checkov,
+    kustomize,
+    render,
+    rendered_text,
+    runs_lorastack,
+    secret_data,
+)
 
 from lorastack_testing.net import free_port
 from lorastack_testing.redis_server import redis_binary, require_redis_server
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = [
-    "deploy/k8s/base",
-    "deploy/k8s/overlays/multi-gpu-training",
-    "deploy/k8s/overlays/autoscale",
-    "deploy/k8s/overlays/multi-node-training",
-]
-
-
-def secret_data(secret: dict[str, Any]) -> dict[str, str]:
-    """A rendered Secret's values (the secretGenerator writes base64 `data`)."""
-    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
-    return data | dict(secret.get("stringData") or {})
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    """`$(VAR)` as the kubelet expands it in env values and args (an unknown one stays)."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), value)
-
-
-class Pod:
-    """One container as the service would see it: argv, environment, mounted files."""
-
-    def __init__(self, docs: list[dict[str, Any]], workload: dict[str, Any], root: Path) -> None:
-        by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-        spec = workload["spec"]["template"]["spec"]
-        (container,) = spec["containers"]
-        self.env: dict[str, str] = {}
-        self.secrets: set[str] = set()  # the Secrets it reads
-        for src in container.get("envFrom", []):
-            if "configMapRef" in src:
-                data = by_name[("ConfigMap", src["configMapRef"]["name"])]["data"]
-            else:
-                self.secrets.add(src["secretRef"]["name"])
-                data = secret_data(by_name[("Secret", src["secretRef"]["name"])])
-            self.env |= {k: v for k, v in data.items() if k.isupper()}  # files are not env
-        for e in container.get("env", []):
-            ref = e.get("valueFrom", {}).get("secretKeyRef")
-            if ref is not None:
-                self.secrets.add(ref["name"])
-                self.env[e["name"]] = secret_data(by_name[("Secret", ref["name"])])[ref["key"]]
-            else:
-                self.env[e["name"]] = expand(e["value"], self.env)
-        self.args: list[str] = [expand(a, self.env) for a in container["args"]]
-        self.mounts: dict[str, Path] = {}  # mountPath -> folder here holding its files
-        volumes = {v["name"]: v for v in spec.get("volumes", [])}
-        for m in container.get("volumeMounts", []):
-            folder = root / workload["metadata"]["name"] / m["name"]
-            folder.mkdir(parents=True)
-            cm = volumes.get(m["name"], {}).get("configMap")  # else a claim or emptyDir
-            if cm is not None:
-                data = by_name[("ConfigMap", cm["name"])]["data"]
-                items = cm.get("items") or [{"key": k, "path": k} for k in data]
-                for it in items:
-                    (folder / it["path"]).write_text(data[it["key"]])
-            self.mounts[m["mountPath"]] = folder
-
-    def local(self, path: str) -> str:
-        """A path inside the container -> the file written here (or unchanged)."""
-        for mount, folder in self.mounts.items():
-            if path.startswith(mount + "/"):
-                return str(folder / path.removeprefix(mount + "/"))
-        return path
-
-    def lorastack_argv(self) -> list[str]:
-        """The arguments after `lorastack` (also through `torchrun ... -m lorastack.cli`)."""
-        if self.args[0] == "lorastack":
-            return self.args[1:]
-        assert self.args[0] == "torchrun", self.args
-        i = self.args.index("-m")
-        assert self.args[i + 1] == "lorastack.cli", self.args
-        return self.args[i + 2 :]
-
-
-KINDS = {"Deployment", "StatefulSet", "Job"}
-
-
-def runs_lorastack(workload: dict[str, Any]) -> bool:
-    args = workload["spec"]["template"]["spec"]["containers"][0].get("args", [""])
-    return args[0] in ("lorastack", "torchrun")
+FOLDERS = TARGETS
+MINIO = "deploy/k8s/overlays/minio"
 
 
 def pods(folder: str, root: Path) -> list[Pod]:
@@ -158,22 +93,6 @@ def check_train(ns: argparse.Namespace) -> Any:
     TrainerSettings()
     assert ns.resume == "auto", "a Job restarts: --resume auto (a bare --resume refuses run 1)"
     return load_config(Path(ns.config), list(ns.overrides))
-
-
-CHECKS = {"serve": check_serve, "gateway": check_gateway, "train": check_train}
-
-
-@pytest.mark.parametrize("folder", FOLDERS)
-def test_every_embedded_config_is_valid_for_its_service(
-    folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen = set()
-    for pod in pods(folder, tmp_path):
-        command = pod.lorastack_argv()[0]
-        with monkeypatch.context() as m:
-            CHECKS[command](parse(pod, m))
-        seen.add(command)
-    assert seen == set(CHECKS)
 
 
 def test_gateway_takes_the_served_models_tokenizer_from_the_store(
@@ -225,27 +144,41 @@ def test_gateway_replicas_share_limits_through_the_manifests_redis(
 def test_prometheus_scrapes_the_gateway_with_its_metrics_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The gateway's /metrics answers only its metrics key (auth is on): its settings
-    hold one, and the scrape config's gateway job sends the file a Secret made from the
-    same env file gives Prometheus (mounted at /etc/prometheus/secrets/NAME/KEY)."""
+    """The gateway's /metrics answers only its metrics key (auth is on): its settings hold
+    one, and the monitoring target gives Prometheus, in its own namespace, the same key as
+    a Secret and the scrape jobs whose gateway job sends the file that Secret mounts as
+    (the Prometheus Operator's /etc/prometheus/secrets/NAME/KEY)."""
     docs = render(FOLDERS[0])
     (pod,) = [p for p in pods(FOLDERS[0], tmp_path) if p.lorastack_argv()[0] == "gateway"]
     with monkeypatch.context() as m:
         gateway = check_gateway(parse(pod, m))
     assert gateway.auth_required and gateway.metrics_key is not None
     assert "gateway-metrics" in {re.sub(r"-[a-z0-9]{10}$", "", s) for s in pod.secrets}
-    cm = next(d for d in docs if d["metadata"]["name"] == "prometheus-scrape")
-    jobs = yaml.safe_load(cm["data"]["prometheus.yml"])["scrape_configs"]
+    monitoring = {(d["kind"], d["metadata"]["name"]): d for d in render(MONITORING)}
+    assert {d["metadata"]["namespace"] for d in monitoring.values()} == {"monitoring"}
+    scrape = secret_data(monitoring[("Secret", "lorastack-scrape-configs")])
+    jobs = yaml.safe_load(scrape["scrape-configs.yaml"])
     (job,) = [j for j in jobs if j["job_name"] == "gateway"]
     assert job["authorization"]["type"] == "Bearer"
     key_file = Path(job["authorization"]["credentials_file"])
-    assert key_file.name == "LORASTACK_METRICS_KEY"  # the Secret's key: the gateway's variable
-    assert key_file.parent.parent == Path("/etc/prometheus/secrets")
+    assert key_file.parent == Path("/etc/prometheus/secrets/lorastack-gateway-metrics")
+    key_secret = secret_data(monitoring[("Secret", key_file.parent.name)])
+    assert key_secret[key_file.name] == gateway.metrics_key.get_secret_value()
     gateway_tpl = next(
         d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"
     )
     annotations = gateway_tpl["spec"]["template"]["metadata"].get("annotations", {})
     assert "prometheus.io/scrape" not in annotations  # such a scrape could not send the key
+
+
+def test_prometheus_loads_the_alert_rules_compose_loads() -> None:
+    """The rules of deploy/prometheus/rules.yml (GatewayLimitsNotShared, ...) reach the
+    cluster's Prometheus as the monitoring target's ConfigMap, unchanged."""
+    monitoring = {d["metadata"]["name"]: d for d in render(MONITORING)}
+    rules = monitoring["lorastack-prometheus-rules"]["data"]["rules.yml"]
+    assert rules == (REPO / "deploy/prometheus/rules.yml").read_text()
+    alerts = {r.get("alert") for g in yaml.safe_load(rules)["groups"] for r in g["rules"]}
+    assert {"GatewayLimitsNotShared", "ServedModelDiffersFromTrained"} <= alerts
 
 
 class _redis_server:
@@ -438,6 +371,7 @@ GATEWAY, INFERENCE, REDIS, TRAINER = (
     {"app": a} for a in ("gateway", "inference", "redis", "trainer")
 )
 STORE, OTHER = {"app": "minio"}, {"app": "something-else"}
+IMPORT, STORE_INIT = {"app": "model-import"}, {"app": "store-init"}
 PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
 
 
@@ -462,6 +396,10 @@ PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
         (GATEWAY, "lorastack", STORE, 9000, True),
         (INFERENCE, "lorastack", STORE, 9000, True),
         (TRAINER, "lorastack", STORE, 9000, True),
+        (IMPORT, "lorastack", STORE, 9000, True),
+        (STORE_INIT, "lorastack", STORE, 9000, True),
+        (STORE_INIT, "lorastack", INFERENCE, 8000, False),
+        (IMPORT, "lorastack", REDIS, 6379, False),
         (REDIS, "lorastack", STORE, 9000, False),
         (OTHER, "lorastack", STORE, 9000, False),
         (OTHER, "lorastack", TRAINER, 9400, False),
@@ -470,7 +408,7 @@ PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
 def test_network_policies_admit_only_who_needs_it(
     source: dict[str, str], source_ns: str, target: dict[str, str], port: int, admitted: bool
 ) -> None:
-    policies = [d for d in render(FOLDERS[0]) if d["kind"] == "NetworkPolicy"]
+    policies = [d for d in render(MINIO) if d["kind"] == "NetworkPolicy"]
     assert _admits(policies, source, source_ns, target, port) is admitted
 
 
@@ -488,7 +426,10 @@ SECRETS_OF = {
     "gateway": {"gateway", "vllm-api-key", "redis", "gateway-metrics"},
     "inference": {"inference", "vllm-api-key"},
     "trainer": {"trainer"},
+    "model-import": {"trainer"},  # the store user that publishes
     "redis": {"redis"},
+    "minio": {"minio"},  # its root user, which only it and store-init see
+    "store-init": {"minio", "gateway", "inference", "trainer"},  # makes their store users
 }
 
 
@@ -497,7 +438,9 @@ def test_one_secret_per_workload_and_least_privilege(folder: str, tmp_path: Path
     docs = render(folder)
     generated = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
     base_name = {re.sub(r"-[a-z0-9]{10}$", "", n): n for n in generated}  # kustomize's hash
-    assert set(base_name) == set().union(*SECRETS_OF.values())
+    assert set(base_name) == set().union(*SECRETS_OF.values()) - (
+        set() if folder == MINIO else {"minio"}
+    )
     for w in workloads(docs):
         pod = Pod(docs, w, tmp_path / folder.replace("/", "_"))
         reads = {re.sub(r"-[a-z0-9]{10}$", "", s) for s in pod.secrets}
@@ -584,3 +527,32 @@ def test_checkov_kubernetes_checks_pass_on_the_rendered_manifests(tmp_path: Path
     ]
     assert not failed, "\n".join(failed)
     assert sum(rep["summary"]["passed"] for rep in reports) > 100, r.stdout[-2000:]
+
+
+def test_the_minio_component_makes_the_store_users_the_workloads_secrets_name() -> None:
+    """store-init makes one MinIO user per workload from that workload's own Secret (the
+    access key and secret the service reads), with compose's policies, and the base's
+    store endpoint becomes the component's Service."""
+    docs = render(MINIO)
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    secret_names = {re.sub(r"-[a-z0-9]{10}$", "", n): n for k, n in by_name if k == "Secret"}
+    (init,) = by_name[("Job", "store-init")]["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"] if "valueFrom" in e}
+    for workload in ("gateway", "inference", "trainer"):
+        for var, key in (("USER", "ACCESS_KEY_ID"), ("SECRET", "SECRET_ACCESS_KEY")):
+            ref = refs[f"{workload.upper()}_{var}"]
+            assert ref == {"name": secret_names[workload], "key": f"LORASTACK_S3_{key}"}
+            assert f'"${workload.upper()}_{var}"' in init["args"][0]
+    policies = next(d for k, d in by_name.items() if k[0] == "ConfigMap" and "minio-pol" in k[1])
+    assert json.loads(policies["data"]["inference-policy.json"]) == json.loads(
+        (REPO / "deploy/minio/inference-policy.json").read_text()
+    )
+    settings = by_name[("ConfigMap", "lorastack-settings")]["data"]
+    service = by_name[("Service", "minio")]["spec"]
+    url = urlsplit(settings["LORASTACK_S3_ENDPOINT_URL"])
+    assert url.hostname == "minio" and url.port in [p["port"] for p in service["ports"]]
+    for folder in ("components/minio/secrets", "monitoring/secrets"):
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", f"deploy/k8s/{folder}/x.env"], cwd=REPO
+        )
+        assert ignored.returncode == 0, f"deploy/k8s/{folder}/ must be in .gitignore"

@@ -1,0 +1,188 @@
+"""Every container the Kubernetes targets would start, started here in its check mode: each
+target rendered by `kubectl kustomize` with a user's values (tests/k8s_render.py), and
+each lorastack container's own command run with `--check` by the venv's interpreter, in a
+process whose environment is only what the manifest gives it (ConfigMaps, Secrets, env,
+`$(VAR)` expanded as the kubelet does) and whose mounted ConfigMap files are written where
+its paths point. A torchrun command runs as torchrun would run its rank 0: `python -m
+lorastack.cli ...` with WORLD_SIZE, RANK and LOCAL_RANK from torchrun's own parser of the
+manifest's arguments. The other containers (Redis, MinIO, its init Job) run no lorastack
+code: every value they take from a Secret is held to the same placeholder rule.
+
+What a check mode checks is the service's (`--check` of `lorastack train`, `serve`,
+`gateway`, `model import`: settings, config, secrets, processes; nothing is fetched or
+started). Not run here: the built images (`make images`; the compose walk builds them
+where Docker runs) and a cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from k8s_render import KINDS, TARGETS, Pod, render, render_copy, runs_lorastack
+
+from lorastack.secrets import secret_problem
+
+CHECKED = ("train", "serve", "gateway", "model")  # every lorastack command a target runs
+
+
+def torchrun_env(args: list[str]) -> dict[str, str]:
+    """The variables torchrun gives its rank 0, from its own parser of `args` (torchrun's
+    arguments, up to `-m`): a flag torchrun does not know fails here as it would there."""
+    from torch.distributed.run import get_args_parser
+
+    ns = get_args_parser().parse_args([*args[1 : args.index("-m")], "-m", "lorastack.cli"])
+    nodes = int(str(ns.nnodes).split(":")[-1])  # MIN:MAX: the most it starts
+    world = nodes * int(ns.nproc_per_node)
+    return {
+        "WORLD_SIZE": str(world),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": ns.nproc_per_node,
+        "TORCHELASTIC_MAX_RESTARTS": str(ns.max_restarts),
+    }
+
+
+def check_command(pod: Pod) -> tuple[list[str], dict[str, str]]:
+    """The pod's command in its check mode, with paths pointing at the files written here,
+    and its environment (the manifest's, torchrun's, a PATH and a home folder)."""
+    argv = [pod.local(a) for a in pod.lorastack_argv()]
+    env = {k: pod.local(v) for k, v in pod.env.items()}
+    if pod.args[0] == "torchrun":
+        env |= torchrun_env(pod.args)
+    home = pod.local("/home/lorastack")
+    env |= {"PATH": os.environ["PATH"], "HOME": home, "PYTHONDONTWRITEBYTECODE": "1"}
+    return [sys.executable, "-m", "lorastack.cli", *argv, "--check"], env
+
+
+_RUNS: dict[str, tuple[int, str]] = {}
+
+
+def run_check(pod: Pod) -> tuple[int, str]:
+    """(exit code, output) of the pod's check; run once per distinct command, environment
+    and mounted files as the manifest gives them (the targets share most containers)."""
+    key = hashlib.sha256(repr((pod.args, sorted(pod.env.items()))).encode())
+    for mount in sorted(pod.mounts):
+        for f in sorted(pod.mounts[mount].rglob("*")):
+            if f.is_file():
+                key.update(f"{mount}/{f.relative_to(pod.mounts[mount])}".encode() + f.read_bytes())
+    if key.hexdigest() not in _RUNS:
+        argv, env = check_command(pod)
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, timeout=120)
+        _RUNS[key.hexdigest()] = (r.returncode, r.stdout + r.stderr)
+    return _RUNS[key.hexdigest()]
+
+
+def containers(docs: list[dict[str, Any]], root: Path) -> list[tuple[str, Pod]]:
+    """(workload name, its container) for every workload of a target."""
+    return [
+        (d["metadata"]["name"], Pod(docs, d, root / d["kind"])) for d in docs if d["kind"] in KINDS
+    ]
+
+
+def secret_problems(pod: Pod) -> list[str]:
+    """A container that runs no lorastack code: each value it takes from a Secret."""
+    return [why for k, v in pod.secret_env.items() if (why := secret_problem(v, k))]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_rendered_container_passes_its_own_check(target: str, tmp_path: Path) -> None:
+    seen = set()
+    docs = render(target)
+    for name, pod in containers(docs, tmp_path):
+        workload = next(d for d in docs if d["metadata"]["name"] == name and d["kind"] in KINDS)
+        if not runs_lorastack(workload):
+            assert not secret_problems(pod), (name, secret_problems(pod))
+            continue
+        code, output = run_check(pod)
+        assert code == 0 and "check passed" in output, (name, check_command(pod)[0], output)
+        seen.add(pod.lorastack_argv()[0])
+    assert seen == set(CHECKED), seen
+
+
+def _failing_check(target: str, workload: str, tmp_path: Path, **render_args: Any) -> str:
+    docs = render_copy(target, tmp_path / "render", **render_args)
+    (pod,) = [p for name, p in containers(docs, tmp_path / "pods") if name == workload]
+    code, output = run_check(pod)
+    assert code != 0, f"{workload} passed its check:\n{output}"
+    return output
+
+
+# one value a user could miss, the container whose check must refuse it, what it says
+MISSED = [
+    ("redis", "REDIS_PASSWORD", "gateway", "redis_url password is the placeholder"),
+    (
+        "trainer",
+        "LORASTACK_S3_SECRET_ACCESS_KEY",
+        "trainer",
+        "s3_secret_access_key is the placeholder",
+    ),
+    (
+        "trainer",
+        "LORASTACK_S3_ACCESS_KEY_ID",
+        "model-import",
+        "s3_access_key_id is the placeholder",
+    ),
+    (
+        "gateway",
+        "LORASTACK_S3_SECRET_ACCESS_KEY",
+        "gateway",
+        "s3_secret_access_key is the placeholder",
+    ),
+    ("inference", "LORASTACK_S3_ACCESS_KEY_ID", "inference", "s3_access_key_id is the placeholder"),
+    ("vllm-api-key", "LORASTACK_VLLM_API_KEY", "gateway", "vllm_api_key is the placeholder"),
+    ("vllm-api-key", "LORASTACK_VLLM_API_KEY", "inference", "vllm_api_key is the placeholder"),
+    ("configmap", "LORASTACK_S3_ENDPOINT_URL", "trainer", "s3_endpoint_url is still the example"),
+]
+
+
+@pytest.mark.parametrize(("stem", "key", "workload", "says"), MISSED)
+def test_a_value_left_as_shipped_fails_the_check(
+    stem: str, key: str, workload: str, says: str, tmp_path: Path
+) -> None:
+    output = _failing_check(TARGETS[0], workload, tmp_path, leave=(stem, key))
+    assert says in output, output
+
+
+def test_redis_and_minio_refuse_a_password_left_as_shipped(tmp_path: Path) -> None:
+    """Redis and MinIO run no check mode of ours: the values they read from a Secret are
+    held to the placeholder rule here."""
+    for stem, key, workload in [("redis", "REDIS_PASSWORD", "redis"),
+                                ("minio", "MINIO_ROOT_PASSWORD", "minio"),
+                                ("minio", "MINIO_ROOT_PASSWORD", "store-init")]:  # fmt: skip
+        root = tmp_path / f"{workload}"
+        docs = render_copy("deploy/k8s/overlays/minio", root / "render", leave=(stem, key))
+        (pod,) = [p for name, p in containers(docs, root / "pods") if name == workload]
+        assert any(key in why for why in secret_problems(pod)), (workload, pod.secret_env)
+
+
+@pytest.mark.parametrize(
+    ("overlay", "processes"),
+    [("multi-gpu-training", 4), ("multi-node-training", 8)],
+)
+def test_a_run_config_that_does_not_split_over_the_overlays_processes_fails(
+    overlay: str, processes: int, tmp_path: Path
+) -> None:
+    """The base's run config (grad_accum 1) under an overlay's torchrun: refused, as the
+    trainer refuses it at its first step on the GPUs."""
+    docs = render(f"deploy/k8s/overlays/{overlay}")
+    (pod,) = [p for name, p in containers(docs, tmp_path) if name == "trainer"]
+    assert check_command(pod)[1]["WORLD_SIZE"] == str(processes)
+    base = Path(__file__).resolve().parents[1] / "deploy/k8s/base/config/train.yaml"
+    Path(pod.local("/config/train.yaml")).write_text(base.read_text())
+    code, output = run_check(pod)
+    assert code != 0 and f"does not split over {processes} processes" in output, output
+
+
+def test_a_trainer_reading_its_own_split_as_its_dataset_fails(tmp_path: Path) -> None:
+    docs = render(TARGETS[0])
+    (pod,) = [p for name, p in containers(docs, tmp_path) if name == "trainer"]
+    config = Path(pod.local("/config/train.yaml"))
+    config.write_text(config.read_text().replace("ref: my-data", "ref: my-run/data"))
+    code, output = run_check(pod)
+    assert code != 0 and "where this run publishes its own split" in output, output
