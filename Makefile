@@ -10,7 +10,7 @@ REQS := constraints.txt scripts/setup.sh $(wildcard requirements/*.txt) \
         $(wildcard libs/*/pyproject.toml services/*/pyproject.toml apps/*/pyproject.toml \
                    tools/*/pyproject.toml)
 
-.PHONY: setup demo test test-compose lint
+.PHONY: setup demo test test-compose lint images push-images
 setup: $(STAMP)
 
 $(STAMP): $(REQS)
@@ -28,3 +28,10 @@ test-compose: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
+
+# The images under one tag (deploy/images.sh): make images push-images REGISTRY=... TAG=...
+images:
+	deploy/images.sh build
+
+push-images:
+	deploy/images.sh push

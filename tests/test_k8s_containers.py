@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_render import KINDS, TARGETS, Pod, render, render_copy, runs_lorastack
+import yaml
+from k8s_render import KINDS, REPO, TARGETS, Pod, kustomize, render, render_copy, runs_lorastack
 
 from lorastack.secrets import secret_problem
 
@@ -173,7 +174,7 @@ def test_a_run_config_that_does_not_split_over_the_overlays_processes_fails(
     docs = render(f"deploy/k8s/overlays/{overlay}")
     (pod,) = [p for name, p in containers(docs, tmp_path) if name == "trainer"]
     assert check_command(pod)[1]["WORLD_SIZE"] == str(processes)
-    base = Path(__file__).resolve().parents[1] / "deploy/k8s/base/config/train.yaml"
+    base = REPO / "deploy/k8s/base/config/train.yaml"
     Path(pod.local("/config/train.yaml")).write_text(base.read_text())
     code, output = run_check(pod)
     assert code != 0 and f"does not split over {processes} processes" in output, output
@@ -186,3 +187,53 @@ def test_a_trainer_reading_its_own_split_as_its_dataset_fails(tmp_path: Path) ->
     config.write_text(config.read_text().replace("ref: my-data", "ref: my-run/data"))
     code, output = run_check(pod)
     assert code != 0 and "where this run publishes its own split" in output, output
+
+
+def _images(docs: list[dict[str, Any]]) -> set[str]:
+    return {
+        c["image"]
+        for d in docs
+        if d["kind"] in KINDS
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+
+
+def test_the_images_make_images_builds_are_the_ones_every_target_runs() -> None:
+    """One tag for all: each lorastack image a target runs is one `make images` builds,
+    under the tag the base's `images:` block sets."""
+    listed = subprocess.run(
+        [str(REPO / "deploy/images.sh"), "list"], capture_output=True, text=True, check=True,
+        env={**os.environ, "REGISTRY": "", "TAG": "0.1.0"},
+    ).stdout.split()  # fmt: skip
+    for target in TARGETS:
+        ours = {i for i in _images(render(target)) if i.startswith("lorastack/")}
+        assert ours and ours <= set(listed), (target, ours - set(listed))
+
+
+def test_a_user_sets_their_registry_in_one_images_block(tmp_path: Path) -> None:
+    """What the README says to do: `make push-images REGISTRY=... TAG=...`, then an
+    `images:` block (here in a kustomization of the user's own over an overlay) naming the
+    same: every lorastack container then runs the pushed image, the others stay."""
+    env = {**os.environ, "REGISTRY": "registry.example.com/team", "TAG": "1.2.3"}
+    pushed = subprocess.run(
+        [str(REPO / "deploy/images.sh"), "list"], capture_output=True, text=True, check=True,
+        env=env,
+    ).stdout.split()  # fmt: skip
+    render_copy("deploy/k8s/overlays/minio", tmp_path)  # the user's values, written there
+    mine = tmp_path / "deploy/k8s/mine"
+    mine.mkdir()
+    images = []
+    for ref in pushed:  # REGISTRY/lorastack/NAME:TAG replaces the manifests' lorastack/NAME
+        name, tag = ref.rsplit(":", 1)
+        images.append({"name": name[name.index("lorastack/") :], "newName": name, "newTag": tag})
+    (mine / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": ["../overlays/minio"], "images": images})
+    )
+    r = kustomize(mine)
+    assert r.returncode == 0, r.stderr
+    running = _images([d for d in yaml.safe_load_all(r.stdout) if d])
+    ours = {i for i in running if "lorastack/" in i}
+    assert ours and ours <= set(pushed), ours - set(pushed)
+    assert {i for i in running if i not in ours} == {
+        i for i in _images(render("deploy/k8s/overlays/minio")) if not i.startswith("lorastack/")
+    }  # Redis, MinIO, mc: as shipped
