@@ -427,6 +427,7 @@ SECRETS_OF = {
     "inference": {"inference", "vllm-api-key"},
     "trainer": {"trainer"},
     "model-import": {"trainer"},  # the store user that publishes
+    "merger": {"trainer"},
     "redis": {"redis"},
     "minio": {"minio"},  # its root user, which only it and store-init see
     "store-init": {"minio", "gateway", "inference", "trainer"},  # makes their store users
@@ -556,3 +557,13 @@ def test_the_minio_component_makes_the_store_users_the_workloads_secrets_name() 
             ["git", "check-ignore", "-q", f"deploy/k8s/{folder}/x.env"], cwd=REPO
         )
         assert ignored.returncode == 0, f"deploy/k8s/{folder}/ must be in .gitignore"
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_jobs_that_need_the_store_filled_wait_to_be_started(folder: str) -> None:
+    """`kubectl apply` starts the model import at once; the trainer (it needs the base
+    model and the dataset) and the merger (the adapter) are suspended until started, so
+    that none spends its backoffLimit on what is not there yet."""
+    jobs = {d["metadata"]["name"]: d["spec"] for d in render(folder) if d["kind"] == "Job"}
+    assert jobs["trainer"].get("suspend") is True and jobs["merger"].get("suspend") is True
+    assert not jobs["model-import"].get("suspend")

@@ -29,7 +29,7 @@ from k8s_render import KINDS, REPO, TARGETS, Pod, kustomize, render, render_copy
 
 from lorastack.secrets import secret_problem
 
-CHECKED = ("train", "serve", "gateway", "model")  # every lorastack command a target runs
+CHECKED = ("train", "merge", "serve", "gateway", "model")  # every lorastack command a target runs
 
 
 def torchrun_env(args: list[str]) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """`lorastack merge ...`: merge + verify + publish, and the adapter-only vLLM check.
 
     lorastack merge ADAPTER[:VERSION] [--dtype float32|bfloat16|float16] [--device auto|cuda|cpu]
-                    [--name NAME] [--probes N]
+                    [--name NAME] [--probes N] [--check]
     lorastack merge check-adapter ADAPTER[:VERSION] [--max-lora-rank 16] [--export DIR]
 
 Heavy imports (torch, transformers, peft) happen inside the handlers. Exit codes: 0 done,
@@ -76,6 +76,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from merger.merge import merge_adapter
 
     settings = load_settings()
+    if args.check:  # the settings and the refs as a merge takes them; nothing is fetched
+        from lorastack.check_mode import run_check
+        from lorastack.manifest import parse_ref, validate_name
+
+        parse_ref(args.ref)
+        if args.name is not None:
+            validate_name(args.name)
+        return run_check("merge", settings, adapter=args.ref)
     result = merge_adapter(
         settings,
         args.ref,
@@ -163,4 +171,9 @@ def register(sub: Any) -> None:
         help="check-adapter: the server's --max-lora-rank (default LORASTACK_MAX_LORA_RANK or 16)",
     )
     p.add_argument("--export", help="check-adapter: copy the serving files into this folder")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the settings, adapter ref and secrets as a merge would, then stop",
+    )
     p.set_defaults(handler=cmd_merge)
