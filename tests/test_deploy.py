@@ -523,7 +523,7 @@ def test_a_missing_kubectl_fails_under_ci_and_skips_elsewhere_naming_how_to_get_
 
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without kubectl
     monkeypatch.setenv("CI", ci)
-    with pytest.raises(outcome, match="kubectl is missing: run scripts/setup.sh"):
+    with pytest.raises(outcome, match=r"kubectl is missing: run scripts/setup\.sh"):
         tool("kubectl", tmp_path / "kubectl")  # nor one in .venv
 
 
