@@ -567,3 +567,39 @@ def test_jobs_that_need_the_store_filled_wait_to_be_started(folder: str) -> None
     jobs = {d["metadata"]["name"]: d["spec"] for d in render(folder) if d["kind"] == "Job"}
     assert jobs["trainer"].get("suspend") is True and jobs["merger"].get("suspend") is True
     assert not jobs["model-import"].get("suspend")
+
+
+def _k8s_docs() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## On Kubernetes") :]
+    scaling = (REPO / "docs/scaling.md").read_text()
+    return section[: section.index("\n## ", 3)] + scaling
+
+
+def test_the_k8s_docs_name_only_what_the_manifests_make() -> None:
+    """README's "On Kubernetes" and docs/scaling.md: every deploy/k8s path they name is in
+    the repository (or is a secrets folder the user writes, ignored by git), every object
+    they name (`job/X`, `svc/X`, `patch job X`, ...) is rendered by the base or the MinIO
+    overlay, and every make target they name exists."""
+    text = _k8s_docs()
+    for path in set(re.findall(r"deploy/k8s/[\w./-]*\w", text)):
+        if not (REPO / path).exists():
+            ignored = subprocess.run(["git", "check-ignore", "-q", f"{path}/x.env"], cwd=REPO)
+            assert ignored.returncode == 0 and "secrets" in path, f"{path}: no such file"
+    made = {(d["kind"].lower(), d["metadata"]["name"]) for d in render(MINIO)}
+    short = {
+        "svc": "service",
+        "job": "job",
+        "statefulset": "statefulset",
+        "deployment": "deployment",
+    }
+    named = re.findall(r"\b(svc|job|statefulset|deployment)/([a-z0-9-]+)", text)
+    named += re.findall(r"\b(?:patch|delete) (job) ([a-z0-9-]+)", text)
+    assert named
+    for kind, name in named:
+        assert (short[kind], name) in made, f"{kind}/{name} is made by no manifest"
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), flags=re.M))
+    commands = re.findall(r"(?:`|^\s*)make ((?:[a-z][\w-]* ?)+)", text, flags=re.M)
+    assert commands
+    for line in commands:  # `make images push-images REGISTRY=...`: the lowercase words
+        assert set(line.split()) <= targets, line
