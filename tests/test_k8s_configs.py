@@ -490,6 +490,21 @@ def test_the_example_placeholders_are_refused_by_the_services(
     clear_lorastack_env(monkeypatch)
     with pytest.raises(ConfigError, match="vllm_api_key"):
         build_settings(model="m", vllm_api_key=value[1])
+    # the gateway's copy of the vLLM key, and Redis's password inside its URL
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+
+    password = re.search(
+        r"^REDIS_PASSWORD=(.*)$", (K8S / "secrets.example/redis.env").read_text(), flags=re.M
+    )
+    assert password is not None
+    for values, says in [
+        ({"vllm_api_key": value[1]}, "vllm_api_key is the placeholder"),
+        ({"redis_url": f"redis://:{password[1]}@redis:6379/0"}, "redis_url's password is the placeholder"),
+    ]:  # fmt: skip
+        with pytest.raises(ValidationError, match=says):
+            GatewaySettings(**values)
 
 
 # checkov's Kubernetes checks on what `kubectl kustomize` renders; each skip says why

@@ -116,7 +116,7 @@ def _failing_check(target: str, workload: str, tmp_path: Path, **render_args: An
 
 # one value a user could miss, the container whose check must refuse it, what it says
 MISSED = [
-    ("redis", "REDIS_PASSWORD", "gateway", "redis_url password is the placeholder"),
+    ("redis", "REDIS_PASSWORD", "gateway", "redis_url's password is the placeholder"),
     (
         "trainer",
         "LORASTACK_S3_SECRET_ACCESS_KEY",

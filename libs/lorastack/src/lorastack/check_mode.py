@@ -38,7 +38,7 @@ def secret_values(settings: BaseModel) -> dict[str, str]:
             if "://" in secret:
                 password = urlsplit(secret).password
                 if password is not None:
-                    found[f"{key} password"] = password
+                    found[f"{key}'s password"] = password
             else:
                 found[key] = secret
     return found

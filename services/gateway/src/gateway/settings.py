@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
@@ -143,7 +144,8 @@ class GatewaySettings(CommonSettings):
     vllm_api_key: SecretStr | None = Field(
         None,
         description="vLLM's --api-key (inference's LORASTACK_VLLM_API_KEY): sent as"
-        " `Authorization: Bearer KEY` on every request to a backend; unset: none is sent",
+        " `Authorization: Bearer KEY` on every request to a backend; at least 32 characters,"
+        " no placeholder (inference's bar); unset: none is sent",
     )
     # auth
     auth_enabled: bool | None = Field(
@@ -300,6 +302,10 @@ class GatewaySettings(CommonSettings):
                 f"redis_url must start with redis://, rediss:// or unix:// (got {scheme!r}:"
                 " e.g. redis://127.0.0.1:6379/0)"
             )
+        # an example's password left in place is one every reader of the example knows
+        password = urlsplit(v.get_secret_value()).password
+        if password is not None and (why := secret_problem(password, "redis_url's password")):
+            raise ValueError(why)
         return v
 
     @model_validator(mode="after")
@@ -338,7 +344,7 @@ class GatewaySettings(CommonSettings):
         named = [a for a in aliases if a]
         if len(set(named)) != len(named):
             raise ValueError(f"api_keys repeat an alias: {sorted(named)}; give each its own")
-        for name in ("admin_key", "metrics_key"):
+        for name in ("admin_key", "metrics_key", "vllm_api_key"):  # inference's bar for its copy
             value: SecretStr | None = getattr(self, name)
             if value is not None and (
                 why := secret_problem(value.get_secret_value(), name, ADMIN_KEY_MIN_CHARS)
