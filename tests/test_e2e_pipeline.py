@@ -314,10 +314,48 @@ def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
         f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters/altered/adapter-v1", timeout=60
     )
     warn = ParityChecks("warn", served_dtype="float32", api_key=None)
-    refused = warn.check(  # the same weights, served
+    checked = warn.check(  # the same weights, served
         f"http://127.0.0.1:{VLLM_PORT}",
         "date-iso/adapter-v1",
         altered,
         served_base_digest=adapter.parents[0].digest,
     )
-    assert refused == "" and warn.results()["date-iso/adapter-v1"]["ok"] is False
+    assert checked.serve and checked.outcome == "warned"
+    assert warn.results()["date-iso/adapter-v1"]["ok"] is False
+
+
+@pytest.mark.slow
+def test_the_adapter_at_half_its_scale_is_refused_and_never_listed(
+    demo: tuple[Path, str], tmp_path: Path
+) -> None:
+    """The trained adapter with its LoRA scale halved (lora_alpha / 2), published with the
+    trained reference: a near miss whose greedy answers may still agree. vLLM loads it
+    under a private name; the control refuses it; no client could reach it."""
+    import json
+    import shutil
+
+    from lorastack.parity import CHECK_PREFIX
+
+    home, _ = demo
+    folder, _ = _adapter_reference(home)
+    half = tmp_path / "half"
+    shutil.copytree(folder, half)
+    cfg = json.loads((half / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = cfg["lora_alpha"] / 2
+    (half / "adapter_config.json").write_text(json.dumps(cfg))
+    store = open_store(CommonSettings(home=home))
+    adapter = store.resolve("date-iso/adapter")
+    store.publish(
+        half, kind="adapter", name="half/adapter", service="test", parents=adapter.parents
+    )
+    r = httpx.post(
+        f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters",
+        json={"ref": "half/adapter"},
+        timeout=300,
+    )
+    assert r.status_code == 409 and "differs from the model that was trained" in r.text, r.text
+    models = httpx.get(f"http://127.0.0.1:{VLLM_PORT}/v1/models", timeout=30).json()["data"]
+    ids = {m["id"] for m in models}
+    assert "half/adapter-v1" not in ids and not any(i.startswith(CHECK_PREFIX) for i in ids)
+    record = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/status", timeout=30).json()
+    assert record["parity"]["half/adapter-v1"]["control_ratio"] > 0.15, record["parity"]

@@ -152,7 +152,7 @@ def _probe(
         base_lp[range(len(output_ids)), chosen].tolist(),
         top.values.flatten().tolist(),
     ]
-    if not all(map(torch.isfinite, map(torch.tensor, values))):
+    if not all(bool(torch.isfinite(torch.tensor(v)).all()) for v in values):
         raise Refused(
             f"the trained model's log-probabilities on a held-out prompt are not finite "
             f"(NaN or inf: {text[-60:]!r})",
