@@ -20,7 +20,8 @@ from typing import Any
 
 import psutil
 import pytest
-from test_gateway_proxy import CHAT, METRICS_KEY, metric
+from prometheus_client.parser import text_string_to_metric_families
+from test_gateway_proxy import ADMIN_KEY, CHAT, METRICS_KEY, metric
 
 from gateway.admission import Admission
 from gateway.backends import Backends
@@ -33,6 +34,7 @@ from gateway.settings import GatewaySettings
 from gateway.shared_claims import SharedInflight
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream
+from lorastack_testing.dns_server import DnsServer
 from lorastack_testing.fake_vllm import FakeState, serve_fake
 from lorastack_testing.net import free_port, wait_for
 from lorastack_testing.redis_server import require_redis_server, serve_redis
@@ -444,3 +446,85 @@ def test_a_killed_worker_loses_only_its_streams_and_is_replaced(two_workers) -> 
         conn.close()
     wait_for(lambda: _claimed(gw, backend) == 0, "every claim given back")
     conn_a.close()
+
+
+# --- two workers following DNS ---------------------------------------------------------
+DNS_NAME = "inference.lorastack.svc.cluster.local"
+
+
+def _get(conn: http.client.HTTPConnection, path: str, key: str) -> Any:
+    conn.request("GET", path, headers={"authorization": f"Bearer {key}"})
+    r = conn.getresponse()
+    body = r.read()
+    return json.loads(body) if path == "/ready" else body.decode()
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    )
+
+
+def test_with_workers_discovery_counts_each_event_once_and_a_gone_backend_leaves_no_series(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """Issue 58, finding 3: each worker follows the DNS, and prometheus_client's
+    multiprocess files keep a series `Gauge.remove` cannot drop. Two replicas are found
+    and one leaves: whichever worker answers /metrics counts 2 found and 1 removed (before:
+    once per worker), and the one that left has no series any more (before: its gauges
+    stayed, frozen)."""
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        dns = stack.enter_context(DnsServer())
+        replicas = [f"127.0.0.{n}" for n in (2, 3)]
+        for ip in replicas:
+            stack.enter_context(serve_fake(FakeState(), port, host=ip))
+        dns.records[DNS_NAME] = replicas
+        gw_port = free_port()
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            LORASTACK_HOME=str(tmp_path / "home"),
+            LORASTACK_TOKENIZERS=json.dumps({"smollm2": str(embedded_model)}),
+            LORASTACK_METRICS_KEY=METRICS_KEY,
+            LORASTACK_ADMIN_KEY=ADMIN_KEY,
+            LORASTACK_BACKENDS_DNS=f"{DNS_NAME}:{port}",
+            LORASTACK_BACKENDS_DNS_NAMESERVER=dns.address,
+            LORASTACK_BACKENDS_DNS_INTERVAL_S="0.1",
+            LORASTACK_SCRAPE_INTERVAL_S="0.2",
+        )
+        cmd = [sys.executable, "-m", "lorastack.cli", "gateway", "--workers", "2"]
+        proc = subprocess.Popen([*cmd, "--port", str(gw_port)], env=env)
+        gw = Workers(proc, gw_port)
+        stack.callback(_stop_parent, proc)
+        stack.callback(gw.close)
+        wait_for(lambda: len(gw.pids()) == 2, "two workers", 60)
+        conns = [gw.connect(pid) for pid in gw.pids()]
+        left = f"http://127.0.0.3:{port}"
+        for conn in conns:  # each worker has found and scraped both
+            wait_for(lambda c=conn: len(_get(c, "/ready", ADMIN_KEY).get("backends", {})) == 2,
+                     "both replicas found", 120)  # fmt: skip
+        dns.records[DNS_NAME] = replicas[:1]
+        for conn in conns:  # each worker has drained and forgotten the one that left
+            wait_for(lambda c=conn: left not in _get(c, "/ready", ADMIN_KEY)["backends"],
+                     "the replica forgotten", 60)  # fmt: skip
+        for conn in conns:
+            text = _get(conn, "/metrics", METRICS_KEY)
+            assert _sample(text, "lorastack_gateway_backends_discovered_total") == 2
+            assert _sample(text, "lorastack_gateway_backends_removed_total") == 1
+            assert _sample(text, "lorastack_gateway_backends_draining") == 0
+            assert left not in text  # no frozen gauge, no counter of a backend gone
+            assert f"http://127.0.0.2:{port}" in text
+            conn.close()
+
+
+def _stop_parent(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -32,12 +32,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import dns.asyncresolver
 import dns.exception
 import dns.resolver
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.metrics import UPSTREAM_ERROR_KINDS, GatewayMetrics
 from gateway.setting_values import dns_target, nameserver, served_max_num_seqs
@@ -82,43 +85,50 @@ def make_resolver(server: str | None) -> dns.asyncresolver.Resolver:
     return resolver
 
 
-class DiscoveryMetrics:
-    """The follower's counters, in the gateway's registry."""
+class DiscoveryMetrics(Collector):
+    """The follower's metrics, in the gateway's registry: the membership counters read from
+    the in-flight counts (`Membership`: each event once, with any number of workers), and
+    this worker's failed lookups."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        # with --workers N each worker follows the DNS: the counters sum N workers' events
-        r = metrics.registry
-        self.discovered = Counter(
-            "lorastack_gateway_backends_discovered_total",
-            "backends that appeared in backends_dns and were added",
-            registry=r,
-        )
-        self.removed = Counter(
-            "lorastack_gateway_backends_removed_total",
-            "backends that left backends_dns and were forgotten once drained",
-            registry=r,
-        )
-        self.draining = Gauge(
-            "lorastack_gateway_backends_draining",
-            "backends that left backends_dns with requests still open on them",
-            registry=r,
-            multiprocess_mode="livemax",  # every worker follows the same DNS
-        )
-        self.drained_requests = Counter(
-            "lorastack_gateway_drained_requests_total",
-            "requests open on a backend when it left backends_dns, let finish on it (one"
-            " its replica broke off is also in lorastack_gateway_upstream_errors_total)",
-            registry=r,
-        )
+    def __init__(self, metrics: GatewayMetrics, backends: Backends) -> None:
+        self.backends = backends
+        # each worker looks the name up itself: each failed lookup is one of its own
         self.lookup_errors = Counter(
             "lorastack_gateway_dns_lookup_errors_total",
             "lookups of backends_dns that failed (the backends stayed as they were)",
-            registry=r,
+            registry=metrics.registry,
+        )
+        metrics.add_collector(self)
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.backends.inflight.membership()
+        yield CounterMetricFamily(
+            "lorastack_gateway_backends_discovered",
+            "backends that appeared in backends_dns and were added",
+            value=m.discovered,
+        )
+        yield CounterMetricFamily(
+            "lorastack_gateway_backends_removed",
+            "backends that left backends_dns and were forgotten once drained",
+            value=m.removed,
+        )
+        yield GaugeMetricFamily(
+            "lorastack_gateway_backends_draining",
+            "backends that left backends_dns with requests still open on them",
+            value=m.draining,
+        )
+        yield CounterMetricFamily(
+            "lorastack_gateway_drained_requests",
+            "requests open on a backend when it left backends_dns, let finish on it (one"
+            " its replica broke off is also in lorastack_gateway_upstream_errors_total)",
+            value=m.drained_requests,
         )
 
 
 def forget_series(metrics: GatewayMetrics, url: str) -> None:
-    """Drop a forgotten backend's per-backend series (a gauge would keep its last value)."""
+    """Drop a forgotten backend's per-backend series (a gauge would keep its last value).
+    With `--workers N` `remove` does nothing (the values live in every worker's files):
+    `GatewayMetrics.render` then leaves out the series of backends no longer known."""
     gauges = (
         metrics.backend_up,
         metrics.backend_kv,
@@ -152,13 +162,12 @@ class DnsFollower:
         self.interval_s = settings.backends_dns_interval_s
         self.backends = backends
         self.metrics = metrics
-        self.counts = DiscoveryMetrics(metrics)
+        self.counts = DiscoveryMetrics(metrics, backends)
         self.resolver = resolver or make_resolver(settings.backends_dns_nameserver)
         # every replica runs the same serve config: its running slots hold for each
         self.max_num_seqs = (
             served_max_num_seqs(settings.serve_config) if settings.serve_config else None
         )
-        self.open_at_drain: dict[str, int] = {}  # url -> requests open when it began draining
 
     async def lookup(self) -> frozenset[str] | None:
         """Backend URLs the name resolves to now; None when the lookup failed."""
@@ -179,21 +188,18 @@ class DnsFollower:
             states = self.backends.states
             draining = frozenset(u for u, st in states.items() if st.draining)
             plan = plan_membership(found, frozenset(states) - draining, draining)
+            inflight = self.backends.inflight
             for url in sorted(plan.resume):
                 states[url].draining = False
-                self.open_at_drain.pop(url, None)
+                inflight.resumed(url)
                 log.info("backend %s is back in %s", url, self.name)
             for url in sorted(plan.drain):
                 states[url].draining = True
-                self.open_at_drain[url] = self.backends.inflight.counts.get(url, 0)
-                log.info(
-                    "backend %s left %s: draining (%d open)",
-                    url,
-                    self.name,
-                    self.open_at_drain[url],
-                )
-            self.counts.discovered.inc(len(plan.add))
+                open_requests = inflight.counts.get(url, 0)  # every worker's
+                inflight.draining(url, open_requests)
+                log.info("backend %s left %s: draining (%d open)", url, self.name, open_requests)
             for url in sorted(plan.add):
+                inflight.found(url)
                 log.info("backend %s found in %s", url, self.name)
             await asyncio.gather(*(self.backends.add(u, self.max_num_seqs) for u in plan.add))
         self.forget_drained()
@@ -204,11 +210,7 @@ class DnsFollower:
             if st.draining and self.backends.inflight.counts.get(url, 0) <= 0:
                 self.backends.forget(url)
                 forget_series(self.metrics, url)
-                self.counts.removed.inc()
-                self.counts.drained_requests.inc(self.open_at_drain.pop(url, 0))
                 log.info("backend %s drained and forgotten", url)
-        draining = sum(st.draining for st in self.backends.states.values())
-        self.counts.draining.set(draining)
 
     async def run(self) -> None:
         """Look up every interval until cancelled (one failed round does not stop it)."""

@@ -252,6 +252,8 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
             metrics.backend_inflight.labels(url).set(n)
             metrics.backend_kv_claimed.labels(url).set(backends.inflight.tokens.get(url, 0))
         metrics.kv_admission_waiting.set(backends.inflight.waiting)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            metrics.render(backends.states), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     return app

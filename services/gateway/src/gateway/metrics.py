@@ -8,16 +8,21 @@ With `--workers N` each worker writes its values to files in `multiprocess_dir`
 before any worker imports the library) and /metrics, served by any worker, reads them
 all: counters and histograms summed over the workers (a dead worker's counts stay in),
 requests in flight summed over the live ones, and a gauge that every worker sets to the
-same thing (a scrape, the shared KV claims) as the live worker that set it last.
+same thing (a scrape, the shared KV claims) as the live worker that set it last; a
+series of a backend the gateway forgot is left out (`render`), and what the workers
+share exactly (discovery's counts) is read once from the shared counts (`add_collector`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from gateway.scrape import BackendMetrics
 
@@ -73,6 +78,7 @@ class GatewayMetrics:
     def __init__(self, multiprocess_dir: Path | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir  # set: every worker's values (`render`)
         self._series: dict[tuple[str, str], RouteSeries] = {}
+        self._collectors: list[Collector] = []  # rendered once, not per worker
         self.registry = r = CollectorRegistry(auto_describe=True)
         b = ["backend"]
         self.backend_up = Gauge(
@@ -262,10 +268,39 @@ class GatewayMetrics:
         cap = m.kv_capacity_tokens
         self.backend_kv_capacity.labels(url).set(float("nan") if cap is None else cap)
 
-    def render(self) -> bytes:
-        """Prometheus text: this process's metrics, or every worker's (`multiprocess_dir`)."""
+    def add_collector(self, collector: Collector) -> None:
+        """A collector of values every worker reads alike (the shared counts): rendered
+        once, not summed over the workers' files."""
+        self._collectors.append(collector)
+        self.registry.register(collector)
+
+    def render(self, backends: Collection[str] | None = None) -> bytes:
+        """Prometheus text: this process's metrics, or every worker's (`multiprocess_dir`),
+        where a series labelled with a backend not in `backends` (None: any) is left out:
+        the workers' files keep a forgotten backend's series, which `remove` cannot drop."""
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
-        every = CollectorRegistry()
-        MultiProcessCollector(every, path=str(self.multiprocess_dir))
+        every = CollectorRegistry(auto_describe=False)
+        every.register(_KnownBackends(MultiProcessCollector(None, str(self.multiprocess_dir)),
+                                      None if backends is None else frozenset(backends)))  # fmt: skip
+        for collector in self._collectors:
+            every.register(collector)
         return generate_latest(every)
+
+
+class _KnownBackends(Collector):
+    """The workers' metrics without the series of backends the gateway forgot."""
+
+    def __init__(self, inner: MultiProcessCollector, backends: frozenset[str] | None) -> None:
+        self.inner = inner
+        self.backends = backends
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            keep = self.backends
+            if keep is not None:
+                family.samples = [
+                    s for s in family.samples if s.labels.get("backend", "") in keep
+                    or "backend" not in s.labels
+                ]  # fmt: skip
+            yield family

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gateway.errors import KvClaimTooLarge, NoKvRoom, Overloaded, UpstreamUnavailable
 
@@ -333,6 +334,18 @@ class Turn(asyncio.Event):
 
 NO_TICKET = 2**62  # no request waits: later than any ticket
 
+# a backend's place in `backends_dns`, as the counts keep it for every worker at once
+GONE, MEMBER, DRAINING = 0, 1, 2
+
+
+class Membership(NamedTuple):
+    """What DNS discovery did, each event counted once however many workers saw it."""
+
+    discovered: int  # backends that appeared (again)
+    removed: int  # backends forgotten once drained
+    drained_requests: int  # requests open on a backend when it began draining
+    draining: int  # backends draining now
+
 
 @dataclass
 class InflightCounter:
@@ -354,6 +367,8 @@ class InflightCounter:
     _lines: dict[str, list[Turn]] = field(default_factory=dict)
     _waiting: int = 0
     _tickets: Iterator[int] = field(default_factory=itertools.count)
+    _members: dict[str, int] = field(default_factory=dict)  # url -> MEMBER or DRAINING
+    _events: list[int] = field(default_factory=lambda: [0, 0, 0])  # Membership's counters
 
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
         """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`)."""
@@ -370,9 +385,35 @@ class InflightCounter:
         return self.counts.get(url, 0), self.tokens.get(url, 0)
 
     def forget(self, url: str) -> None:
-        """Drop a backend the gateway forgot (nothing is open on it)."""
+        """Drop a backend the gateway forgot (nothing is open on it): removed, if it was
+        draining."""
+        if self._members.pop(url, GONE) == DRAINING:
+            self._events[1] += 1
         for table in (self.counts, self.sent, self.tokens):
             table.pop(url, None)
+
+    def found(self, url: str) -> None:
+        """`url` appeared in `backends_dns`: discovered, unless it is a member already."""
+        if self._members.get(url, GONE) == GONE:
+            self._members[url] = MEMBER
+            self._events[0] += 1
+
+    def draining(self, url: str, open_requests: int) -> None:
+        """`url` left `backends_dns` with `open_requests` open on it."""
+        if self._members.get(url, GONE) == MEMBER:
+            self._members[url] = DRAINING
+            self._events[2] += open_requests
+
+    def resumed(self, url: str) -> None:
+        """`url` came back to `backends_dns` while draining."""
+        if self._members.get(url, GONE) == DRAINING:
+            self._members[url] = MEMBER
+
+    def membership(self) -> Membership:
+        """The discovery counters and the backends draining now."""
+        draining = sum(state == DRAINING for state in self._members.values())
+        discovered, removed, drained_requests = self._events
+        return Membership(discovered, removed, drained_requests, draining)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

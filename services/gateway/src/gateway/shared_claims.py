@@ -22,16 +22,20 @@ admission and the upstream use either. What makes it exact across processes:
   now first in its line and rings it (one datagram on its socket, `wake_address`); that
   worker reads its words and sets its own waiters' events; nothing polls.
 
+Discovery (`backends_dns`, which every worker follows on its own) keeps each backend's
+membership here too, so what it counts (`Membership`) is counted once, by the first
+worker to see each change, whichever worker answers /metrics.
+
 Layout, int64 words: the next ticket, a version (bumped by every change: readers reuse
 their last totals while it stands), the number of backend entries used, a registry
 generation (bumped when an entry is taken or freed: each worker then reads the URLs
-again); then the requests ever sent to each backend (routing compares it with a
-scrape's); then per worker slot (`_Slot` offsets) its waiting count, and per backend its
-open requests, their KV claims (tokens), the lowest ticket of its requests waiting
-there and its wake-up word. After the words, the backend URLs, `URL_BYTES` each. A
-backend the gateway forgets (it left `backends_dns` and drained) frees its entry once no
-worker counts anything on it or waits for it, so replicas that come and go with new
-addresses never run the table out.
+again), the discovery counters; then the requests ever sent to each backend (routing
+compares it with a scrape's) and each backend's membership; then per worker slot
+(`_Slot` offsets) its waiting count, and per backend its open requests, their KV claims
+(tokens), the lowest ticket of its requests waiting there and its wake-up word. After
+the words, the backend URLs, `URL_BYTES` each. A backend the gateway forgets (it left
+`backends_dns` and drained) frees its entry once no worker counts anything on it or
+waits for it, so replicas that come and go with new addresses never run the table out.
 
 Owns: that file and the wake-up sockets. Does not own: what the counts mean
 (`routing.py`), the processes (`processes.py`).
@@ -49,14 +53,26 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.routing import NO_TICKET, InflightCounter, Turn
+from gateway.routing import (
+    DRAINING,
+    GONE,
+    MEMBER,
+    NO_TICKET,
+    InflightCounter,
+    Membership,
+    Turn,
+)
 
 MAX_BACKENDS = 256
 URL_BYTES = 512  # bytes of one backend URL (UTF-8), at most
-_HEADER = 4  # next ticket, version, backend entries used, registry generation
+# next ticket, version, backend entries used, registry generation, then the counters of
+# `Membership`: backends discovered, removed, requests open on them when they began draining
+_HEADER = 7
 _GENERATION = 3
+_DISCOVERED = 4
 _SENT = _HEADER
-_SLOTS = _SENT + MAX_BACKENDS
+_MEMBERS = _SENT + MAX_BACKENDS  # per backend: GONE, MEMBER or DRAINING (`backends_dns`)
+_SLOTS = _MEMBERS + MAX_BACKENDS
 
 
 class _Slot:
@@ -207,15 +223,19 @@ class SharedInflight:
         return i
 
     def forget(self, url: str) -> None:
-        """Free `url`'s entry once no worker counts a request or claim on it, or has one
-        waiting for it (the gateway forgot the backend); a worker still counting keeps it
-        until its own forget."""
+        """The gateway forgot `url` (drained): removed, if it was draining (by the first
+        worker to forget it); its entry is freed once no worker counts a request or claim
+        on it, or has one waiting for it (a worker still counting keeps it until its own
+        forget)."""
         w = self._words
         with self.exclusive():
             self._load_urls()
             i = self._index.get(url)
             if i is None:
                 return
+            if w[_MEMBERS + i] == DRAINING:
+                w[_DISCOVERED + 1] += 1
+            w[_MEMBERS + i] = GONE
             for b in self._bases():
                 if w[b + _Slot.COUNTS + i] or w[b + _Slot.TOKENS + i]:
                     return
@@ -227,6 +247,43 @@ class SharedInflight:
             w[_GENERATION] += 1
             w[1] += 1
             self._load_urls()
+
+    def found(self, url: str) -> None:
+        """`url` appeared in `backends_dns`: discovered, unless a worker found it already."""
+        w = self._words
+        with self.exclusive():
+            i = self._backend(url)
+            if w[_MEMBERS + i] == GONE:
+                w[_MEMBERS + i] = MEMBER
+                w[_DISCOVERED] += 1
+
+    def draining(self, url: str, open_requests: int) -> None:
+        """`url` left `backends_dns` with `open_requests` (every worker's) open on it:
+        counted by the first worker to see it go."""
+        w = self._words
+        with self.exclusive():
+            i = self._backend(url)
+            if w[_MEMBERS + i] == MEMBER:
+                w[_MEMBERS + i] = DRAINING
+                w[_DISCOVERED + 2] += open_requests
+
+    def resumed(self, url: str) -> None:
+        """`url` came back to `backends_dns` while draining."""
+        w = self._words
+        with self.exclusive():
+            i = self._backend(url)
+            if w[_MEMBERS + i] == DRAINING:
+                w[_MEMBERS + i] = MEMBER
+
+    def membership(self) -> Membership:
+        """The discovery counters and the backends draining now, of every worker."""
+        w = self._words
+        with self.exclusive():
+            used = int(w[2])
+            draining = sum(w[_MEMBERS + i] == DRAINING for i in range(used))
+            return Membership(
+                int(w[_DISCOVERED]), int(w[_DISCOVERED + 1]), int(w[_DISCOVERED + 2]), draining
+            )
 
     def _url_at(self, i: int) -> int:
         return (_SLOTS + self.workers * _Slot.WORDS) * 8 + i * URL_BYTES
