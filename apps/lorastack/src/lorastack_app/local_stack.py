@@ -339,7 +339,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("up", help="start inference (vLLM) and the gateway as local processes")
-    p.add_argument("--serve-config", help="serve YAML; default HOME/demo/serve.yaml")
+    p.add_argument(
+        "--serve-config",
+        help="serve YAML (e.g. apps/lorastack/serve.yaml); default HOME/demo/serve.yaml, "
+        "the one `lorastack demo` wrote",
+    )
     p.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each /ready")
     p.set_defaults(handler=cmd_up)
