@@ -12,8 +12,10 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -528,3 +530,52 @@ def _stop_parent(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def test_sigterm_with_workers_refuses_new_connections_at_once_while_streams_finish(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """Issue 58, finding 5: at SIGTERM the workers stop accepting, but the parent kept the
+    listening socket open, so the kernel went on taking connections nobody would answer
+    for as long as the workers drained. Now a connect is refused while a held stream still
+    finishes (one worker behaves so too)."""
+    state = FakeState(hold=threading.Event())  # a stream holds until the test sets it
+    state.tokens = [f" t{i}" for i in range(4)]
+    with contextlib.ExitStack() as stack:
+        backend = stack.enter_context(serve_fake(state))
+        stack.callback(state.hold.set)  # whatever happens, the fake's streams can end
+        port = free_port()
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            LORASTACK_HOME=str(tmp_path / "home"),
+            LORASTACK_TOKENIZERS=json.dumps({"smollm2": str(embedded_model)}),
+            LORASTACK_SHUTDOWN_GRACE_S="120",  # the held stream keeps the workers draining
+        )
+        cmd = [sys.executable, "-m", "lorastack.cli", "gateway", "--workers", "2"]
+        proc = subprocess.Popen([*cmd, "--port", str(port), "--backend", backend], env=env)
+        gw = Workers(proc, port)
+        stack.callback(_stop_parent, proc)
+        stack.callback(gw.close)
+        wait_for(lambda: len(gw.pids()) == 2, "two workers", 60)
+        conn = gw.connect(gw.pids()[0])
+        wait_for(lambda: _ready(conn), "the worker ready", 120)
+        stream = _post(conn, FREE_KEY, stream=True)
+        assert stream.status == 200 and b"data: " in stream.read1(65536)
+        proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except ConnectionRefusedError:
+                return True
+            return False
+
+        # 20 s: the time the parent and workers take to handle the signal on a loaded
+        # machine; the stream below keeps the workers draining for 120 s
+        wait_for(refused, "a new connection refused", 20)
+        assert proc.poll() is None and not stream.isclosed()  # still draining
+        assert state.hold is not None
+        state.hold.set()
+        assert stream.read().rstrip().endswith(b"data: [DONE]")  # the stream finishes whole
+        assert proc.wait(60) == 0

@@ -14,8 +14,9 @@ A worker that dies (killed, crashed) loses the streams it was relaying: their cl
 the connection close before the last event, and their backend connections close, so
 vLLM aborts them. The parent then zeroes the worker's slot of the shared counts, marks
 its metric files dead and starts a new worker in its place. SIGTERM or SIGINT to the
-parent stops the workers (each finishes its streams for up to `shutdown_grace_s`, uvicorn's graceful
-shutdown) and removes the run folder.
+parent closes its copy of the listening socket, then stops the workers (each closes its
+own, so new connections are refused at once, and finishes its streams for up to
+`shutdown_grace_s`, uvicorn's graceful shutdown), and removes the run folder.
 """
 
 from __future__ import annotations
@@ -158,8 +159,11 @@ def serve(settings: GatewaySettings) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop_all([proc for proc, _ in procs.values()], settings.shutdown_grace_s + STOP_MARGIN_S)
+        # first: the kernel stops taking connections once no process holds the socket
+        # (each worker closes its copy as its graceful shutdown begins); kept open, it
+        # went on queueing connections that no worker would ever accept
         sock.close()
+        _stop_all([proc for proc, _ in procs.values()], settings.shutdown_grace_s + STOP_MARGIN_S)
         shared.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
