@@ -94,6 +94,29 @@ def test_forgotten_backends_free_their_entries_so_new_addresses_never_run_out(
     assert two.counts == {"http://keep": 0}
 
 
+def test_a_worker_that_dies_counting_on_a_forgotten_backend_leaks_no_entry(tmp_path) -> None:
+    """Issue 58, finding 7: worker 1 forgets a drained replica while worker 2 still counts
+    a request on it; worker 2 dies before its own forget. The parent's `clear_slot` frees
+    the entry with the dead worker's counts, so replicas that come and go, each outliving
+    a dying worker, never fill the table (before: full after MAX_BACKENDS of them)."""
+    from gateway.shared_claims import MAX_BACKENDS
+
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    parent, one = SharedInflight(path, 0), SharedInflight(path, 0)
+    for n in range(MAX_BACKENDS * 2):
+        two = SharedInflight(path, 1)  # a new worker in slot 1 each time
+        url = f"http://10.1.{n // 256}.{n % 256}:8000"
+        two.add(url, 1, 16)
+        one.forget(url)  # drained as far as worker 1 knows: kept for worker 2's count
+        assert one.counts[url] == 1
+        two.close()  # worker 2 dies
+        parent.clear_slot(1)
+        assert url not in one.counts
+    one.add("http://still", 1, 16)  # the table has room
+    assert parent.counts == {"http://still": 1}
+
+
 def test_the_admission_lines_are_one_line_per_backend_across_workers(tmp_path) -> None:
     """Tickets order the requests of every worker; a request looks for room only on the
     backends where no earlier ticket waits, whichever worker holds it (issue 58)."""
@@ -579,3 +602,45 @@ def test_sigterm_with_workers_refuses_new_connections_at_once_while_streams_fini
         state.hold.set()
         assert stream.read().rstrip().endswith(b"data: [DONE]")  # the stream finishes whole
         assert proc.wait(60) == 0
+
+
+def test_the_run_folder_of_a_parent_killed_by_sigkill_is_removed_at_the_next_start(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """Issue 58, finding 7: SIGKILL leaves the parent no `finally`, so its run folder (the
+    shared counts, the metric files) stayed in the temporary directory; the next gateway
+    removes the folders of parents no longer alive, and its own at SIGTERM."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(
+        os.environ,
+        TMPDIR=str(tmp),
+        HF_HUB_OFFLINE="1",
+        LORASTACK_HOME=str(tmp_path / "home"),
+        LORASTACK_TOKENIZERS=json.dumps({"smollm2": str(embedded_model)}),
+    )
+    cmd = [sys.executable, "-m", "lorastack.cli", "gateway", "--workers", "2"]
+    cmd += ["--backend", "http://127.0.0.1:9"]  # no backend needed: nothing is sent
+
+    def start() -> tuple[subprocess.Popen[bytes], Workers]:
+        port = free_port()
+        proc = subprocess.Popen([*cmd, "--port", str(port)], env=env)
+        gw = Workers(proc, port)
+        wait_for(lambda: len(gw.pids()) == 2, "two workers", 60)
+        return proc, gw
+
+    killed, gw = start()
+    workers = [psutil.Process(pid) for pid in gw.pids()]
+    killed.kill()
+    killed.wait()
+    psutil.wait_procs(workers, timeout=60)  # they follow their parent (PR_SET_PDEATHSIG)
+    left = list(tmp.glob("lorastack-gateway-*"))
+    assert len(left) == 1  # what SIGKILL leaves
+    second, _ = start()
+    try:
+        folders = list(tmp.glob("lorastack-gateway-*"))
+        assert not left[0].exists() and len(folders) == 1
+        assert folders[0].name.startswith(f"lorastack-gateway-{second.pid}-")  # its own
+    finally:
+        _stop_parent(second)
+    assert list(tmp.glob("lorastack-gateway-*")) == []

@@ -16,7 +16,9 @@ vLLM aborts them. The parent then zeroes the worker's slot of the shared counts,
 its metric files dead and starts a new worker in its place. SIGTERM or SIGINT to the
 parent closes its copy of the listening socket, then stops the workers (each closes its
 own, so new connections are refused at once, and finishes its streams for up to
-`shutdown_grace_s`, uvicorn's graceful shutdown), and removes the run folder.
+`shutdown_grace_s`, uvicorn's graceful shutdown), and removes the run folder; the run
+folder of a parent killed by SIGKILL is removed by the next gateway's start
+(`sweep_run_folders`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ UVICORN_OPTIONS: dict[str, Any] = {
 }
 QUICK_EXIT_S = 5.0  # a worker that exits sooner than this after its start failed to start
 MAX_QUICK_EXITS = 3  # in a row, in one slot: the parent gives up (the error is in the log)
+RUN_PREFIX = "lorastack-gateway-"  # + the parent's pid + "-": the run folder's name
 STOP_MARGIN_S = 5.0  # past shutdown_grace_s, a stopping worker is killed
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
@@ -100,7 +103,8 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(settings: GatewaySettings) -> int:
     """Run `settings.workers` workers on `settings.port` until SIGTERM or SIGINT; 0 then,
     1 when a worker kept failing at its start."""
-    run_dir = Path(tempfile.mkdtemp(prefix="lorastack-gateway-"))
+    sweep_run_folders(Path(tempfile.gettempdir()))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
     metrics_dir = run_dir / "metrics"
     metrics_dir.mkdir()
     claims = run_dir / "claims"
@@ -167,6 +171,26 @@ def serve(settings: GatewaySettings) -> int:
         shared.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def sweep_run_folders(tmp: Path) -> None:
+    """Remove the run folders (`RUN_PREFIX` + the parent's pid) of gateways whose parent
+    died without removing its own: killed by SIGKILL, its `finally` never ran (its workers
+    followed it, by PR_SET_PDEATHSIG)."""
+    for folder in tmp.glob(f"{RUN_PREFIX}*-*"):
+        pid = folder.name.removeprefix(RUN_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _stop_all(procs: list[BaseProcess], wait_s: float) -> None:

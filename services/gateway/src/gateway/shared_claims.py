@@ -71,7 +71,10 @@ _HEADER = 7
 _GENERATION = 3
 _DISCOVERED = 4
 _SENT = _HEADER
-_MEMBERS = _SENT + MAX_BACKENDS  # per backend: GONE, MEMBER or DRAINING (`backends_dns`)
+# per backend: GONE, MEMBER or DRAINING (`backends_dns`), or _FORGOTTEN by a worker
+# while another still counted on it
+_MEMBERS = _SENT + MAX_BACKENDS
+_FORGOTTEN = 3
 _SLOTS = _MEMBERS + MAX_BACKENDS
 
 
@@ -180,8 +183,9 @@ class SharedInflight:
 
     def clear_slot(self, slot: int) -> None:
         """Forget what a dead worker counted and what it had waiting (the parent, before it
-        starts its replacement); every other worker looks at its lines again, since the
-        dead one's requests may have come first in them."""
+        starts its replacement), and free the entries of backends the others forgot that
+        only its counts kept; every other worker looks at its lines again, since the dead
+        one's requests may have come first in them."""
         w = self._words
         base = self._slot_base(slot)
         with self.exclusive():
@@ -192,6 +196,10 @@ class SharedInflight:
             for other in range(self.workers):
                 for i in range(MAX_BACKENDS):
                     w[self._slot_base(other) + _Slot.WAKE + i] = int(other != slot)
+            self._load_urls()
+            for i in list(self._index.values()):  # forgotten, kept only by the dead worker
+                if w[_MEMBERS + i] == _FORGOTTEN and self._unused(i):
+                    self._free(i)
             w[1] += 1
         for other in range(self.workers):
             if other != slot:
@@ -225,8 +233,8 @@ class SharedInflight:
     def forget(self, url: str) -> None:
         """The gateway forgot `url` (drained): removed, if it was draining (by the first
         worker to forget it); its entry is freed once no worker counts a request or claim
-        on it, or has one waiting for it (a worker still counting keeps it until its own
-        forget)."""
+        on it, or has one waiting for it. One still counting keeps it until its own
+        forget, or until its death (`clear_slot` frees what only it held)."""
         w = self._words
         with self.exclusive():
             self._load_urls()
@@ -235,25 +243,37 @@ class SharedInflight:
                 return
             if w[_MEMBERS + i] == DRAINING:
                 w[_DISCOVERED + 1] += 1
-            w[_MEMBERS + i] = GONE
-            for b in self._bases():
-                if w[b + _Slot.COUNTS + i] or w[b + _Slot.TOKENS + i]:
-                    return
-                if w[b + _Slot.HEADS + i] != NO_TICKET:
-                    return
-            at = self._url_at(i)
-            self._map[at : at + URL_BYTES] = bytes(URL_BYTES)
-            w[_SENT + i] = 0
-            w[_GENERATION] += 1
-            w[1] += 1
-            self._load_urls()
+            w[_MEMBERS + i] = _FORGOTTEN
+            if self._unused(i):
+                self._free(i)
+
+    def _unused(self, i: int) -> bool:
+        """No worker counts a request or claim on entry `i`, nor has one waiting for it."""
+        w = self._words
+        return not any(
+            w[b + _Slot.COUNTS + i]
+            or w[b + _Slot.TOKENS + i]
+            or w[b + _Slot.HEADS + i] != NO_TICKET
+            for b in self._bases()
+        )
+
+    def _free(self, i: int) -> None:
+        """Free entry `i` for another URL (with the lock held)."""
+        w = self._words
+        at = self._url_at(i)
+        self._map[at : at + URL_BYTES] = bytes(URL_BYTES)
+        w[_SENT + i] = 0
+        w[_MEMBERS + i] = GONE
+        w[_GENERATION] += 1
+        w[1] += 1
+        self._load_urls()
 
     def found(self, url: str) -> None:
         """`url` appeared in `backends_dns`: discovered, unless a worker found it already."""
         w = self._words
         with self.exclusive():
             i = self._backend(url)
-            if w[_MEMBERS + i] == GONE:
+            if w[_MEMBERS + i] in (GONE, _FORGOTTEN):
                 w[_MEMBERS + i] = MEMBER
                 w[_DISCOVERED] += 1
 
