@@ -1,9 +1,10 @@
 """The pages the docs tests read, their fenced blocks, and the marker that says how a block
 of shell is tested.
 
-The pages: README.md, docs/ (every .md under it) and each package's README (libs/, services/,
-apps/, tools/, deploy/). bench/ READMEs are measurement recipes for the machines they name:
-tests/test_docs_commands.py checks their `lorastack` lines, nothing here runs them.
+The pages: README.md, docs/*.md and the READMEs under docs/ (not the example outputs there),
+and each package's README (libs/, services/, apps/, tools/, deploy/). bench/ READMEs are
+measurement recipes for the machines they name: tests/test_docs_commands.py checks their
+`lorastack` lines, nothing here runs them.
 
 A shell block (```sh, bash, shell or console) is run by tests/test_docs_shell.py as written,
 unless the line just above its fence says why not:
@@ -84,7 +85,8 @@ class Command:
 
 
 def pages() -> list[Path]:
-    found = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found += sorted((REPO / "docs").glob("*/*/README.md"))  # not the examples' outputs
     for layer in ("libs", "services", "apps", "tools"):
         found += sorted(REPO.glob(f"{layer}/*/README.md"))
     found += sorted(p for p in (REPO / "deploy").rglob("README.md"))
@@ -110,7 +112,8 @@ def blocks(page: Path) -> tuple[Block, ...]:
                 inside = False
             continue
         if inside:
-            body.append((number, line[indent:] if line[:indent].isspace() else line.lstrip()))
+            keep = not indent or line[:indent].isspace()
+            body.append((number, line[indent:] if keep else line.lstrip()))
     return tuple(out)
 
 

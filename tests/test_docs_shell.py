@@ -139,9 +139,15 @@ def shows(output: str, expected: tuple[str, ...]) -> str | None:
 def test_the_shell_blocks_of_a_page_run_as_written(
     page: str, runs: list[Block], tmp_path: Path, embedded_model: Path
 ) -> None:
-    cmds = [c for block in runs for c in commands(block)]
+    problems = run_session([c for b in runs for c in commands(b)], tmp_path, embedded_model)
+    assert not problems, "\n".join(problems)
+
+
+def run_session(cmds: list[Command], tmp_path: Path, embedded_model: Path | None) -> list[str]:
+    """Run `cmds` in one bash session as the module docstring says; what went wrong."""
     home = tmp_path / "lorastack-home"
-    lend_the_conversion(home, embedded_model)
+    if embedded_model is not None:
+        lend_the_conversion(home, embedded_model)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORASTACK_")}
     env |= {
         "LORASTACK_HOME": str(home),
@@ -159,17 +165,20 @@ def test_the_shell_blocks_of_a_page_run_as_written(
         check=False,
         stdin=subprocess.DEVNULL,
     )
-    text = done.stdout + done.stderr
     parts = re.split(rf"\n{DONE} (\d+) (\d+)\n", "\n" + done.stdout)
     outputs = {int(parts[i]): (parts[i - 1], int(parts[i + 1])) for i in range(1, len(parts), 3)}
+    problems = []
     for i, c in enumerate(cmds):
-        assert i in outputs, f"{c.where}: `{c.text}` did not end\n{text[-3000:]}"
+        if i not in outputs:
+            return [*problems, f"{c.where}: `{c.text}` did not end\n{done.stderr[-3000:]}"]
         out, rc = outputs[i]
-        allowed = EXPECTED_RC.get(" ".join(c.words), {0})
-        assert rc in allowed, f"{c.where}: `{c.text}` exit {rc}\n{out[-3000:]}\n{done.stderr}"
-        missing = shows(out, c.output)
-        assert missing is None, f"{c.where}: `{c.text}` did not print {missing!r}:\n{out}"
-    assert "Traceback" not in done.stderr, done.stderr
+        if rc not in EXPECTED_RC.get(" ".join(c.words), {0}):
+            problems.append(f"{c.where}: `{c.text}` exit {rc}\n{out[-3000:]}\n{done.stderr}")
+        if (missing := shows(out, c.output)) is not None:
+            problems.append(f"{c.where}: `{c.text}` did not print {missing!r}:\n{out}")
+    if "Traceback" in done.stderr:
+        problems.append(done.stderr)
+    return problems
 
 
 # --- what a marked block can be checked for without running it
@@ -247,6 +256,24 @@ def config_paths(words: list[str]) -> list[Path]:
     return out
 
 
+# docker compose's options that take a value (the global ones and run/exec's)
+COMPOSE_VALUED = {"--profile", "-f", "--file", "-p", "--project-name", "--env-file", "-e",
+                  "--env", "-u", "--user", "-w", "--workdir", "--name", "-v", "--volume"}  # fmt: skip
+
+
+def positionals(words: list[str]) -> list[str]:
+    """The words of a docker compose command that are no option or an option's value."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in COMPOSE_VALUED:
+            skip = True
+        elif not word.startswith("-"):
+            out.append(word)
+    return out
+
+
 def check_command(c: Command, block: Block) -> list[str]:
     problems: list[str] = []
     for words in split_commands(c.words):
@@ -260,12 +287,14 @@ def check_command(c: Command, block: Block) -> list[str]:
             for i, w in enumerate(words):
                 if w == "--profile" and words[i + 1] not in profiles:
                     problems.append(f"compose.yaml has no profile {words[i + 1]!r}")
-            verb = next((w for w in words[2:] if not w.startswith("-")), "")
-            if verb in {"run", "exec", "logs"}:
-                rest = words[words.index(verb) + 1 :]
-                service = next(w for w in rest if not w.startswith("-"))
-                if service not in compose["services"]:
-                    problems.append(f"compose.yaml has no service {service!r}")
+            verb, *rest = positionals(words[2:]) or [""]
+            if verb in {"run", "exec", "logs", "up", "build"}:
+                named = rest[:1] if verb in {"run", "exec"} else rest
+                problems += [
+                    f"compose.yaml has no service {s!r}"
+                    for s in named
+                    if s not in compose["services"]
+                ]
         if tool == "kubectl":
             for i, w in enumerate(words):
                 if w in ("-k", "-f") and not (REPO / words[i + 1]).exists():
@@ -336,3 +365,27 @@ def test_the_serve_config_the_readme_ships_is_the_one_the_demo_writes(tmp_path: 
     write_serve_config(tmp_path / "serve.yaml", "date-iso/adapter", "cpu")
     shipped = yaml.safe_load((REPO / "apps/lorastack/serve.yaml").read_text())
     assert shipped == yaml.safe_load((tmp_path / "serve.yaml").read_text())
+
+
+BROKEN = [  # (a command a doc might show, what must catch it)
+    ("false", "run"),
+    ("echo ready", "run: prints"),
+    ("make docs", "check"),
+    ("docker compose --profile training run --rm trainer lorastack doctor", "check"),
+    ("docker compose --profile train run --rm train lorastack doctor", "check"),
+    ("kubectl apply -k deploy/k8s/overlays/no-such", "check"),
+    ("lorastack serve deploy/config/train.yaml", "check"),
+    ("lorastack train deploy/config/no-such.yaml", "check"),
+]
+
+
+@pytest.mark.parametrize("text,how", BROKEN, ids=[t for t, _ in BROKEN])
+def test_a_command_that_fails_or_names_what_is_not_there_is_caught(
+    text: str, how: str, tmp_path: Path
+) -> None:
+    command = Command("scratch.md:1", text, ("ready!",) if how == "run: prints" else ())
+    if how.startswith("run"):
+        assert run_session([command], tmp_path, None)
+    else:
+        block = Block(REPO / "scratch.md", 1, "sh", ((2, text),), "needs docker")
+        assert check_command(command, block), text
