@@ -430,3 +430,31 @@ def test_two_gateway_processes_enforce_one_keys_limit(
             p.terminate()
         for p, _ in procs:
             p.wait(timeout=30)
+
+
+def test_a_redis_outage_with_workers_keeps_each_keys_limits_across_them() -> None:
+    """Issue 58, finding 4: with `--workers 2` and Redis down, each worker fell back to the
+    key's whole limits, so the replica gave it twice its limit. Each worker now counts
+    half (`WorkerShare`): together they admit the limit, not more. Nothing listens on the
+    port: every admission is refused by Redis at once. The clocks stand still, so no
+    bucket refills during the test, however long it takes."""
+    from gateway.auth import limiter_for
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+
+    async def one_worker() -> tuple[int, int]:
+        """(requests, tokens) one worker admits of 10 requests of 100 tokens."""
+        memory = MemoryLimiter(lambda: 100.0, lambda: 1e9)
+        lim = limiter_for(url, 0.25, GatewayMetrics(), memory, workers=2)
+        team = key("team", rpm=4, tpm=1000, budget=10_000)  # each worker's own Key
+        admitted = 0
+        for _ in range(10):
+            with contextlib.suppress(RateLimited, BudgetExhausted):
+                await lim.admit(team, 100)
+                admitted += 1
+        await lim.aclose()
+        return admitted, admitted * 100
+
+    (one, one_tokens), (two, two_tokens) = asyncio.run(one_worker()), asyncio.run(one_worker())
+    assert one + two == 4  # requests_per_min, across both workers
+    assert one_tokens + two_tokens <= 1000

@@ -37,7 +37,14 @@ from typing import Any
 
 from gateway.errors import ModelNotAllowed, RateLimited, Unauthorized
 from gateway.keys import KeyEntry, load_keys
-from gateway.limits import Budget, Limiter, MemoryLimiter, Reservation, TokenBucket
+from gateway.limits import (
+    Budget,
+    Limiter,
+    MemoryLimiter,
+    Reservation,
+    TokenBucket,
+    WorkerShare,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.setting_values import split_alias
 from gateway.settings import GatewaySettings
@@ -154,7 +161,7 @@ class Authenticator:
             metrics=metrics,
         )
         url = s.redis_url.get_secret_value() if s.redis_url is not None else None
-        auth.limiter = limiter_for(url, s.redis_timeout_s, metrics, auth.memory)
+        auth.limiter = limiter_for(url, s.redis_timeout_s, metrics, auth.memory, s.workers)
         return auth
 
     # --- keys --------------------------------------------------------------------
@@ -271,13 +278,22 @@ class Authenticator:
 
 
 def limiter_for(
-    redis_url: str | None, timeout_s: float, metrics: GatewayMetrics, memory: MemoryLimiter
+    redis_url: str | None,
+    timeout_s: float,
+    metrics: GatewayMetrics,
+    memory: MemoryLimiter,
+    workers: int = 1,
 ) -> Limiter:
-    """Redis when `redis_url` is set, else this process's own limits."""
+    """Redis when `redis_url` is set, else this process's own limits. While Redis is
+    down: this process's own limits, or with `workers` > 1 this worker's share of them
+    (`WorkerShare`), so that N workers do not give a key N times its limit."""
     if not redis_url:
         return memory
     from gateway.redis_limits import RedisLimiter  # redis is imported only when configured
 
     limiter = RedisLimiter.from_url(redis_url, timeout_s, metrics)
-    limiter.fallback = memory
+    if workers > 1:
+        limiter.fallback = WorkerShare(workers, memory.clock, memory.wall)
+    else:
+        limiter.fallback = memory
     return limiter

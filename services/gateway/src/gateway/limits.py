@@ -20,7 +20,9 @@ takes it back.
 
 Redis unreachable (refused, timed out, any Redis error): the request is checked against
 this process's own buckets instead (fail open to per-replica limits, as LiteLLM's proxy
-does when its Redis cache fails). A request is never refused, nor failed with a 500,
+does when its Redis cache fails); with `--workers N`, against this worker's share of
+them (`WorkerShare`: each limit / N), so the workers of one replica together stay within
+the limit. A request is never refused, nor failed with a 500,
 because Redis is down; `gateway.redis_limits` says how it is logged and counted.
 
 Owns: the arithmetic and the in-process limiter. Does not own: which key a request is,
@@ -215,3 +217,49 @@ class MemoryLimiter:
     async def aclose(self) -> None:
         """Nothing to close (the `Limiter` protocol's method)."""
         pass
+
+
+@dataclass
+class _Share:
+    """One worker's share of a key's limits (`WorkerShare`): `Limited`, as a `Key` is."""
+
+    name: str
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    budget: Budget | None
+
+
+class WorkerShare(MemoryLimiter):
+    """The limits of one of `workers` processes that count apart (`--workers N` while
+    Redis is down): each key's limits per minute and budget divided by `workers`, so the
+    workers together never admit more than the key's limit, however the kernel spreads
+    the connections (a client on one kept-alive connection gets its worker's share)."""
+
+    def __init__(
+        self,
+        workers: int,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(clock, wall)
+        self.workers = workers
+        self._shares: dict[str, tuple[Limited, _Share]] = {}  # key name -> (key, share)
+
+    def check(self, key: Limited, tokens: int) -> Reservation:
+        """`MemoryLimiter.check` against this worker's share of the key's limits."""
+        return super().check(self._share(key), tokens)
+
+    def _share(self, key: Limited) -> _Share:
+        found = self._shares.get(key.name)
+        if found is not None and found[0] is key:
+            return found[1]
+        n = self.workers  # a new key object: the keys file was read again, maybe new limits
+        req, tok, budget = key.requests, key.tokens, key.budget
+        share = _Share(
+            key.name,
+            requests=TokenBucket(req.capacity / n) if req is not None else None,
+            tokens=TokenBucket(tok.capacity / n) if tok is not None else None,
+            budget=Budget(budget.tokens // n, budget.period) if budget is not None else None,
+        )
+        self._shares[key.name] = (key, share)
+        return share
