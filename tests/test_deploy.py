@@ -426,8 +426,11 @@ def test_k8s_autoscale_overlay_scales_inference_on_the_gateways_metrics() -> Non
     """The HPA scales the StatefulSet within bounds that leave a replica to drain, scales
     down slower than up, and every series its adapter rules query is one the gateway
     exports (a renamed metric would leave the HPA without data, silently)."""
+    from types import SimpleNamespace
+
     from gateway.discovery import DiscoveryMetrics
     from gateway.metrics import GatewayMetrics
+    from gateway.routing import InflightCounter
 
     docs = render("deploy/k8s/overlays/autoscale")
     (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
@@ -445,7 +448,7 @@ def test_k8s_autoscale_overlay_scales_inference_on_the_gateways_metrics() -> Non
     served = {r["name"]["as"] for r in rules_list}
     assert {m["external"]["metric"]["name"] for m in spec["metrics"]} <= served
     metrics = GatewayMetrics()
-    DiscoveryMetrics(metrics)
+    DiscoveryMetrics(metrics, SimpleNamespace(inflight=InflightCounter()))  # type: ignore[arg-type]
     exported = {m.name for m in metrics.registry.collect()}
     queried = {
         name
