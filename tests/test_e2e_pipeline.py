@@ -163,7 +163,7 @@ def test_promote_follows_the_demos_verdict_and_the_label_is_served(
 @pytest.mark.slow
 def test_vllm_serves_the_verified_merged_model(demo: tuple[Path, str], tmp_path: Path) -> None:
     """The merger's published folder (not a hand-made one) is what vLLM loads and serves."""
-    from inference.engine import VllmServer
+    from inference.engine import EngineSpec, VllmServer
     from inference.parity import check, read_reference
     from lorastack_testing.net import free_port
 
@@ -171,7 +171,9 @@ def test_vllm_serves_the_verified_merged_model(demo: tuple[Path, str], tmp_path:
     store = open_store(CommonSettings(home=home))
     merged = store.fetch(store.resolve("date-iso/merged"))
     prompt = [{"role": "user", "content": "Convert to ISO 8601: the ninth of May, 2013"}]
-    with VllmServer(merged, served_name="merged", port=free_port(), workdir=tmp_path) as server:
+    with VllmServer(
+        EngineSpec(model_dir=merged, served_name="merged", port=free_port(), workdir=tmp_path)
+    ) as server:
         server.wait_ready(timeout_s=600)
         body = {"model": "merged", "messages": prompt, "max_tokens": 16, "temperature": 0}
         r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)

@@ -33,11 +33,17 @@ API_KEY = "sk-test-" + "0123456789abcdef" * 2  # API keys: at least 32 character
 
 @pytest.fixture(scope="module")
 def vllm_url(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from inference.engine import VllmServer
+    from inference.engine import EngineSpec, VllmServer
 
     work = tmp_path_factory.mktemp("vllm")
     server = VllmServer(
-        embedded_model, served_name="smollm2", port=free_port(), workdir=work, max_model_len=MAX_LEN
+        EngineSpec(
+            model_dir=embedded_model,
+            served_name="smollm2",
+            port=free_port(),
+            workdir=work,
+            max_model_len=MAX_LEN,
+        )
     )
     with server:
         server.wait_ready(600)

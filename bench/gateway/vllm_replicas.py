@@ -28,7 +28,7 @@ SERVED = "smollm2"
 def replicas(model: Path, max_num_seqs: Sequence[int], ready_s: float = 900) -> Iterator[list[str]]:
     """One vLLM server per entry of `max_num_seqs` (its `--max-num-seqs`), started together,
     each answered one warm-up request; yields their base URLs and stops them on exit."""
-    from inference.engine import VllmServer
+    from inference.engine import EngineSpec, VllmServer
 
     with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as stack:
         servers = []
@@ -36,12 +36,14 @@ def replicas(model: Path, max_num_seqs: Sequence[int], ready_s: float = 900) -> 
             d = Path(work) / f"vllm{i}"
             d.mkdir()
             server = VllmServer(
-                model,
-                served_name=SERVED,
-                port=free_port(),
-                workdir=d,
-                max_model_len=4096,
-                max_num_seqs=slots,
+                EngineSpec(
+                    model_dir=model,
+                    served_name=SERVED,
+                    port=free_port(),
+                    workdir=d,
+                    max_model_len=4096,
+                    max_num_seqs=slots,
+                )
             )
             stack.enter_context(server)
             servers.append(server)

@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from inference.engine import VllmServer
+from inference.engine import EngineSpec, VllmServer
 
 
 def main() -> None:
@@ -22,7 +22,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     server = VllmServer(
-        model_dir, served_name="smollm2", port=port, workdir=workdir, max_num_seqs=8, kv_cache_gib=1
+        EngineSpec(
+            model_dir=model_dir,
+            served_name="smollm2",
+            port=port,
+            workdir=workdir,
+            max_num_seqs=8,
+            kv_cache_gib=1,
+        )
     )
     server.start()
     try:

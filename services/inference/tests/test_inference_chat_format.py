@@ -120,7 +120,7 @@ def test_a_merged_tool_model_gets_the_parser_and_keeps_its_own_template(
     assert "--chat-template" not in cmd  # vLLM reads the merged folder's chat_template.jinja
     assert _value(cmd, "--tool-call-parser") == "hermes"
     assert "--enable-auto-tool-choice" in cmd
-    assert sup.status()["chat_format"]["parser_from"] == "merged-tools:1"
+    assert sup.status().chat_format["parser_from"] == "merged-tools:1"
 
 
 def test_the_users_own_flags_win_and_are_not_doubled(chat_home: Path) -> None:

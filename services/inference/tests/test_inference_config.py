@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from inference.artifacts import check_adapter_base, served_adapter_name
-from inference.engine import VllmServer
+from inference.engine import EngineSpec, VllmServer
 from inference.errors import EngineFailed
 from inference.settings import build_settings, load_serve_config
 from inference.supervisor import backoff_delay
@@ -106,10 +106,10 @@ def test_restart_backoff_doubles_and_is_capped(failures: int, delay: float) -> N
 
 
 def test_cpu_command_and_environment(tmp_path: Path) -> None:
-    s = VllmServer(
-        tmp_path / "model", served_name="m", port=8123, workdir=tmp_path / "w",
+    s = VllmServer(EngineSpec(
+        model_dir=tmp_path / "model", served_name="m", port=8123, workdir=tmp_path / "w",
         enable_lora=True, lora_modules={"a-v1": tmp_path / "a"}, platform="cpu",
-    )  # fmt: skip
+    ))  # fmt: skip
     cmd = s.command()
     assert cmd[1:3] == ["-m", "inference.vllm_launcher"]
     assert {"--enforce-eager", "--enable-lora"} <= set(cmd)
@@ -124,17 +124,17 @@ def test_cpu_command_and_environment(tmp_path: Path) -> None:
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(
         str(tmp_path)
     )
-    half = VllmServer(tmp_path, served_name="m", port=1, workdir=tmp_path, kv_cache_gib=0.5,
-                      platform="cpu")  # fmt: skip
+    half = VllmServer(EngineSpec(model_dir=tmp_path, served_name="m", port=1, workdir=tmp_path,
+                                 kv_cache_gib=0.5, platform="cpu"))  # fmt: skip
     assert "VLLM_CPU_KVCACHE_SPACE" not in half.environment()  # the variable takes whole GiB
     assert half.command()[half.command().index("--kv-cache-memory-bytes") + 1] == str(2**29)
 
 
 def test_cuda_command(tmp_path: Path) -> None:
-    s = VllmServer(
-        tmp_path, served_name="m", port=1, workdir=tmp_path, dtype="bfloat16",
+    s = VllmServer(EngineSpec(
+        model_dir=tmp_path, served_name="m", port=1, workdir=tmp_path, dtype="bfloat16",
         gpu_memory_utilization=0.85, platform="cuda",
-    )  # fmt: skip
+    ))  # fmt: skip
     cmd = s.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.85"
@@ -148,7 +148,9 @@ def test_a_crashed_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "no-such-architecture"}')
     t0 = time.monotonic()
-    with VllmServer(model, served_name="m", port=1, workdir=tmp_path / "w", platform="cpu") as s:
+    with VllmServer(
+        EngineSpec(model_dir=model, served_name="m", port=1, workdir=tmp_path / "w", platform="cpu")
+    ) as s:
         with pytest.raises(EngineFailed) as e:
             s.wait_ready(timeout_s=600)
         assert s.returncode not in (None, 0)
@@ -182,7 +184,9 @@ def test_a_vllm_left_by_a_killed_supervisor_is_stopped_before_the_next_start(
             s.pid_path.write_text(json.dumps(data))
 
     try:
-        s = VllmServer(tmp_path, served_name="m", port=1, workdir=work, platform="cpu")
+        s = VllmServer(
+            EngineSpec(model_dir=tmp_path, served_name="m", port=1, workdir=work, platform="cpu")
+        )
         dead = subprocess.Popen(["true"])
         dead.wait()
         record(left.pid, other.pid)

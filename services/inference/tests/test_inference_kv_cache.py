@@ -8,6 +8,7 @@ import pytest
 
 from inference.kv_cache import (
     GIB,
+    KvSetup,
     ModelShape,
     bytes_per_token,
     estimate,
@@ -55,7 +56,7 @@ def test_cpu_capacity_rounds_down_to_blocks_of_128(
     kv_gib: float, max_len: int, tokens: int, blocks: int, concurrency: float
 ) -> None:
     est = estimate(
-        SMOLLM2, platform="cpu", max_model_len=max_len, max_num_seqs=8, kv_cache_gib=kv_gib
+        SMOLLM2, KvSetup(platform="cpu", max_model_len=max_len, max_num_seqs=8, kv_cache_gib=kv_gib)
     )
     assert est.bytes_per_token == 46_080
     assert (est.capacity_tokens, est.num_blocks, est.block_size) == (tokens, blocks, 128)
@@ -87,12 +88,14 @@ def test_gpu_capacity(
 ) -> None:
     est = estimate(
         shape,
-        platform="cuda",
-        max_model_len=max_len,
-        max_num_seqs=256,
-        kv_dtype=kv_dtype,
-        gpu_mem_gib=gpu_gib,
-        gpu_util=util,
+        KvSetup(
+            platform="cuda",
+            max_model_len=max_len,
+            max_num_seqs=256,
+            kv_dtype=kv_dtype,
+            gpu_mem_gib=gpu_gib,
+            gpu_util=util,
+        ),
     )
     assert est.capacity_tokens == tokens
     assert est.max_concurrency == pytest.approx(concurrency, abs=0.01)
@@ -104,8 +107,10 @@ def test_gpu_capacity(
 
 
 def test_fp32_checkpoint_runs_in_bf16_on_gpu_and_fp32_on_cpu() -> None:
-    gpu = estimate(SMOLLM2, platform="cuda", max_model_len=2048, max_num_seqs=8, gpu_mem_gib=24)
-    cpu = estimate(SMOLLM2, platform="cpu", max_model_len=2048, max_num_seqs=8)
+    gpu = estimate(
+        SMOLLM2, KvSetup(platform="cuda", max_model_len=2048, max_num_seqs=8, gpu_mem_gib=24)
+    )
+    cpu = estimate(SMOLLM2, KvSetup(platform="cpu", max_model_len=2048, max_num_seqs=8))
     assert (gpu.bytes_per_token, cpu.bytes_per_token) == (23_040, 46_080)
 
 
@@ -120,7 +125,8 @@ def test_fp32_checkpoint_runs_in_bf16_on_gpu_and_fp32_on_cpu() -> None:
 )
 def test_preemption_warning(seqs: int, typical: int, fits: bool, warning: str | None) -> None:
     est = estimate(
-        SMOLLM2, platform="cpu", max_model_len=2048, max_num_seqs=seqs, typical_tokens=typical
+        SMOLLM2,
+        KvSetup(platform="cpu", max_model_len=2048, max_num_seqs=seqs, typical_tokens=typical),
     )
     assert est.fits is fits
     if warning is None:
@@ -130,14 +136,14 @@ def test_preemption_warning(seqs: int, typical: int, fits: bool, warning: str | 
 
 
 def test_a_cache_smaller_than_one_request_is_called_out() -> None:
-    est = estimate(SMOLLM2, platform="cpu", max_model_len=32_768, max_num_seqs=1)
+    est = estimate(SMOLLM2, KvSetup(platform="cpu", max_model_len=32_768, max_num_seqs=1))
     assert est.capacity_tokens == 23_296
     assert "less than one request" in est.warnings[0]
 
 
 def test_explain_flags_has_one_line_per_flag() -> None:
     est = estimate(
-        LLAMA_31_8B, platform="cuda", max_model_len=8192, max_num_seqs=256, gpu_mem_gib=80
+        LLAMA_31_8B, KvSetup(platform="cuda", max_model_len=8192, max_num_seqs=256, gpu_mem_gib=80)
     )
     lines = explain_flags(est, LLAMA_31_8B)
     assert [line.split()[0] for line in lines] == [

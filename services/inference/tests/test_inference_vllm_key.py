@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-from inference.engine import VllmServer
+from inference.engine import EngineSpec, VllmServer
 from inference.settings import MIN_KEY_CHARS, build_settings
 from lorastack.errors import ConfigError
 
@@ -21,8 +21,8 @@ def test_the_key_reaches_vllm_through_its_environment_only(
     tmp_path: Path, platform: Literal["cpu", "cuda"]
 ) -> None:
     key = secrets.token_urlsafe(32)
-    s = VllmServer(tmp_path, served_name="m", port=1, workdir=tmp_path, enable_lora=True,
-                   platform=platform, api_key=key)  # fmt: skip
+    s = VllmServer(EngineSpec(model_dir=tmp_path, served_name="m", port=1, workdir=tmp_path,
+                              enable_lora=True, platform=platform, api_key=key))  # fmt: skip
     assert s.environment()["VLLM_API_KEY"] == key
     assert not [a for a in s.command() if key in a]
     assert "--api-key" not in s.command()
@@ -30,7 +30,9 @@ def test_the_key_reaches_vllm_through_its_environment_only(
 
 def test_without_a_key_none_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    s = VllmServer(tmp_path, served_name="m", port=1, workdir=tmp_path, platform="cpu")
+    s = VllmServer(
+        EngineSpec(model_dir=tmp_path, served_name="m", port=1, workdir=tmp_path, platform="cpu")
+    )
     assert "VLLM_API_KEY" not in s.environment()
 
 

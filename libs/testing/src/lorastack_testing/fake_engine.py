@@ -1,9 +1,10 @@
 """A stand-in for the inference supervisor's vLLM process (`inference.engine.VllmServer`):
 the one fake vLLM, started in a thread on the port the supervisor asks for.
 
-Pass the class as the supervisor's `server_factory`. It takes the same keyword arguments
-(those it does not need are ignored): the served model and `lora_modules` become the
-fake's `/v1/models`, as `--served-model-name` and `--lora-modules` would; runtime LoRA
+Pass the class as the supervisor's `server_factory`. It takes the same spec
+(`inference.engine.EngineSpec`, read through the `Spec` protocol: this layer imports no
+service) and reads what it needs: the served model and `lora_modules` become the fake's
+`/v1/models`, as `--served-model-name` and `--lora-modules` would; runtime LoRA
 loads go through the fake's `/v1/load_lora_adapter`. Every start is a fresh server whose
 state is in `FakeEngine.started` (newest last), so a test can look at what vLLM would
 serve now, or `kill()` one to make the supervisor restart.
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from lorastack.manifest import Manifest
 from lorastack.store import ArtifactStore
@@ -53,31 +55,37 @@ def publish_tiny_adapter(
     )  # fmt: skip
 
 
+class Spec(Protocol):
+    """What the fake reads of an `inference.engine.EngineSpec`."""
+
+    @property
+    def served_name(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def lora_modules(self) -> Mapping[str, Path]: ...
+    @property
+    def workdir(self) -> Path: ...
+
+
 class FakeEngine:
-    """The fake vLLM as the supervisor's `server_factory`: serves the model and `lora_modules`
-    from a thread on `port`."""
+    """The fake vLLM as the supervisor's `server_factory`: serves the spec's model and
+    `lora_modules` from a thread on its `port`."""
 
     started: ClassVar[list[FakeEngine]] = []  # every engine started, newest last
 
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        served_name: str,
-        port: int,
-        max_model_len: int = 2048,
-        lora_modules: dict[str, Path] | None = None,
-        workdir: Path,
-        **_: Any,
-    ) -> None:
-        models: list[dict[str, Any]] = [{"id": served_name, "max_model_len": max_model_len}]
+    def __init__(self, spec: Spec) -> None:
+        name = spec.served_name
+        models: list[dict[str, Any]] = [{"id": name, "max_model_len": spec.max_model_len}]
         models += [
-            {"id": name, "root": str(path), "parent": served_name}
-            for name, path in (lora_modules or {}).items()
+            {"id": lora, "root": str(path), "parent": name}
+            for lora, path in spec.lora_modules.items()
         ]
         self.state = FakeState(models=models)
-        self.port = port
-        self.log_path = Path(workdir) / "vllm.log"
+        self.port = spec.port
+        self.log_path = Path(spec.workdir) / "vllm.log"
         self.returncode: int | None = None
         self._server: FakeServer | None = None
         self._stopped = threading.Event()

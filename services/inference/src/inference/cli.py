@@ -43,7 +43,7 @@ def _model_folder(ref_or_dir: str) -> Path:
 
 
 def cmd_kv_estimate(args: argparse.Namespace) -> int:
-    from inference.kv_cache import GIB, Platform, estimate, explain_flags, read_shape
+    from inference.kv_cache import GIB, KvSetup, Platform, estimate, explain_flags, read_shape
 
     folder = _model_folder(args.model)
     shape = read_shape(folder)
@@ -51,8 +51,7 @@ def cmd_kv_estimate(args: argparse.Namespace) -> int:
     dtype = args.dtype
     if dtype == "auto" and platform == "cpu":
         dtype = "float32"
-    est = estimate(
-        shape,
+    setup = KvSetup(
         platform=platform,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -64,6 +63,7 @@ def cmd_kv_estimate(args: argparse.Namespace) -> int:
         overhead_gib=args.overhead_gib,
         typical_tokens=args.typical_tokens,
     )
+    est = estimate(shape, setup)
     if args.json:
         print(json.dumps(est.as_dict(), indent=2))
         return 0

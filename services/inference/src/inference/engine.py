@@ -9,7 +9,8 @@ from `VLLM_CPU_KVCACHE_SPACE`); on a CUDA host, the official `vllm` with
 `--gpu-memory-utilization`. vLLM spawns engine processes, so the server gets its own
 process group and `stop()` ends the whole group.
 
-    with VllmServer(model_dir, served_name="m", port=8000, workdir=tmp) as server:
+    spec = EngineSpec(model_dir=model_dir, served_name="m", port=8000, workdir=tmp)
+    with VllmServer(spec) as server:
         server.wait_ready(300)
         httpx.post(server.base_url + "/v1/chat/completions", ...)
 """
@@ -27,15 +28,20 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 import psutil
 
 from inference.errors import EngineFailed
 from lorastack import pidfile
+
+if TYPE_CHECKING:
+    from inference.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
 
@@ -81,47 +87,76 @@ def _group_alive(pid: int, *, group: bool = True) -> bool:
     return True
 
 
-class VllmServer:
-    """A vLLM OpenAI-compatible server on 127.0.0.1 (or `host`), as a child process group."""
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What one vLLM runs: the model and the name it serves it under, where it listens, its
+    limits and memory, LoRA, extra arguments and its folder. The supervisor builds it from
+    the serve settings (`from_settings`); tests and benches build it directly."""
 
-    def __init__(
-        self,
-        model_dir: Path,
+    model_dir: Path
+    served_name: str
+    port: int
+    workdir: Path  # the log, the pid file, vLLM's cache and temporary folders
+    host: str = "127.0.0.1"
+    max_model_len: int = 2048  # tokens, prompt + output
+    max_num_seqs: int = 8
+    dtype: str = "float32"
+    kv_cache_gib: float = 1.0  # CPU only: KV cache space, GiB
+    gpu_memory_utilization: float = 0.9  # CUDA only: fraction of GPU memory
+    enable_lora: bool = False  # on as well where lora_modules names any
+    lora_modules: Mapping[str, Path] = field(default_factory=dict)  # served name -> folder
+    max_lora_rank: int = 16
+    max_loras: int = 2  # adapters in one batch
+    extra_args: Sequence[str] = ()
+    platform: Platform | None = None  # None: detect from the installed distribution
+    api_key: str | None = field(default=None, repr=False)  # vLLM's --api-key (VLLM_API_KEY)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: InferenceSettings,
         *,
-        served_name: str,
-        port: int,
-        max_model_len: int = 2048,  # tokens, prompt + output
-        dtype: str = "float32",
-        kv_cache_gib: float = 1.0,  # CPU only: KV cache space, GiB
-        enable_lora: bool = False,
-        lora_modules: dict[str, Path] | None = None,
-        max_lora_rank: int = 16,
-        max_loras: int = 2,  # adapters in one batch
-        max_num_seqs: int = 8,
-        extra_args: list[str] | None = None,
-        workdir: Path,
-        gpu_memory_utilization: float = 0.9,  # CUDA only: fraction of GPU memory
-        host: str = "127.0.0.1",
-        platform: Platform | None = None,  # None: detect from the installed distribution
-        api_key: str | None = None,  # vLLM's --api-key, passed as VLLM_API_KEY
-    ) -> None:
-        self.model_dir = Path(model_dir).resolve()  # vLLM runs in its workdir
-        self.api_key = api_key
-        self.served_name = served_name
-        self.port = port
-        self.host = host
-        self.max_model_len = max_model_len
-        self.dtype = dtype
-        self.kv_cache_gib = kv_cache_gib
-        self.enable_lora = enable_lora or bool(lora_modules)
-        self.lora_modules = dict(lora_modules or {})
-        self.max_lora_rank = max_lora_rank
-        self.max_loras = max_loras
-        self.max_num_seqs = max_num_seqs
-        self.extra_args = list(extra_args or [])
-        self.workdir = Path(workdir)
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.platform: Platform = platform or detect_platform()
+        model_dir: Path,
+        dtype: str,
+        platform: Platform,
+        extra_args: Sequence[str],
+    ) -> EngineSpec:
+        """The vLLM the serve settings describe, for `model_dir` served in `dtype` with
+        `extra_args` (the settings' own and those the served artifacts need). No adapter on
+        the command line: the supervisor loads each once it passed its check."""
+        key = settings.vllm_api_key
+        return cls(
+            model_dir=model_dir,
+            served_name=settings.resolved_served_name,
+            port=settings.port,
+            workdir=settings.resolved_workdir,
+            host=settings.host,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            dtype=dtype,
+            kv_cache_gib=settings.kv_cache_gib,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enable_lora=settings.enable_lora,
+            max_lora_rank=settings.max_lora_rank,
+            max_loras=settings.max_loras,
+            extra_args=tuple(extra_args),
+            platform=platform,
+            api_key=key.get_secret_value() if key is not None else None,
+        )
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server on 127.0.0.1 (or `spec.host`), as a child process
+    group."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.model_dir = Path(spec.model_dir).resolve()  # vLLM runs in its workdir
+        self.port = spec.port
+        self.host = spec.host
+        self.enable_lora = spec.enable_lora or bool(spec.lora_modules)
+        self.workdir = Path(spec.workdir)
+        self.platform: Platform = spec.platform or detect_platform()
         self.log_path = self.workdir / "vllm.log"
         self.pid_path = self.workdir / "vllm.pid"
         self.starts = 0
@@ -140,34 +175,35 @@ class VllmServer:
             cmd = [sys.executable, "-m", "inference.vllm_launcher"]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        spec = self.spec
         cmd += [
             "--model", str(self.model_dir),
-            "--served-model-name", self.served_name,
+            "--served-model-name", spec.served_name,
             "--host", self.host,
             "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--dtype", self.dtype,
+            "--max-model-len", str(spec.max_model_len),
+            "--max-num-seqs", str(spec.max_num_seqs),
+            "--dtype", spec.dtype,
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.platform == "cpu":
             cmd.append("--enforce-eager")  # compiled start-up: 200-280 s and no reusable cache
-            if not float(self.kv_cache_gib).is_integer():
+            if not float(spec.kv_cache_gib).is_integer():
                 # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
-                cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * GIB))]
+                cmd += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * GIB))]
         else:
-            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+            cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
         if self.enable_lora:
             cmd += [
                 "--enable-lora",
-                "--max-lora-rank", str(self.max_lora_rank),
-                "--max-loras", str(self.max_loras),
-                "--max-cpu-loras", str(max(self.max_loras, len(self.lora_modules), 1) + 4),
+                "--max-lora-rank", str(spec.max_lora_rank),
+                "--max-loras", str(spec.max_loras),
+                "--max-cpu-loras", str(max(spec.max_loras, len(spec.lora_modules), 1) + 4),
             ]  # fmt: skip
-            if self.lora_modules:
+            if spec.lora_modules:
                 cmd.append("--lora-modules")
-                cmd += [f"{name}={path}" for name, path in self.lora_modules.items()]
-        return cmd + self.extra_args
+                cmd += [f"{name}={path}" for name, path in spec.lora_modules.items()]
+        return cmd + list(spec.extra_args)
 
     def environment(self) -> dict[str, str]:
         """vLLM's environment: ours plus its cache and temporary folders and platform settings."""
@@ -182,8 +218,8 @@ class VllmServer:
             VLLM_DO_NOT_TRACK="1",
         )
         if self.platform == "cpu":
-            if float(self.kv_cache_gib).is_integer():
-                env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # GiB
+            if float(self.spec.kv_cache_gib).is_integer():
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.spec.kv_cache_gib))  # GiB
             # vLLM's sampler torch.compiles a helper for any request that asks for logprobs
             # (the parity check does), and inductor needs a C++ compiler that the serving
             # image does not carry: the engine would die
@@ -192,8 +228,8 @@ class VllmServer:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # vLLM reads VLLM_API_KEY as --api-key; in the environment it stays out of the
         # command line that /status, the log and `ps` show
-        if self.api_key:
-            env["VLLM_API_KEY"] = self.api_key
+        if self.spec.api_key:
+            env["VLLM_API_KEY"] = self.spec.api_key
         env.update(self.sampler_env)
         return env
 
@@ -329,7 +365,8 @@ class VllmServer:
             if self.is_healthy():
                 try:
                     # /v1/* wants vLLM's --api-key like every other caller
-                    auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                    key = self.spec.api_key
+                    auth = {"Authorization": f"Bearer {key}"} if key else {}
                     r = httpx.get(self.base_url + "/v1/models", timeout=5.0, headers=auth)
                     if r.status_code == 200:
                         return

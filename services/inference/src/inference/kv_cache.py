@@ -24,9 +24,12 @@ import re
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lorastack.errors import ConfigError
+
+if TYPE_CHECKING:
+    from inference.settings import InferenceSettings
 
 GIB = 1024**3  # bytes
 
@@ -132,35 +135,64 @@ def capacity_tokens(budget_bytes: int, per_token: int, block_size: int) -> tuple
     return blocks, blocks * block_size
 
 
-def estimate(
-    shape: ModelShape,
-    *,
-    platform: Platform,
-    max_model_len: int,
-    max_num_seqs: int,
-    dtype: str = "auto",
-    kv_dtype: str = "auto",
-    kv_cache_gib: float = 1.0,  # CPU: VLLM_CPU_KVCACHE_SPACE
-    gpu_mem_gib: float = 0.0,  # GPU: total memory of the device
-    gpu_util: float = 0.9,  # GPU: --gpu-memory-utilization
-    overhead_gib: float = DEFAULT_GPU_OVERHEAD_GIB,  # GPU: activations, graphs, non-torch
-    block_size: int | None = None,
-    typical_tokens: int | None = None,  # default: max_model_len
-) -> KvEstimate:
+@dataclass(frozen=True, kw_only=True)
+class KvSetup:
+    """What the estimate asks besides the model's shape: the platform, the limits vLLM runs
+    with, the dtypes and the memory the cache may take. The supervisor builds it from its
+    settings (`from_settings`), `lorastack kv-estimate` from its flags."""
+
+    platform: Platform
+    max_model_len: int  # tokens, prompt + output
+    max_num_seqs: int
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
+    kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE
+    gpu_mem_gib: float = 0.0  # GPU: total memory of the device
+    gpu_util: float = 0.9  # GPU: --gpu-memory-utilization
+    overhead_gib: float = DEFAULT_GPU_OVERHEAD_GIB  # GPU: activations, graphs, non-torch
+    block_size: int | None = None  # default: vLLM's for the platform
+    typical_tokens: int | None = None  # default: max_model_len
+
+    @classmethod
+    def from_settings(
+        cls, settings: InferenceSettings, *, platform: Platform, dtype: str, gpu_mem_gib: float
+    ) -> KvSetup:
+        """The setup the serve settings describe, for vLLM computing in `dtype` on
+        `platform` with `gpu_mem_gib` (0 on CPU)."""
+        return cls(
+            platform=platform,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            dtype=dtype,
+            kv_dtype=settings.kv_cache_dtype,
+            kv_cache_gib=settings.kv_cache_gib,
+            gpu_mem_gib=gpu_mem_gib,
+            gpu_util=settings.gpu_memory_utilization,
+            overhead_gib=settings.gpu_overhead_gib,
+            typical_tokens=settings.typical_tokens,
+        )
+
+
+def estimate(shape: ModelShape, setup: KvSetup) -> KvEstimate:
     """The KV-cache capacity of a model shape on a platform (CPU KV space or GPU memory)."""
-    compute_dtype = resolve_dtype(dtype, shape, platform)
-    per_token = bytes_per_token(shape, compute_dtype if kv_dtype == "auto" else kv_dtype)
-    block = block_size or DEFAULT_BLOCK_SIZE[platform]
+    platform, max_model_len, max_num_seqs = setup.platform, setup.max_model_len, setup.max_num_seqs
+    compute_dtype = resolve_dtype(setup.dtype, shape, platform)
+    per_token = bytes_per_token(
+        shape, compute_dtype if setup.kv_dtype == "auto" else setup.kv_dtype
+    )
+    block = setup.block_size or DEFAULT_BLOCK_SIZE[platform]
     if platform == "cpu":
         weights = 0
-        budget = int(kv_cache_gib * GIB)
+        budget = int(setup.kv_cache_gib * GIB)
     else:
-        if gpu_mem_gib <= 0:
+        if setup.gpu_mem_gib <= 0:
             raise ConfigError("GPU memory is unknown", "pass --gpu-mem-gib (e.g. 80 for an H100)")
         weights = shape.params * dtype_bytes(compute_dtype)
-        budget = int(gpu_mem_gib * gpu_util * GIB) - weights - int(overhead_gib * GIB)
+        budget = (
+            int(setup.gpu_mem_gib * setup.gpu_util * GIB) - weights - int(setup.overhead_gib * GIB)
+        )
     blocks, tokens = capacity_tokens(max(budget, 0), per_token, block)
-    typical = typical_tokens or max_model_len
+    typical = setup.typical_tokens or max_model_len
     concurrency = tokens / max_model_len
     warnings: list[str] = []
     if tokens < max_model_len:
@@ -182,8 +214,8 @@ def estimate(
         bytes_per_token=per_token,
         budget_bytes=max(budget, 0),
         weights_bytes=weights,
-        device_bytes=int(gpu_mem_gib * GIB) if platform == "cuda" else 0,
-        gpu_util=gpu_util if platform == "cuda" else 0.0,
+        device_bytes=int(setup.gpu_mem_gib * GIB) if platform == "cuda" else 0,
+        gpu_util=setup.gpu_util if platform == "cuda" else 0.0,
         block_size=block,
         num_blocks=blocks,
         capacity_tokens=tokens,

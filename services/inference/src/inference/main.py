@@ -20,7 +20,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -32,13 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inference.artifacts import fetch_adapter, fetch_model
 from inference.chat_format import plan_chat_format
 from inference.declared_adapters import AdapterReconciler
-from inference.engine import VllmServer, detect_platform
+from inference.engine import EngineSpec, VllmServer, detect_platform
 from inference.errors import AdminDenied, error_body, http_status
-from inference.kv_cache import Platform, estimate, read_shape
+from inference.kv_cache import KvSetup, Platform, estimate, read_shape
 from inference.label_follow import LabelFollower
 from inference.metrics import build_registry, render
 from inference.parity import read_reference
 from inference.settings import InferenceSettings
+from inference.status_report import StatusBody
 from inference.supervisor import ServePlan, Supervisor
 from lorastack.errors import ConfigError, InvalidInput, LorastackError
 from lorastack.parity import Reference, UnreadableReference, serving_dtype
@@ -116,17 +116,7 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
             "set gpu_memory_gib in the serve config (e.g. 80 for an H100)",
         )
     est = estimate(
-        shape,
-        platform=platform,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        dtype=dtype,
-        kv_dtype=settings.kv_cache_dtype,
-        kv_cache_gib=settings.kv_cache_gib,
-        gpu_mem_gib=gpu_mem,
-        gpu_util=settings.gpu_memory_utilization,
-        overhead_gib=settings.gpu_overhead_gib,
-        typical_tokens=settings.typical_tokens,
+        shape, KvSetup.from_settings(settings, platform=platform, dtype=dtype, gpu_mem_gib=gpu_mem)
     )
     log.info(
         "KV estimate: %s bytes/token, %s tokens, %.2fx at %s tokens",
@@ -208,7 +198,7 @@ def create_app(
     *,
     plan: ServePlan | None = None,
     store: ArtifactStore | None = None,
-    server_factory: Callable[..., VllmServer] = VllmServer,
+    server_factory: Callable[[EngineSpec], VllmServer] = VllmServer,
 ) -> FastAPI:
     """The supervisor's app; `server_factory` makes the vLLM process (a fake in tests)."""
     store = store or open_store(settings)
@@ -276,13 +266,11 @@ def create_app(
         body = {"ready": supervisor.ready, "state": supervisor.state}
         return JSONResponse(body, status_code=200 if supervisor.ready else 503)
 
-    @app.get("/status")
-    def status() -> dict[str, Any]:
-        return {
-            **supervisor.status(),
-            "labels": follower.status(),
-            "declared": reconciler.status(),
-        }
+    @app.get("/status", response_model=StatusBody)
+    def status() -> StatusBody:
+        return StatusBody(
+            **dict(supervisor.status()), labels=follower.status(), declared=reconciler.status()
+        )
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -35,18 +35,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from inference import parity, vllm_api
 from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter
 from inference.chat_format import ChatFormat, check_adapter, vllm_flags
-from inference.engine import VllmServer
+from inference.engine import EngineSpec, Platform, VllmServer
 from inference.errors import EngineFailed
 from inference.kv_cache import KvEstimate
 from inference.kv_report import KvFigures
 from inference.restarts import RestartHistory, backoff_delay
 from inference.settings import InferenceSettings
-from inference.status_report import status_body
+from inference.status_report import ModelStatus, RootCauseStatus, SupervisorStatus, VllmStatus
 from lorastack.errors import Conflict, NotFound, Refused
 from lorastack.manifest import validate_name
 from lorastack.parity import CHECK_PREFIX, REFERENCE_FILE
@@ -62,7 +61,7 @@ class ServePlan:
     model: ServedModel
     adapters: list[ServedAdapter]
     estimate: KvEstimate
-    platform: str  # "cpu" or "cuda"
+    platform: Platform
     chat: ChatFormat  # chat template and tool parser (inference.chat_format)
     dtype: str = "float32"  # what vLLM computes in (lorastack.parity.serving_dtype)
     dtype_reason: str = ""  # why, said at start and on /status
@@ -77,7 +76,7 @@ class Supervisor:
         plan: ServePlan,
         store: ArtifactStore,
         *,
-        server_factory: Callable[..., VllmServer] = VllmServer,
+        server_factory: Callable[[EngineSpec], VllmServer] = VllmServer,
     ) -> None:
         self.settings = settings
         self.plan = plan
@@ -147,26 +146,14 @@ class Supervisor:
         self.state = "stopped"
 
     def _new_server(self) -> VllmServer:
-        s = self.settings
-        return self._factory(
-            self.plan.model.path,
-            served_name=s.resolved_served_name,
-            port=s.port,
-            host=s.host,
-            max_model_len=s.max_model_len,
+        spec = EngineSpec.from_settings(
+            self.settings,
+            model_dir=self.plan.model.path,
             dtype=self.plan.dtype,
-            kv_cache_gib=s.kv_cache_gib,
-            enable_lora=s.enable_lora,
-            lora_modules={},  # each adapter is loaded once checked (_admit)
-            max_lora_rank=s.max_lora_rank,
-            max_loras=s.max_loras,
-            max_num_seqs=s.max_num_seqs,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            extra_args=self.engine_args,
-            workdir=s.resolved_workdir,
             platform=self.plan.platform,
-            api_key=self._vllm_key,
+            extra_args=self.engine_args,
         )
+        return self._factory(spec)
 
     @property
     def _vllm_key(self) -> str | None:
@@ -404,28 +391,27 @@ class Supervisor:
 
     # -- reporting ---------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """The body of /status: state, model, adapters, server, restarts, KV, parity."""
+    def status(self) -> SupervisorStatus:
+        """The supervisor's part of /status: state, model, adapters, server, restarts, KV,
+        parity."""
         with self._lock:
             server = self.server
             exits = list(self.history.exits)
             state, ready = self.state, self.ready
-        return status_body(
+        return SupervisorStatus(
             state=state,
             ready=ready,
             platform=self.plan.platform,
-            model=self.plan.model,
-            served_name=self.settings.resolved_served_name,
+            model=ModelStatus.of(self.plan.model, self.settings.resolved_served_name),
             adapters=[a.describe() for a in self.adapters.values()],
-            chat_format=self.plan.chat.describe(),
-            server=server,
-            started_at=self.started_at,
-            restarts=self.history.restarts,
-            last_error=self.last_error,
-            root_cause=self.history.root_cause,
-            last_exit=exits[-1] if exits else None,
-            kv_cache=self.kv.comparison(),
-            log_tail_lines=self.settings.log_tail_lines,
             dtype={"served": self.plan.dtype, "why": self.plan.dtype_reason},
             parity=self.parity.results(),
+            chat_format=self.plan.chat.describe(),
+            vllm=VllmStatus.of(server, started_at=self.started_at, ready=ready),
+            restarts=self.history.restarts,
+            last_error=self.last_error,
+            root_cause=RootCauseStatus.of(self.history.root_cause),
+            last_exit=exits[-1].__dict__ if exits else None,
+            kv_cache=self.kv.comparison(),
+            log_tail=server.log_tail(self.settings.log_tail_lines).splitlines() if server else [],
         )
