@@ -11,7 +11,7 @@ run is, and what setup's steps decided, added once when they have all returned),
 (trainer.state; trainer.publish.resuming restores it) and the `Session` (trainer.session:
 the log, the meter, the live metrics, the last checkpoint, a stop signal). A stage takes
 the values it reads and returns what it makes, which the recipe keeps; no stage imports
-this module. Setup's steps, one method each, are trainer.setup_steps. The stages live in:
+this module. Setup's steps are functions of trainer.setup_steps. The stages live in:
 
     setup     trainer.data (splits, samples, preflight), trainer.assembly (run manifest,
               splits published, memory estimate, components, live metrics),
@@ -38,11 +38,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, cast
 
 import torch
 
-from trainer import assembly
+from trainer import assembly, setup_steps
 from trainer.config import RunConfig
 from trainer.data.batching import plan_batches, total_steps
 from trainer.data.preparation import Prepared
@@ -57,11 +58,10 @@ from trainer.publish import failure, hooks, publishing, resuming
 from trainer.publish.completion import TrainResult, record_completion, train_result
 from trainer.session import Session
 from trainer.settings import TrainerSettings
-from trainer.setup_steps import SetupSteps
 from trainer.state import Components, Progress, RunPlan
 
 
-class Recipe(SetupSteps):
+class Recipe:
     """One run's stages in order (setup, train, save_checkpoint, finish, cleanup) and the
     state they share: the plan, the prepared data, the components, the progress, the
     session."""
@@ -104,22 +104,29 @@ class Recipe(SetupSteps):
 
     def setup(self, *, resume: bool, auto_batch: bool) -> None:
         """Decide the plan (each step returns its part; the plan is built once from them),
-        then publish the splits, build the model and restore a resumed run's checkpoint."""
-        self._setup_process()
-        self.prep = self._setup_data(auto_batch=auto_batch)
-        selection = self._setup_samples(self.prep)
+        then publish the splits, build the model and restore a resumed run's checkpoint.
+        What cleanup must close (plotter, compile child, live metrics, handlers) goes into
+        the session as soon as it exists."""
+        plan, session = self.plan, self.session
+        session.plotter = setup_steps.prepare_process(plan)
+        self.prep = setup_steps.prepare_data(
+            plan, on_base=partial(self._start_compile_ahead, auto_batch=auto_batch)
+        )
+        selection = setup_steps.select_samples(plan, self.prep, session.say)
         self.prep = replace(self.prep, encoded={})  # the samples live on only where selected
         tokens = special_tokens(self.prep.tokenizer)
-        config = self._setup_micro_batch(selection, tokens.eot, auto_batch=auto_batch)
-        run_manifest = assembly.run_manifest(
-            config, self.plan.settings, self.plan.device, self.prep
+        config = setup_steps.choose_micro_batch(
+            plan, self.prep, selection, tokens.eot, session.say, auto_batch=auto_batch
         )
-        resume_from = self._setup_resume_point(config, run_manifest, resume=resume)
-        splits = self._setup_splits(config)
-        memory = self._setup_memory(config, selection.train)
+        run_manifest = assembly.run_manifest(config, plan.settings, plan.device, self.prep)
+        resume_from = setup_steps.find_resume_point(
+            plan, self.prep, config, run_manifest, resume=resume
+        )
+        splits = setup_steps.publish_splits(plan, self.prep, config)
+        memory = setup_steps.plan_memory(plan, self.prep, config, selection, session.say)
         batches = plan_batches(config, selection.train)
-        self.plan = replace(
-            self.plan,
+        self.plan = plan = replace(
+            plan,
             config=config,
             eot=tokens.eot,
             pad=tokens.pad,
@@ -133,13 +140,23 @@ class Recipe(SetupSteps):
             batches=batches,
             total_steps=total_steps(config, batches.steps_per_epoch()),
         )
-        self._record_plan(resume_from)
-        built = self._setup_model()
-        self.components = built.components
-        self.progress = self._setup_progress(resume_from)
-        self.session.old_handlers = stopping.install_handlers(self._signalled)
-        self.session.live = self._setup_live()
-        self._say_start(built.compile_note)
+        setup_steps.record_plan(plan, self.prep, session.meter, resume_from, session.say)
+        session.lap("prepare")
+        loaded = setup_steps.load_model(plan, self.prep, session.ahead, session.say, session.lap)
+        session.memory_marks.update(loaded.memory_marks)
+        self.components = loaded.built.components
+        if resume_from is not None:
+            self.progress = setup_steps.restore_progress(resume_from, self.components, session.say)
+            session.meter.hours_before = self.progress.wall_before / 3600
+        session.old_handlers = stopping.install_handlers(self._signalled)
+        session.live = setup_steps.start_live(plan, self.progress.resumed_at, session.say)
+        session.say(setup_steps.start_line(plan, self.components, loaded.built.compile_note))
+
+    def _start_compile_ahead(self, model_config: dict[str, Any], *, auto_batch: bool) -> None:
+        """Called once the base is known: the child is kept for cleanup to stop."""
+        self.session.ahead = setup_steps.start_compile_ahead(
+            self.plan, model_config, auto_batch=auto_batch
+        )
 
     def _signalled(self, signum: int, frame: Any) -> None:
         """SIGTERM or SIGINT: the step loop stops after the step (stop_if_asked)."""
@@ -202,7 +219,7 @@ class Recipe(SetupSteps):
                     loss=step_loss,
                     lr=lr,
                     grad_norm=float(grad_norm),
-                    tokens=step_tokens,
+                    step_tokens=step_tokens,
                     step_seconds=dt,
                     session_start=session_start,
                     session_tokens=session_tokens,
@@ -283,29 +300,28 @@ class Recipe(SetupSteps):
         if session.plotter is not None:
             title = f"{plan.config.output} ({plan.mode})"
             session.plotter.plot(train_series, self.progress.val_losses, plot, title)
-        completion = record_completion(
+        record = record_completion(
             plan, self.components, self.progress, session.meter, session.memory_marks, session.say
         )
-        result = train_result(plan, prep, self.progress, completion)
-        result.verdict = modes.verdict(
+        verdict = modes.verdict(
             plan, prep, self.components, self.progress, session.last_checkpoint, train_series
         )
+        adapter = None
         if plan.mode == "train" and plan.settings.is_main:
-            completion["selected"] = publishing.select_adapter(
-                plan, prep.store, self.progress, session.say
+            selected = publishing.select_adapter(plan, prep.store, self.progress, session.say)
+            published = publishing.publish_adapter(
+                plan, prep, step, record, selected, plot, session.say
             )
-            result.adapter = publishing.publish_adapter(
-                plan, prep, step, completion, plot, session.say
-            )
-            completion["adapter_digest"] = result.adapter.digest
+            adapter = published.manifest
+            record = {**published.completion, "adapter_digest": adapter.digest}
         session.lap("finish")
-        completion["phases_s"] = session.phases
+        completion = {**record, "phases_s": session.phases}
         session.say("time: " + ", ".join(f"{k} {v:.1f} session" for k, v in session.phases.items()))
         if plan.settings.is_main:
             write_json(plan.run_dir / "training-complete.json", completion)
-        if result.verdict is not None:
-            modes.say_verdict(plan.mode, result.verdict, session.say)
-        return result
+        if verdict is not None:
+            modes.say_verdict(plan.mode, verdict, session.say)
+        return train_result(plan, prep, self.progress, completion, adapter=adapter, verdict=verdict)
 
     def cleanup(self) -> None:
         """Close what setup opened (plotter, compile child, live metrics, handlers, processes)."""
@@ -363,7 +379,7 @@ def run_training(
     modes.refuse_failed(mode, result.verdict)
     plan, session = recipe.plan, recipe.session
     published = {"adapter": result.adapter, "data": result.data, "test": result.test}
-    result.hook = hooks.after_success(
+    hook = hooks.after_success(
         plan,
         recipe.prep.store,
         recipe.progress.step,
@@ -372,4 +388,4 @@ def run_training(
         dict(os.environ),
         session.say,
     )
-    return result
+    return replace(result, hook=hook)

@@ -34,19 +34,19 @@ def log_step(
     loss: float,
     lr: float,
     grad_norm: float,
-    tokens: int,
+    step_tokens: int,
     step_seconds: float,
     session_start: float,
     session_tokens: int,
 ) -> StepReport:
     """Write the step record (rank 0); return the step's line and its live-metric values.
 
-    `tokens` are the step's input tokens, `step_seconds` its wall time; `session_start`
-    (time.monotonic()) and `session_tokens` are this session's, for the throughput and ETA.
+    `step_tokens` are this step's input tokens (not padding), `step_seconds` its wall time;
+    `session_start` (time.monotonic()) and `session_tokens` (input tokens of this session's
+    steps) are for the throughput and ETA. The run's total is `progress.tokens_seen`.
     """
-    dt = step_seconds
     elapsed = time.monotonic() - session_start
-    tps = session_tokens / elapsed if elapsed > 0 else 0.0
+    tokens_per_s = session_tokens / elapsed if elapsed > 0 else 0.0  # this session's
     steps_done = max(1, len(progress.losses))
     eta = (plan.total_steps - progress.step) * elapsed / steps_done
     mem = memory_now(plan.device)
@@ -55,10 +55,10 @@ def log_step(
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
-        "tokens": tokens,
+        "tokens": step_tokens,  # this step's (the file's name for it)
         "tokens_total": progress.tokens_seen,
-        "tokens_per_s": tps,
-        "step_time_s": dt,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": step_seconds,
         **mem,
     }
     if plan.settings.is_main:
@@ -67,7 +67,7 @@ def log_step(
     cost = meter.cost()
     line = (
         f"step {progress.step}/{plan.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
-        f"tok/s {tps:.0f} step {dt:.2f}s eta {duration(eta)} mem {human(shown)}"
+        f"tok/s {tokens_per_s:.0f} step {step_seconds:.2f}s eta {duration(eta)} mem {human(shown)}"
         + (f" cost {cost:.2f}" if plan.config.price_per_gpu_hour else "")
         + (f"/{plan.config.max_cost:g}" if plan.config.max_cost else "")
     )
@@ -75,8 +75,8 @@ def log_step(
         "step": progress.step,
         "loss": loss,
         "learning_rate": lr,
-        "tokens_per_second": tps,
-        "tokens": progress.tokens_seen,
+        "tokens_per_second": tokens_per_s,
+        "tokens": progress.tokens_seen,  # the run's so far, all sessions
         "supervised_tokens": progress.supervised_seen,
         "gpu_memory_allocated_bytes": mem.get("peak_allocated", 0),
         "gpu_memory_reserved_bytes": mem.get("peak_reserved", 0),

@@ -11,6 +11,7 @@ row failed to beat the best so far by more than `min_delta`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,19 @@ def should_stop(val_losses: dict[int, float], patience: int, min_delta: float) -
     return standing(val_losses, min_delta).stale >= patience
 
 
-def selected_step(val_losses: dict[int, float], select: str, last: int) -> tuple[int, str]:
+class Selected(NamedTuple):
     """The step whose adapter is published, and why (for the manifest and the log)."""
+
+    step: int
+    why: str
+
+
+def selected_step(val_losses: dict[int, float], select: str, last: int) -> Selected:
+    """The step whose adapter is published, and why."""
     best = standing(val_losses)
     if select == "last" or best.best_step is None:
         why = "the last step" + ("" if select == "last" else " (no validation loss to select by)")
-        return last, why
+        return Selected(last, why)
     final = val_losses.get(last)
     than = f" (the last step, {last}: {final:.4f})" if final is not None else ""
-    return best.best_step, f"lowest validation loss {best.best_loss:.4f}{than}"
+    return Selected(best.best_step, f"lowest validation loss {best.best_loss:.4f}{than}")

@@ -2,8 +2,9 @@
 (training-complete.json, also inside the published adapter): steps, tokens and throughput
 over the whole wall time, memory (estimated and measured, part by part), losses,
 trainable parameters, billed hours and cost, the device and compile facts. The selected
-step, adapter digest and phase times are added by trainer.recipe.Recipe.finish as they
-become known.
+step and the adapter's sha256 join it where the adapter is published
+(trainer.publish.publishing.publish_adapter), the adapter digest and phase times where
+trainer.recipe.Recipe.finish writes it; each makes a new dict, none changes the one it got.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from trainer.publish.hooks import HookOutcome
 from trainer.state import Components, Progress, RunPlan
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainResult:
-    """What run_training returns: the mode, steps, losses, published artifacts and verdict."""
+    """What run_training returns: the mode, steps, losses, published artifacts and verdict;
+    built once, when the run ends (run_training adds the hook's outcome with a replace)."""
 
     mode: str
     run_dir: Path
@@ -45,19 +47,27 @@ class TrainResult:
 
 
 def train_result(
-    plan: RunPlan, prep: Prepared, progress: Progress, completion: dict[str, Any]
+    plan: RunPlan,
+    prep: Prepared,
+    progress: Progress,
+    completion: dict[str, Any],
+    *,
+    adapter: Manifest | None = None,
+    verdict: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """The result of a run that ended with `completion` (the adapter and verdict are set
-    by the caller)."""
+    """The result of a run that ended with `completion`, published `adapter` (a "train"
+    run's rank 0) and came to `verdict` (a smoke or overfit run's)."""
     return TrainResult(
         plan.mode,
         plan.run_dir,
         progress.step,
         dict(progress.losses),
         dict(progress.val_losses),
+        adapter=adapter,
         data=plan.data_manifest,
         test=plan.test_manifest,
         completion=completion,
+        verdict=verdict,
         preflight=prep.report,
     )
 

@@ -11,7 +11,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from lorastack.errors import Conflict, NotFound
 from lorastack.manifest import Manifest, sha256_file
@@ -21,7 +21,7 @@ from trainer.config import SAFE_TO_CHANGE, RunConfig
 from trainer.data.chat_templates import chat_format_record
 from trainer.data.preparation import Prepared
 from trainer.errors import ResumeRefused
-from trainer.loop.selection import selected_step, standing
+from trainer.loop.selection import Selected, selected_step, standing
 from trainer.metrics import write_json
 from trainer.publish import checkpoint, reference
 from trainer.publish.completion import TrainResult, train_result
@@ -29,6 +29,14 @@ from trainer.state import Progress, RunPlan
 
 log = logging.getLogger("trainer")
 TEMPLATE_FILE = "chat_template.jinja"  # what the tokenizer's save_pretrained writes
+
+
+class PublishedAdapter(NamedTuple):
+    """What publish_adapter returns: the adapter's manifest and the completion record as
+    the adapter holds it (the run's, with the selected step and the weights' sha256)."""
+
+    manifest: Manifest
+    completion: dict[str, Any]
 
 
 def find_resume_point(
@@ -114,16 +122,16 @@ def kept_best(cfg: RunConfig, val_losses: dict[int, float]) -> int | None:
 
 def select_adapter(
     plan: RunPlan, store: ArtifactStore, progress: Progress, say: Callable[[str], None]
-) -> dict[str, Any]:
+) -> Selected:
     """The step `select` picks (trainer.loop.selection), its checkpoint here (publish_adapter
     publishes that checkpoint's adapter: under FSDP the model holds shards)."""
-    step, why = selected_step(progress.val_losses, plan.config.select, progress.step)
-    folder = checkpoint.step_dir(plan.ckpt_root, step)
+    selected = selected_step(progress.val_losses, plan.config.select, progress.step)
+    folder = checkpoint.step_dir(plan.ckpt_root, selected.step)
     if not folder.is_dir():  # resumed elsewhere: the store keeps it (kept_best)
         name = f"{plan.config.output}/checkpoints"
-        store.get(store.manifest(name, str(step)), folder)
-    say(f"publishing the adapter of step {step}: {why}")
-    return {"step": step, "why": why}
+        store.get(store.manifest(name, str(selected.step)), folder)
+    say(f"publishing the adapter of step {selected.step}: {selected.why}")
+    return selected
 
 
 def already_finished(
@@ -145,27 +153,26 @@ def already_finished(
     if m is None:
         return None
     say(f"the run had already finished at step {progress.step}; keeping {m.ref}")
-    result = train_result(plan, prep, progress, completion)
-    result.adapter = m
-    return result
+    return train_result(plan, prep, progress, completion, adapter=m)
 
 
 def publish_adapter(
     plan: RunPlan,
     prep: Prepared,
     step: int,
-    completion: dict[str, Any],
+    record: dict[str, Any],
+    selected: Selected,
     plot: Path,
     say: Callable[[str], None],
-) -> Manifest:
+) -> PublishedAdapter:
     """Publish the selected checkpoint's adapter as `<output>/adapter`, with its tokenizer,
-    chat format, parity reference, metrics, plot and run records."""
+    chat format, parity reference, metrics, plot and run records. `record` is the run's
+    completion record (trainer.publish.completion.record_completion); the adapter holds
+    it with the selected step and the weights' sha256, and so does what this returns."""
     cfg = plan.config
     folder = plan.run_dir / "adapter"
     shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(
-        checkpoint.step_dir(plan.ckpt_root, completion["selected"]["step"]) / "adapter", folder
-    )
+    shutil.copytree(checkpoint.step_dir(plan.ckpt_root, selected.step) / "adapter", folder)
     adapter_cfg = folder / "adapter_config.json"
     data = json.loads(adapter_cfg.read_text())
     data["base_model_name_or_path"] = prep.base.ref  # a store ref, never a hub id or a local path
@@ -182,7 +189,11 @@ def publish_adapter(
     shutil.copy(plot, folder / "loss.png")
     shutil.copy(plan.run_dir / "run-manifest.json", folder / "run-manifest.json")
     shutil.copy(plan.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
-    completion["adapter_sha256"] = sha256_file(folder / "adapter_model.safetensors")
+    completion = {
+        **record,
+        "selected": selected._asdict(),
+        "adapter_sha256": sha256_file(folder / "adapter_model.safetensors"),
+    }
     write_json(folder / "training-complete.json", completion)
     assert plan.data_manifest is not None and plan.test_manifest is not None
     m = prep.store.publish(
@@ -195,10 +206,10 @@ def publish_adapter(
         metadata={
             "test_split": {"ref": plan.test_manifest.ref, "digest": plan.test_manifest.digest},
             "steps": step,
-            "selected_step": completion["selected"]["step"],
-            "selected_because": completion["selected"]["why"],
-            "final_val_loss": completion["final_val_loss"],
-            "best_val_loss": completion["best_val_loss"],
+            "selected_step": selected.step,
+            "selected_because": selected.why,
+            "final_val_loss": record["final_val_loss"],
+            "best_val_loss": record["best_val_loss"],
             "lora_r": cfg.lora.r,
             "quantization": cfg.quantization,
             "chat_format": chat_format,
@@ -206,7 +217,7 @@ def publish_adapter(
         },
     )
     say(f"published {m.ref} ({m.digest[:19]})")
-    return m
+    return PublishedAdapter(m, completion)
 
 
 def record_parity_reference(
