@@ -60,7 +60,7 @@ def train(home: Path, runs: Path, name: str, data: Path, arm: str, threads: int)
 
 
 def compare(runs: Path, ref: str, other: str) -> dict[str, float]:
-    from trainer.metrics import read_series
+    from trainer.records import read_series
 
     la = read_series(runs / ref / "metrics", "metrics", "loss")
     lb = read_series(runs / other / "metrics", "metrics", "loss")

@@ -16,8 +16,8 @@ from lorastack.store import open_store
 from lorastack_app.earlier_run import continue_or_restart
 from lorastack_app.pipeline import RUN, demo_config
 from trainer.config import load_config
-from trainer.metrics import library_versions
 from trainer.publish.checkpoint import code_version
+from trainer.readings import library_versions
 from trainer.settings import TrainerSettings
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lorastack.store import open_store
-from trainer.metrics import read_series
+from trainer.records import read_series
 from trainer.settings import TrainerSettings
 
 # 5 micro-batches of 2 samples in all: the last step's third micro-batch leaves rank 1

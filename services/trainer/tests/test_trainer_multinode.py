@@ -29,7 +29,7 @@ import yaml
 
 from lorastack.store import open_store
 from lorastack_testing.net import free_port
-from trainer.metrics import read_series
+from trainer.records import read_series
 from trainer.settings import TrainerSettings
 
 REPO = Path(__file__).resolve().parents[3]

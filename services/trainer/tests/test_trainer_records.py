@@ -16,8 +16,8 @@ import torch
 
 from lorastack.chat_data import load_jsonl
 from trainer.errors import TrainingOOM
-from trainer.metrics import write_support_bundle
 from trainer.model.auto_batch import choose
+from trainer.support_bundle import write_support_bundle
 
 
 def test_data_inspect_marks_the_answer_and_its_end_of_turn_only(

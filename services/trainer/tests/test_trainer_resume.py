@@ -17,8 +17,8 @@ from lorastack.chat_data import load_jsonl, write_jsonl
 from lorastack.store import open_store
 from trainer.config import load_config
 from trainer.errors import ResumeRefused
-from trainer.metrics import read_series
 from trainer.recipe import run_training
+from trainer.records import read_series
 from trainer.settings import TrainerSettings
 
 CLI = [sys.executable, "-m", "lorastack.cli"]

@@ -19,8 +19,8 @@ from typing import Any
 
 from lorastack.store import ArtifactStore
 from trainer.config import RunConfig
-from trainer.metrics import library_versions
 from trainer.publish import checkpoint
+from trainer.readings import library_versions
 
 
 def what_changed(old: dict[str, Any], config: RunConfig) -> list[str]:

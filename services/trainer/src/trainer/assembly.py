@@ -24,12 +24,13 @@ from trainer.data.preparation import Prepared
 from trainer.data.samples import template_hash
 from trainer.data.splits import publish_once
 from trainer.loop.live import LiveRun
-from trainer.metrics import library_versions, write_json
 from trainer.model.compiling import CompileRun
 from trainer.model.distributed import wrap_for_processes
 from trainer.model.memory import PLAN_HEADROOM, estimate, human, plan_checkpointing
 from trainer.model.modeling import LossModule, compute_dtype, load_model
 from trainer.publish import checkpoint
+from trainer.readings import library_versions
+from trainer.records import write_json
 from trainer.settings import TrainerSettings
 from trainer.state import Components, RunPlan
 

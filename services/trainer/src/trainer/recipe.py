@@ -51,14 +51,16 @@ from trainer.data.samples import special_tokens
 from trainer.errors import SmokeFailed
 from trainer.loop import budget, evaluation, gradients, modes, progress, stopping
 from trainer.loop.live import LiveRun
-from trainer.metrics import LogTail, held_bytes, process_age, read_series, write_json
 from trainer.model.distributed import rank0_decides, shut_down
 from trainer.model.modeling import resolve_device
 from trainer.publish import failure, hooks, publishing, resuming
 from trainer.publish.completion import TrainResult, record_completion, train_result
+from trainer.readings import held_bytes, process_age
+from trainer.records import read_series, write_json
 from trainer.session import Session
 from trainer.settings import TrainerSettings
 from trainer.state import Components, Progress, RunPlan
+from trainer.support_bundle import LogTail
 
 
 class Recipe:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer.loop.budget import Meter
     from trainer.loop.live import LiveRun
-    from trainer.metrics import LogTail
     from trainer.model.ahead import Ahead
     from trainer.plotting import Plotter
+    from trainer.support_bundle import LogTail
 
 
 @dataclass

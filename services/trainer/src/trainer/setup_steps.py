@@ -25,13 +25,14 @@ from trainer.data.preflight import refuse_unless_ok
 from trainer.data.preparation import Prepared, prepare
 from trainer.loop import budget, modes, stopping
 from trainer.loop.live import LiveRun
-from trainer.metrics import held_bytes, write_json
 from trainer.model import distributed
 from trainer.model.ahead import Ahead
 from trainer.model.auto_batch import fit_micro_batch
 from trainer.model.modeling import use_expandable_segments
 from trainer.plotting import Plotter
 from trainer.publish import publishing, resuming
+from trainer.readings import held_bytes
+from trainer.records import write_json
 from trainer.state import Components, Progress, RunPlan
 
 Say = Callable[[str], None]

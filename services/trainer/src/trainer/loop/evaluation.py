@@ -15,9 +15,9 @@ from trainer.config import RunConfig
 from trainer.data.batching import collate, supervised_count
 from trainer.loop.live import LiveRun
 from trainer.loop.selection import should_stop, standing
-from trainer.metrics import write_json
 from trainer.model.modeling import batch_loss
 from trainer.model.sharding import is_sharded
+from trainer.records import write_json
 from trainer.state import Components, Progress, RunPlan
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer.metrics import nvml_reading
+from trainer.readings import nvml_reading
 
 # (name, help) of each gauge; all carry the label `run`
 GAUGES = {

@@ -11,11 +11,9 @@ from typing import NamedTuple
 
 from trainer.loop.budget import Meter
 from trainer.loop.live import gpu_reading
-from trainer.metrics import (
-    memory_now,
-    write_json,
-)
 from trainer.model.memory import human
+from trainer.readings import memory_now
+from trainer.records import write_json
 from trainer.state import Progress, RunPlan
 
 

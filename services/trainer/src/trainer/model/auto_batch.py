@@ -16,8 +16,8 @@ import torch
 
 from trainer.config import RunConfig, with_overrides
 from trainer.errors import TrainingOOM
-from trainer.metrics import OOM_HINT
 from trainer.model.modeling import load_model, loss_sum
+from trainer.support_bundle import OOM_HINT
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -20,10 +20,10 @@ from lorastack.manifest import Manifest
 from trainer.data.preflight import PreflightReport
 from trainer.data.preparation import Prepared
 from trainer.loop.budget import Meter
-from trainer.metrics import device_facts, memory_now, nvml_reading, peak_bytes
 from trainer.model.compiling import compile_report
 from trainer.model.memory import against_measured, human
 from trainer.publish.hooks import HookOutcome
+from trainer.readings import device_facts, memory_now, nvml_reading, peak_bytes
 from trainer.state import Components, Progress, RunPlan
 
 

@@ -16,10 +16,11 @@ from trainer.data.preparation import Prepared
 from trainer.data.samples import template_hash
 from trainer.errors import TrainingCrashed, TrainingOOM
 from trainer.loop.budget import Meter
-from trainer.metrics import OOM_HINT, LogTail, device_facts, is_oom, write_support_bundle
 from trainer.publish import hooks
 from trainer.publish.publishing import publish_support_bundle
+from trainer.readings import device_facts
 from trainer.state import RunPlan
+from trainer.support_bundle import OOM_HINT, LogTail, is_oom, write_support_bundle
 
 
 def report_failure(
@@ -43,7 +44,7 @@ def report_failure(
 
 
 def run_facts(plan: RunPlan, prep: Prepared | None, step: int) -> dict[str, Any]:
-    """What the support memo says of the run (trainer.metrics.write_support_bundle)."""
+    """What the support memo says of the run (trainer.support_bundle.write_support_bundle)."""
     cfg = plan.config
     facts: dict[str, Any] = {
         "step": step,

@@ -22,9 +22,9 @@ from trainer.data.chat_templates import chat_format_record
 from trainer.data.preparation import Prepared
 from trainer.errors import ResumeRefused
 from trainer.loop.selection import Selected, selected_step, standing
-from trainer.metrics import write_json
 from trainer.publish import checkpoint, reference
 from trainer.publish.completion import TrainResult, train_result
+from trainer.records import write_json
 from trainer.state import Progress, RunPlan
 
 log = logging.getLogger("trainer")
