@@ -3,7 +3,9 @@
 Every inline code span of the page that is a dotted name under one of the project's
 packages (`gateway.routing`, `trainer.recipe.Recipe.setup`) must be a module of the source
 tree, or a name defined at the top of one (a class, function or assignment), optionally
-followed by a name defined in that class. Read from the files (ast), nothing imported.
+followed by a name defined in that class. And the other way: every module of the tree is
+named on the page (its list "Every module"), so a module added, moved or removed changes
+the map with it. Read from the files (ast), nothing imported.
 """
 
 from __future__ import annotations
@@ -78,6 +80,39 @@ def test_every_module_the_architecture_page_names_exists() -> None:
     assert len(named) > 50, "the page names the modules of a request and of a training run"
     missing = sorted(m for m in named if not resolves(m, packages))
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
+
+
+def tree_modules(packages: dict[str, Path]) -> set[str]:
+    """Every module of the source tree, dotted (`trainer.loop.live`); packages' __init__
+    files are their package, not a module of their own."""
+    return {
+        ".".join((top, *f.relative_to(folder).with_suffix("").parts))
+        for top, folder in packages.items()
+        for f in folder.rglob("*.py")
+        if f.name != "__init__.py"
+    }
+
+
+def unlisted(page: str, packages: dict[str, Path]) -> list[str]:
+    """The modules of the tree that `page` does not name."""
+    named = set(DOTTED.findall(page))
+    return sorted(tree_modules(packages) - named)
+
+
+def test_every_module_of_the_tree_is_on_the_architecture_page() -> None:
+    missing = unlisted(PAGE.read_text(), package_dirs())
+    assert not missing, (
+        f"docs/architecture.md does not name {missing}: add each to its package's list under"
+        ' "Every module" (what it owns, one line) and, where a newcomer would look for it,'
+        ' to the "Where to change what" table'
+    )
+
+
+def test_a_module_left_off_the_page_is_caught() -> None:
+    packages = package_dirs()
+    page = PAGE.read_text()
+    assert "trainer.setup_steps" in tree_modules(packages)
+    assert "trainer.setup_steps" in unlisted(page.replace("`trainer.setup_steps`", ""), packages)
 
 
 def test_a_name_the_code_does_not_have_is_caught() -> None:
