@@ -278,6 +278,18 @@ def test_an_adapter_served_over_another_base_is_named(demo: tuple[Path, str]) ->
     assert "the weights served are not the weights trained" in verdict.problems[1]
 
 
+def _publish_and_load(home: Path, folder: Path, name: str) -> tuple[Any, httpx.Response]:
+    """Publish `folder` as adapter `name` of the demo adapter's base and ask the running
+    supervisor to load it; the demo adapter's manifest and the answer."""
+    store = open_store(CommonSettings(home=home))
+    adapter = store.resolve("date-iso/adapter")
+    store.publish(folder, kind="adapter", name=name, service="test", parents=adapter.parents)
+    r = httpx.post(
+        f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters", json={"ref": name}, timeout=300
+    )
+    return adapter, r
+
+
 @pytest.mark.slow
 def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
     demo: tuple[Path, str], tmp_path: Path
@@ -297,16 +309,7 @@ def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
     altered = tmp_path / "altered"
     shutil.copytree(folder, altered)
     (altered / REFERENCE_FILE).write_text(reference.model_dump_json())
-    store = open_store(CommonSettings(home=home))
-    adapter = store.resolve("date-iso/adapter")
-    store.publish(
-        altered, kind="adapter", name="altered/adapter", service="test", parents=adapter.parents
-    )
-    r = httpx.post(
-        f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters",
-        json={"ref": "altered/adapter"},
-        timeout=300,
-    )
+    adapter, r = _publish_and_load(home, altered, "altered/adapter")
     assert r.status_code >= 400 and "differs from the model that was trained" in r.text, r.text
     assert "max |Δ log-prob|" in r.text
     status = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/status", timeout=30).json()
@@ -345,16 +348,7 @@ def test_the_adapter_at_half_its_scale_is_refused_and_never_listed(
     cfg = json.loads((half / "adapter_config.json").read_text())
     cfg["lora_alpha"] = cfg["lora_alpha"] / 2
     (half / "adapter_config.json").write_text(json.dumps(cfg))
-    store = open_store(CommonSettings(home=home))
-    adapter = store.resolve("date-iso/adapter")
-    store.publish(
-        half, kind="adapter", name="half/adapter", service="test", parents=adapter.parents
-    )
-    r = httpx.post(
-        f"http://127.0.0.1:{SUPERVISOR_PORT}/admin/adapters",
-        json={"ref": "half/adapter"},
-        timeout=300,
-    )
+    _, r = _publish_and_load(home, half, "half/adapter")
     assert r.status_code == 409 and "differs from the model that was trained" in r.text, r.text
     models = httpx.get(f"http://127.0.0.1:{VLLM_PORT}/v1/models", timeout=30).json()["data"]
     ids = {m["id"] for m in models}

@@ -138,16 +138,16 @@ def test_limits_follow_both_precisions(
 
 
 def test_half_precision_tolerates_rounding_but_float32_does_not() -> None:
-    """A 0.1-nat move and one probe parted at a two-sided near-tie: bf16's rounding, a
-    wrong weight in fp32."""
+    """A 0.04-nat move (under 1% of the base's distance) and one probe parted at a
+    two-sided near-tie: bf16's rounding, a wrong weight in fp32."""
     for dtype, ok in (("bfloat16", True), ("float32", False)):
-        ref = reference(dtype)
-        replays = faithful(ref, shift=0.1)
+        ref = reference(dtype, base_gap=5.0)
+        replays = faithful(ref, shift=0.04)
         replays[0] = parted(replays[0], 2, 0.3)
         v = judge("m", ref, replays, served_dtype=dtype)
         assert v.ok is ok, v.problems
         if not ok:
-            assert "max |Δ log-prob| 0.100 > 0.05" in v.problems[0]
+            assert "mean |Δ log-prob| 0.040 > 0.01" in v.problems[0]
             assert "the weights served are not the weights trained" in v.problems[0]
 
 
@@ -168,14 +168,14 @@ def test_greedy_parting_at_near_ties_is_rounding_but_at_clear_preferences_is_not
     where bf16 decided a near-tie the other way; a served model that parts where it clearly
     prefers another token is not the trained one, though each position alone mostly agrees."""
     ref = reference("bfloat16", probes=8, length=32)  # as the trainer records: 32 tokens each
-    ties = [parted(r, 2, 0.4) for r in faithful(ref, shift=0.1)]
+    ties = [parted(r, 2, 0.4) for r in faithful(ref, shift=0.005)]
     v = judge("m", ref, ties, served_dtype="bfloat16")
     assert v.ok, v.problems
     assert (v.greedy_identical, v.greedy_near_ties) == (0, 8)
     assert [(p.server_margin, p.reference_margin) for p in v.partings] == [(0.4, 0.5)] * 8
     assert "greedy identical 0/8 (+8 parted at a near-tie)" in v.summary()
 
-    clear = [parted(r, 2, 4.0) if i < 3 else r for i, r in enumerate(faithful(ref, shift=0.1))]
+    clear = [parted(r, 2, 4.0) if i < 3 else r for i, r in enumerate(faithful(ref, shift=0.005))]
     v = judge("m", ref, clear, served_dtype="bfloat16")
     assert not v.ok and v.top1_agreement == pytest.approx(253 / 256)  # 3 misses of 256
     assert (
@@ -192,13 +192,13 @@ def test_a_parting_where_the_trained_model_was_sure_is_no_tie() -> None:
     """The reviewer's model: one digit of every answer changed, its own digit preferred by
     1.4 nats (within the server-side limit), where the trained model put it 6 nats behind."""
     sure = reference("bfloat16", probes=8, length=10, rival_margin=6.0)
-    digit = [parted(r, 4, 1.4) for r in faithful(sure, shift=0.05)]
+    digit = [parted(r, 4, 1.4) for r in faithful(sure, shift=0.005)]
     v = judge("m", sure, digit, served_dtype="float16")
     assert not v.ok and v.greedy_near_ties == 0, v.as_dict()
     assert [(p.server_margin, p.reference_margin) for p in v.partings] == [(1.4, 6.0)] * 8
     # the same parting where the trained model was unsure too (0.5 nats) is rounding
     unsure = reference("bfloat16", probes=8, length=10, rival_margin=0.5)
-    assert judge("m", unsure, [parted(r, 4, 1.4) for r in faithful(unsure, 0.05)],
+    assert judge("m", unsure, [parted(r, 4, 1.4) for r in faithful(unsure, 0.005)],
                  served_dtype="float16").ok  # fmt: skip
     # the server's token outside the trained model's top few: no tie either
     ref = reference("bfloat16", probes=8, length=10)
@@ -208,10 +208,12 @@ def test_a_parting_where_the_trained_model_was_sure_is_no_tie() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("kept", [0.0, 0.5, 0.75])
+@pytest.mark.parametrize("kept", [0.0, 0.5, 0.75, 0.98])
 def test_a_model_between_the_trained_one_and_its_base_is_refused(dtype: str, kept: float) -> None:
     """The control: log-probs a share `kept` of the way to the base alone's (0: the base;
-    0.5: the adapter at half scale), the greedy answers unchanged. Refused in every precision."""
+    0.5: the adapter at half scale; 0.98: 2% of the base's distance left, as the demo
+    adapter at 75% of its scale keeps 1.7%), the greedy answers unchanged. Refused in every
+    precision."""
     ref = reference(dtype, probes=8, length=10, base_gap=2.0)
     replays = [
         dataclasses.replace(
@@ -234,6 +236,14 @@ def test_the_control_is_not_applied_where_the_probes_do_not_tell_adapter_from_ba
     ref = reference("bfloat16", base_gap=MIN_CONTROL / 2)
     v = judge("m", ref, faithful(ref, shift=0.1), served_dtype="bfloat16")
     assert v.ok and "barely tell the trained model from its base" in v.notes[0], v.as_dict()
+
+
+def test_rounding_under_the_floor_is_no_missing_adapter() -> None:
+    """A weak control (0.3 nats): bf16's rounding (0.005 nats a token) is 1.7% of it, over
+    the 1.2% limit, but under the floor of what rounding alone gives: it passes."""
+    ref = reference("bfloat16", base_gap=0.3)
+    v = judge("m", ref, faithful(ref, shift=0.005), served_dtype="bfloat16")
+    assert v.ok and v.control_ratio == pytest.approx(0.005 / 0.3), v.as_dict()
 
 
 def test_a_template_that_renders_todays_date_is_a_note_not_a_refusal() -> None:

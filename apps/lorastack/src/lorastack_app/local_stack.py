@@ -242,6 +242,30 @@ def wait_ready(
     print(f"  {svc.name} ready after {time.monotonic() - started:.0f} s", flush=True)
 
 
+def _get_json(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def wait_listed(svcs: list[Service], timeout_s: float = 30.0) -> None:
+    """Block until the gateway lists every adapter the supervisor serves. The supervisor
+    says ready once each adapter passed its parity check and was loaded under its name; the
+    gateway sees it at its next scrape of vLLM's /v1/models (scrape_interval_s later). A
+    gateway that wants a key for /v1/models is not waited for."""
+    supervisor, gateway = (svc.ready_url.removesuffix("/ready") for svc in svcs)
+    status = _get_json(f"{supervisor}/status") or {}
+    wanted = {a["served_name"] for a in status.get("adapters", [])}
+    deadline = time.monotonic() + timeout_s
+    while wanted and time.monotonic() < deadline:
+        listed = _get_json(f"{gateway}/v1/models")
+        if listed is None or wanted <= {m.get("id") for m in listed.get("data", [])}:
+            return
+        time.sleep(0.5)
+
+
 def stop(settings: CommonSettings, name: str, grace_s: float = 20.0) -> bool:
     """Stop the service's process group if its pid file names a process we started."""
     pidfile, _ = _paths(settings, name)
@@ -279,6 +303,8 @@ def up(
                 launched.append((svc, proc))
         for svc, proc in launched:
             wait_ready(settings, svc, proc, timeout_s, started)
+        if launched:
+            wait_listed(svcs)
     except Refused:
         for svc, _ in launched:  # nothing this call started is left half-up
             stop(settings, svc.name)
