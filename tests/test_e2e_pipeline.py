@@ -354,4 +354,5 @@ def test_the_adapter_at_half_its_scale_is_refused_and_never_listed(
     ids = {m["id"] for m in models}
     assert "half/adapter-v1" not in ids and not any(i.startswith(CHECK_PREFIX) for i in ids)
     record = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/status", timeout=30).json()
-    assert record["parity"]["half/adapter-v1"]["control_ratio"] > 0.15, record["parity"]
+    verdict = record["parity"]["half/adapter-v1"]  # float32: at most 0.5% may be left
+    assert verdict["ok"] is False and verdict["control_ratio"] > 0.005, verdict
