@@ -251,8 +251,14 @@ def test_the_readme_walk_on_the_cpu_override(
     # 10. Chat and stream through the gateway with the openai client; 400 when too long.
     gateway = f"http://127.0.0.1:{compose.env['GATEWAY_PORT']}/v1"
     client = OpenAI(base_url=gateway, api_key=API_KEY, max_retries=0, timeout=120)
-    models = {m.id for m in client.models.list().data}
-    assert {"smollm2", "chat/adapter-v1"} <= models, models
+    # the adapter is loaded once its parity check passed, just before inference says
+    # ready; the gateway lists it at its next scrape of vLLM (scrape_interval_s, 2 s)
+    deadline = time.monotonic() + 30
+    while not {"smollm2", "chat/adapter-v1"} <= (
+        models := {m.id for m in client.models.list().data}
+    ):
+        assert time.monotonic() < deadline, models
+        time.sleep(0.5)
     ask = [{"role": "user", "content": "Convert to an ISO date: March 3, 2021"}]
     for _ in range(3):  # a few requests, so every rate() of the dashboard has something
         reply = client.chat.completions.create(model="chat/adapter-v1", messages=ask, max_tokens=16)
