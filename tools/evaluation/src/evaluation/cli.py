@@ -11,6 +11,18 @@ from typing import Any
 
 from lorastack.settings import CommonSettings
 
+# the flags that set the eval config field of the same name (space-separated)
+_EVAL_FIELDS = (
+    "base_url api_key test base_model lora_model system_prompt max_tokens concurrency "
+    "confidence resamples seed limit adapter primary_metric"
+)
+# the flags that set the load-test config field of the same name (space-separated)
+_LOADTEST_FIELDS = (
+    "base_url model api_key endpoint max_concurrency requests max_duration_s warmup input_len "
+    "output_len tokenizer slo_ttft_ms slo_tpot_ms metrics_url temperature timeout_s seed "
+    "processes"
+)
+
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from evaluation.eval_config import load_eval_config
@@ -18,22 +30,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from evaluation.verdict import minimum_items
     from lorastack.store import open_store
 
-    overrides: dict[str, Any] = {
-        "base_url": args.base_url,
-        "api_key": args.api_key,
-        "test": args.test,
-        "base_model": args.base_model,
-        "lora_model": args.lora_model,
-        "system_prompt": args.system_prompt,
-        "max_tokens": args.max_tokens,
-        "concurrency": args.concurrency,
-        "confidence": args.confidence,
-        "resamples": args.resamples,
-        "seed": args.seed,
-        "limit": args.limit,
-        "adapter": args.adapter,
-        "primary_metric": args.primary_metric,
-    }
+    overrides = _flag_values(args, _EVAL_FIELDS)
     if args.scorer:
         overrides["scorers"] = args.scorer
     if args.few_shot:
@@ -52,6 +49,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     publish = None if args.no_publish else (args.publish or default_report_name(config.test))
     out = Path(args.out)
     report = run_eval(config, out_dir=out, store=store, publish_as=publish)
+    _print_eval(report, config.primary_metric)
+    print(f"report: {out / 'report.md'}")
+    if report.published:
+        print(f"published: {report.published}")
+    return 0
+
+
+def _flag_values(args: argparse.Namespace, names: str) -> dict[str, Any]:
+    """The values of the flags `names` (argparse's dest names, space-separated), None
+    where not given."""
+    return {name: getattr(args, name) for name in names.split()}
+
+
+def _print_eval(report: Any, primary_metric: str | None) -> None:
     print(f"n = {report.n} paired items from {report.test.ref} ({report.test.digest[:19]}…)")
     print(f"{'METRIC':14} {'BASELINE':>8} {'LORA':>8} {'DIFF':>8}  {'CI':19} VERDICT")
     for name, m in report.metrics.items():
@@ -60,12 +71,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{name:14} {m.baseline_mean:8.3f} {m.candidate_mean:8.3f} "
             f"{m.mean_difference:+8.3f}  {ci:19} {m.verdict}"
             + (f" (n = {m.n} < {m.min_items})" if m.verdict == "too few items" else "")
-            + ("  (primary)" if name == config.primary_metric else "")
+            + ("  (primary)" if name == primary_metric else "")
         )
-    print(f"report: {out / 'report.md'}")
-    if report.published:
-        print(f"published: {report.published}")
-    return 0
 
 
 def _parse_shot(text: str) -> dict[str, str]:
@@ -138,30 +145,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from evaluation.loadtest_run import run_loadtest
     from lorastack.errors import ConfigError, field_errors
 
-    fields: dict[str, Any] = {
-        "base_url": args.base_url,
-        "model": args.model,
-        "api_key": args.api_key,
-        "endpoint": args.endpoint,
-        "concurrency": [int(c) for c in _floats(args.concurrency)] if args.concurrency else [],
-        "rates": _floats(args.rate) if args.rate else [],
-        "max_concurrency": args.max_concurrency,
-        "requests": args.requests,
-        "max_duration_s": args.max_duration_s,
-        "warmup": args.warmup,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "ignore_eos": not args.no_ignore_eos,
-        "prompts_file": args.prompts,
-        "tokenizer": args.tokenizer,
-        "slo_ttft_ms": args.slo_ttft_ms,
-        "slo_tpot_ms": args.slo_tpot_ms,
-        "metrics_url": args.metrics_url,
-        "temperature": args.temperature,
-        "timeout_s": args.timeout_s,
-        "seed": args.seed,
-        "processes": args.processes,
-    }
+    fields = _flag_values(args, _LOADTEST_FIELDS)
+    fields["concurrency"] = [int(c) for c in _floats(args.concurrency)] if args.concurrency else []
+    fields["rates"] = _floats(args.rate) if args.rate else []
+    fields["ignore_eos"] = not args.no_ignore_eos
+    fields["prompts_file"] = args.prompts
     try:
         config = LoadtestConfig.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
@@ -235,6 +223,11 @@ def _print_cost(report: Any) -> None:
         print(f"  - {a}")
 
 
+def _in_folder(path: Path, file_name: str) -> Path:
+    """`path`, or its file `file_name` where `path` is a folder."""
+    return path / file_name if path.is_dir() else path
+
+
 def _read_json(path: Path) -> Any:
     import json
 
@@ -292,15 +285,15 @@ def cmd_cost_actual(args: argparse.Namespace) -> int:
     from evaluation.cost import actual_training
 
     path = Path(args.source)
-    if path.is_dir():
-        path = path / "training-complete.json"
-    elif not path.exists():
+    if not path.exists():
         from lorastack.store import open_store
 
         store = open_store(CommonSettings())
-        path = store.fetch(store.resolve(args.source)) / "training-complete.json"
+        path = store.fetch(store.resolve(args.source))
     report = actual_training(
-        _read_json(path), price_per_gpu_hour=args.price_per_gpu_hour, currency=args.currency
+        _read_json(_in_folder(path, "training-complete.json")),
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        currency=args.currency,
     )
     _print_cost(report)
     return 0
@@ -309,9 +302,7 @@ def cmd_cost_actual(args: argparse.Namespace) -> int:
 def cmd_cost_serving(args: argparse.Namespace) -> int:
     from evaluation.cost import serving_costs
 
-    path = Path(args.loadtest)
-    if path.is_dir():
-        path = path / "report.json"
+    path = _in_folder(Path(args.loadtest), "report.json")
     rows = serving_costs(_read_json(path), args.price_per_hour)
     print(f"serving cost at {args.price_per_hour:g} {args.currency}/h, from {path}")
     print(

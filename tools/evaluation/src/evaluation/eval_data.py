@@ -119,6 +119,20 @@ def split_training_validation(numbers: dict[str, Any]) -> tuple[dict[str, Any], 
     return train, val
 
 
+def _name_training_data(ev: TrainingEvidence, manifest: Manifest) -> None:
+    """Name the adapter's training and validation data in `ev` from its manifest's dataset
+    parent (the splits inside it are train.jsonl and validation.jsonl)."""
+    for parent in manifest.parents:
+        if parent.role in ("dataset", "data"):
+            ref = f"{parent.name}:{parent.version}"
+            ev.train_data = DataSource(
+                role="train", ref=ref, digest=parent.digest, note="train.jsonl"
+            )
+            ev.validation_data = DataSource(
+                role="validation", ref=ref, digest=parent.digest, note="validation.jsonl"
+            )
+
+
 def read_training_evidence(spec: str, store: ArtifactStore | None) -> TrainingEvidence:
     """Training and validation numbers of an adapter (store ref or local folder)."""
     manifest: Manifest | None = None
@@ -163,13 +177,5 @@ def read_training_evidence(spec: str, store: ArtifactStore | None) -> TrainingEv
         manifest=manifest,
     )
     if manifest is not None and store is not None:
-        for parent in manifest.parents:
-            if parent.role in ("dataset", "data"):
-                ref = f"{parent.name}:{parent.version}"
-                ev.train_data = DataSource(
-                    role="train", ref=ref, digest=parent.digest, note="train.jsonl"
-                )
-                ev.validation_data = DataSource(
-                    role="validation", ref=ref, digest=parent.digest, note="validation.jsonl"
-                )
+        _name_training_data(ev, manifest)
     return ev

@@ -199,7 +199,23 @@ def render_markdown(r: EvalReport) -> str:
         f"{r.lora.truncated} cut, mean latency {r.lora.mean_latency_s:.2f} s.",
         "",
     ]
-    ev = r.adapter
+    lines += _evidence_section(r.adapter)
+    lines += ["## What this evidence cannot show", ""]
+    lines += [f"- {x}" for x in r.limits]
+    lines += [
+        "",
+        "## Files",
+        "",
+        "- `samples.jsonl`: every prompt, output and score, one item per line",
+        "- `report.json`: this report as data",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _evidence_section(ev: TrainingEvidence | None) -> list[str]:
+    """The report's training and validation section: what the adapter recorded."""
+    lines: list[str] = []
     if ev is None:
         lines += ["## Training and validation", "", "No adapter given (--adapter): not shown.", ""]
     else:
@@ -231,17 +247,7 @@ def render_markdown(r: EvalReport) -> str:
         ]
         lines += [f"- {k}: {_fmt(v)}" for k, v in ev.validation.items()] or ["- (none recorded)"]
         lines.append("")
-    lines += ["## What this evidence cannot show", ""]
-    lines += [f"- {x}" for x in r.limits]
-    lines += [
-        "",
-        "## Files",
-        "",
-        "- `samples.jsonl`: every prompt, output and score, one item per line",
-        "- `report.json`: this report as data",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(r: EvalReport, samples: list[Sample], out_dir: Path) -> None:

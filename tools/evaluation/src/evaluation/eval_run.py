@@ -33,7 +33,7 @@ from evaluation.eval_data import (
 from evaluation.eval_report import Answer, EvalReport, Sample, build_report, write_report
 from evaluation.scorers import NamedScorer, build_scorer
 from evaluation.tool_calls import calls_text, message_calls
-from evaluation.verdict import paired_bootstrap
+from evaluation.verdict import PairedResult, paired_bootstrap
 from lorastack.chat_data import Conversation
 from lorastack.errors import ConfigError
 from lorastack.store import ArtifactStore
@@ -207,7 +207,28 @@ async def run_eval_async(
             f"every request failed, e.g.: {samples[0].baseline.error}",
             "check that the endpoint is up and serves both models",
         )
-    results = {
+    results = _compare(samples, scorers, config)
+    report = build_report(config, test, evidence, samples, results, elapsed_s=elapsed)
+    write_report(report, samples, out_dir)
+    if publish_as and store is not None:
+        # not in the files: they are what was published
+        report.published = _publish(
+            store,
+            report,
+            out_dir=out_dir,
+            name=publish_as,
+            test=test,
+            evidence=evidence,
+            primary_metric=config.primary_metric,
+        )
+    return report
+
+
+def _compare(
+    samples: list[Sample], scorers: list[NamedScorer], config: EvalConfig
+) -> dict[str, PairedResult]:
+    """Each scorer's paired bootstrap of the LoRA's scores against the baseline's."""
+    return {
         s.name: paired_bootstrap(
             [x.baseline.scores[s.name] for x in samples],
             [x.lora.scores[s.name] for x in samples],
@@ -217,32 +238,42 @@ async def run_eval_async(
         )
         for s in scorers
     }
-    report = build_report(config, test, evidence, samples, results, elapsed_s=elapsed)
-    write_report(report, samples, out_dir)
-    if publish_as and store is not None:
-        parents = [
-            m.as_parent(role)
-            for role, m in (
-                ("test", test.manifest),
-                ("adapter", evidence.manifest if evidence else None),
-            )
-            if m is not None
-        ]
-        manifest = store.publish(
-            out_dir,
-            kind="report",
-            name=publish_as,
-            service="evaluation",
-            parents=parents,
-            config=report.config,
-            metadata={
-                "verdicts": {k: v.verdict for k, v in results.items()},
-                "primary_metric": config.primary_metric,
-                "n": report.n,
-            },
+
+
+def _publish(
+    store: ArtifactStore,
+    report: EvalReport,
+    *,
+    out_dir: Path,
+    name: str,
+    test: TestSet,
+    evidence: TrainingEvidence | None,
+    primary_metric: str | None,
+) -> str:
+    """Publish `out_dir` as the report artifact `name`, its test split and adapter as
+    parents; returns its ref."""
+    parents = [
+        m.as_parent(role)
+        for role, m in (
+            ("test", test.manifest),
+            ("adapter", evidence.manifest if evidence else None),
         )
-        report.published = manifest.ref  # not in the files: they are what was published
-    return report
+        if m is not None
+    ]
+    manifest = store.publish(
+        out_dir,
+        kind="report",
+        name=name,
+        service="evaluation",
+        parents=parents,
+        config=report.config,
+        metadata={
+            "verdicts": {k: v.verdict for k, v in report.metrics.items()},
+            "primary_metric": primary_metric,
+            "n": report.n,
+        },
+    )
+    return manifest.ref
 
 
 def run_eval(

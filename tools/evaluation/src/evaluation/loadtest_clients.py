@@ -20,6 +20,7 @@ import asyncio
 import multiprocessing
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -135,22 +136,37 @@ async def send_share(
 
         await asyncio.gather(*(worker() for _ in range(share.in_flight)))
     else:
-        gate = asyncio.Semaphore(share.in_flight)
-        tasks = []
-
-        async def gated(k: int) -> None:
-            async with gate:
-                await one(k)
-
-        for k, at in enumerate(share.arrivals):
-            if start + at > deadline:
-                break
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(gated(k)))
-        await asyncio.gather(*tasks)
+        await _send_at_arrivals(
+            one, share.arrivals, in_flight=share.in_flight, start=start, deadline=deadline
+        )
     return ShareDone(records, time.perf_counter(), time.process_time() - cpu0)
+
+
+async def _send_at_arrivals(
+    send: Callable[[int], Awaitable[None]],
+    arrivals: list[float],
+    *,
+    in_flight: int,
+    start: float,
+    deadline: float,
+) -> None:
+    """`send(k)` at `start + arrivals[k]` (perf_counter seconds), at most `in_flight` at
+    once; none after `deadline`."""
+    gate = asyncio.Semaphore(in_flight)
+    tasks = []
+
+    async def gated(k: int) -> None:
+        async with gate:
+            await send(k)
+
+    for k, at in enumerate(arrivals):
+        if start + at > deadline:
+            break
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(gated(k)))
+    await asyncio.gather(*tasks)
 
 
 async def send_streaming(
@@ -201,6 +217,14 @@ async def send_streaming(
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
         return rec
+    return _count_output(rec, usage_tokens, "".join(text_parts), tokenizer)
+
+
+def _count_output(
+    rec: RequestRecord, usage_tokens: int | None, text: str, tokenizer: Tokenizer | None
+) -> RequestRecord:
+    """`rec` with its times and output tokens from the chunks received: the server's usage,
+    else the tokenizer's count of `text`, else one per chunk."""
     if not rec.chunk_times_s:
         rec.error = "the stream ended without any content"
         return rec
@@ -209,7 +233,7 @@ async def send_streaming(
     if usage_tokens:
         rec.output_tokens, rec.token_source = int(usage_tokens), "usage"
     elif tokenizer is not None:
-        ids = tokenizer.encode("".join(text_parts), add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         rec.output_tokens, rec.token_source = len(ids), "tokenizer"
     else:
         rec.output_tokens, rec.token_source = len(rec.chunk_times_s), "chunks"

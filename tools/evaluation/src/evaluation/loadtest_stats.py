@@ -127,6 +127,15 @@ class LevelResult(BaseModel):
     client_busy: float | None = None
 
 
+def _within_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether a completed request met both SLOs (a None SLO is met)."""
+    ttft_ms = (r.ttft_s or 0.0) * 1000
+    tpot_ms = (r.tpot_s or 0.0) * 1000  # one-token answers have no TPOT: they pass
+    return (slo_ttft_ms is None or ttft_ms <= slo_ttft_ms) and (
+        slo_tpot_ms is None or tpot_ms <= slo_tpot_ms
+    )
+
+
 def summarise_level(
     level: Level,
     records: list[RequestRecord],
@@ -145,14 +154,7 @@ def summarise_level(
     duration = max(duration_s, 1e-9)
     goodput = good_frac = None
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
-        good = 0
-        for r in ok:
-            ttft_ms = (r.ttft_s or 0.0) * 1000
-            tpot_ms = (r.tpot_s or 0.0) * 1000  # one-token answers have no TPOT: they pass
-            if (slo_ttft_ms is None or ttft_ms <= slo_ttft_ms) and (
-                slo_tpot_ms is None or tpot_ms <= slo_tpot_ms
-            ):
-                good += 1
+        good = sum(_within_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
         goodput = good / duration
         good_frac = good / len(records) if records else 0.0
     sources: dict[str, int] = {}

@@ -122,17 +122,8 @@ def bca_interval(
     return low, high, "BCa"
 
 
-def paired_bootstrap(
-    baseline: Sequence[float],
-    candidate: Sequence[float],
-    *,
-    confidence: float = 0.95,
-    resamples: int = 2000,
-    seed: int = 0,
-) -> PairedResult:
-    """The interval of mean(candidate - baseline), the sign test, and their verdict."""
-    a = np.asarray(baseline, dtype=np.float64)
-    b = np.asarray(candidate, dtype=np.float64)
+def _check_pairs(a: np.ndarray, b: np.ndarray, *, confidence: float, resamples: int) -> None:
+    """Raise ConfigError unless `a` and `b` are paired scores a bootstrap can compare."""
     if a.shape != b.shape or a.ndim != 1:
         raise ConfigError(
             f"paired scores differ in shape: {a.shape} vs {b.shape}",
@@ -146,6 +137,20 @@ def paired_bootstrap(
         raise ConfigError(f"confidence {confidence} is out of range", "use e.g. 0.95")
     if resamples < 100:
         raise ConfigError(f"{resamples} resamples is too few", "use at least 100 (default 2000)")
+
+
+def paired_bootstrap(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> PairedResult:
+    """The interval of mean(candidate - baseline), the sign test, and their verdict."""
+    a = np.asarray(baseline, dtype=np.float64)
+    b = np.asarray(candidate, dtype=np.float64)
+    _check_pairs(a, b, confidence=confidence, resamples=resamples)
     d = b - a
     n = d.size
     wins, losses = int((d > 0).sum()), int((d < 0).sum())
