@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import os
 import re
 import secrets
@@ -203,18 +204,32 @@ class Pod:
             else:
                 self.env[e["name"]] = expand(e["value"], self.env)
         self.args: list[str] = [expand(a, self.env) for a in container["args"]]
+        self.image: str = container["image"]
+        # who it runs as and what it may write (the pod's securityContext, the container's)
+        security = spec.get("securityContext", {}) | container.get("securityContext", {})
+        self.user = f"{security.get('runAsUser', 0)}:{security.get('runAsGroup', 0)}"
+        self.read_only_root = bool(security.get("readOnlyRootFilesystem"))
         self.mounts: dict[str, Path] = {}  # mountPath -> folder here holding its files
+        self.file_mounts: set[str] = set()  # those of a ConfigMap or Secret (read-only)
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for m in container.get("volumeMounts", []):
             folder = root / workload["metadata"]["name"] / m["name"]
             folder.mkdir(parents=True)
-            cm = volumes.get(m["name"], {}).get("configMap")  # else a claim or emptyDir
-            if cm is not None:
-                data = by_name[("ConfigMap", cm["name"])]["data"]
-                items = cm.get("items") or [{"key": k, "path": k} for k in data]
-                for it in items:
-                    (folder / it["path"]).write_text(data[it["key"]])
+            volume = volumes.get(m["name"], {})
+            if "configMap" in volume:
+                source = volume["configMap"]
+                data = by_name[("ConfigMap", source["name"])]["data"]
+            elif "secret" in volume:
+                source = volume["secret"]
+                data = secret_data(by_name[("Secret", source["secretName"])])
+            else:  # a claim or an emptyDir: written by the container, as the kubelet makes it
+                folder.chmod(0o777)
+                self.mounts[m["mountPath"]] = folder
+                continue
+            for it in source.get("items") or [{"key": k, "path": k} for k in data]:
+                (folder / it["path"]).write_text(data[it["key"]])
             self.mounts[m["mountPath"]] = folder
+            self.file_mounts.add(m["mountPath"])
 
     def local(self, path: str) -> str:
         """A path inside the container -> the file written here (or unchanged)."""
@@ -232,6 +247,17 @@ class Pod:
         assert self.args[i + 1] == "lorastack.cli", self.args
         return self.args[i + 2 :]
 
+    def fingerprint(self) -> str:
+        """What makes two containers the same check: image, args, env and mounted files
+        (the targets share most containers)."""
+        key = hashlib.sha256(repr((self.image, self.args, sorted(self.env.items()))).encode())
+        for mount in sorted(self.mounts):
+            for f in sorted(self.mounts[mount].rglob("*")):
+                if f.is_file():
+                    key.update(f"{mount}/{f.relative_to(self.mounts[mount])}".encode())
+                    key.update(f.read_bytes())
+        return key.hexdigest()
+
 
 KINDS = {"Deployment", "StatefulSet", "Job"}
 
@@ -239,3 +265,54 @@ KINDS = {"Deployment", "StatefulSet", "Job"}
 def runs_lorastack(workload: dict[str, Any]) -> bool:
     args = workload["spec"]["template"]["spec"]["containers"][0].get("args", [""])
     return args[0] in ("lorastack", "torchrun")
+
+
+def containers(docs: list[dict[str, Any]], root: Path) -> list[tuple[str, Pod]]:
+    """(workload name, its container) for every workload of a target, its files under
+    `root`."""
+    return [
+        (d["metadata"]["name"], Pod(docs, d, root / d["kind"])) for d in docs if d["kind"] in KINDS
+    ]
+
+
+def lorastack_pods(docs: list[dict[str, Any]], root: Path) -> list[tuple[str, Pod]]:
+    """Those of `containers` that run a lorastack command (directly or through torchrun)."""
+    return [
+        (d["metadata"]["name"], Pod(docs, d, root / d["kind"]))
+        for d in docs
+        if d["kind"] in KINDS and runs_lorastack(d)
+    ]
+
+
+def secret_problems(pod: Pod) -> list[str]:
+    """A container that runs no lorastack code: each value it takes from a Secret."""
+    from lorastack.secrets import secret_problem
+
+    return [why for k, v in pod.secret_env.items() if (why := secret_problem(v, k))]
+
+
+def torchrun_env(args: list[str]) -> dict[str, str]:
+    """The variables torchrun gives its rank 0, from its own parser of `args` (torchrun's
+    arguments, up to `-m`): a flag torchrun does not know fails here as it would there."""
+    from torch.distributed.run import get_args_parser
+
+    ns = get_args_parser().parse_args([*args[1 : args.index("-m")], "-m", "lorastack.cli"])
+    nodes = int(str(ns.nnodes).split(":")[-1])  # MIN:MAX: the most it starts
+    world = nodes * int(ns.nproc_per_node)
+    return {
+        "WORLD_SIZE": str(world),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": ns.nproc_per_node,
+        "TORCHELASTIC_MAX_RESTARTS": str(ns.max_restarts),
+    }
+
+
+def check_mode(pod: Pod) -> tuple[list[str], dict[str, str]]:
+    """The container's command in its check mode, as arguments of `python -m lorastack.cli`
+    (paths as the container sees them), and what torchrun adds to the manifest's env: a
+    torchrun command runs as torchrun starts its rank 0 (`-m lorastack.cli ARGS`, with
+    WORLD_SIZE, RANK and LOCAL_RANK from torchrun's own parser of the manifest's
+    arguments)."""
+    extra = torchrun_env(pod.args) if pod.args[0] == "torchrun" else {}
+    return [*pod.lorastack_argv(), "--check"], extra

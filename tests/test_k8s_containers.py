@@ -10,13 +10,13 @@ code: every value they take from a Secret is held to the same placeholder rule.
 
 What a check mode checks is the service's (`--check` of `lorastack train`, `serve`,
 `gateway`, `model import`: settings, config, secrets, processes; nothing is fetched or
-started). Not run here: the built images (`make images`; the compose walk builds them
-where Docker runs) and a cluster.
+started). The same checks in the built images, each container a `docker run` of its image
+with the same env and files: deploy/tests/test_k8s_images.py (`make test-compose`, where
+Docker runs). Not run anywhere: a cluster.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -25,40 +25,32 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_render import KINDS, REPO, TARGETS, Pod, kustomize, render, render_copy, runs_lorastack
-
-from lorastack.secrets import secret_problem
+from k8s_render import (
+    KINDS,
+    REPO,
+    TARGETS,
+    Pod,
+    check_mode,
+    containers,
+    kustomize,
+    render,
+    render_copy,
+    runs_lorastack,
+    secret_problems,
+)
 
 CHECKED = ("train", "merge", "serve", "gateway", "model")  # every lorastack command a target runs
 
 
-def torchrun_env(args: list[str]) -> dict[str, str]:
-    """The variables torchrun gives its rank 0, from its own parser of `args` (torchrun's
-    arguments, up to `-m`): a flag torchrun does not know fails here as it would there."""
-    from torch.distributed.run import get_args_parser
-
-    ns = get_args_parser().parse_args([*args[1 : args.index("-m")], "-m", "lorastack.cli"])
-    nodes = int(str(ns.nnodes).split(":")[-1])  # MIN:MAX: the most it starts
-    world = nodes * int(ns.nproc_per_node)
-    return {
-        "WORLD_SIZE": str(world),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": ns.nproc_per_node,
-        "TORCHELASTIC_MAX_RESTARTS": str(ns.max_restarts),
-    }
-
-
 def check_command(pod: Pod) -> tuple[list[str], dict[str, str]]:
-    """The pod's command in its check mode, with paths pointing at the files written here,
-    and its environment (the manifest's, torchrun's, a PATH and a home folder)."""
-    argv = [pod.local(a) for a in pod.lorastack_argv()]
-    env = {k: pod.local(v) for k, v in pod.env.items()}
-    if pod.args[0] == "torchrun":
-        env |= torchrun_env(pod.args)
+    """The pod's command in its check mode (k8s_render.check_mode), with paths pointing at
+    the files written here, and its environment (the manifest's, torchrun's, a PATH and a
+    home folder)."""
+    args, extra = check_mode(pod)
+    env = {k: pod.local(v) for k, v in pod.env.items()} | extra
     home = pod.local("/home/lorastack")
     env |= {"PATH": os.environ["PATH"], "HOME": home, "PYTHONDONTWRITEBYTECODE": "1"}
-    return [sys.executable, "-m", "lorastack.cli", *argv, "--check"], env
+    return [sys.executable, "-m", "lorastack.cli", *[pod.local(a) for a in args]], env
 
 
 _RUNS: dict[str, tuple[int, str]] = {}
@@ -67,28 +59,12 @@ _RUNS: dict[str, tuple[int, str]] = {}
 def run_check(pod: Pod) -> tuple[int, str]:
     """(exit code, output) of the pod's check; run once per distinct command, environment
     and mounted files as the manifest gives them (the targets share most containers)."""
-    key = hashlib.sha256(repr((pod.args, sorted(pod.env.items()))).encode())
-    for mount in sorted(pod.mounts):
-        for f in sorted(pod.mounts[mount].rglob("*")):
-            if f.is_file():
-                key.update(f"{mount}/{f.relative_to(pod.mounts[mount])}".encode() + f.read_bytes())
-    if key.hexdigest() not in _RUNS:
+    key = pod.fingerprint()
+    if key not in _RUNS:
         argv, env = check_command(pod)
         r = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, timeout=120)
-        _RUNS[key.hexdigest()] = (r.returncode, r.stdout + r.stderr)
-    return _RUNS[key.hexdigest()]
-
-
-def containers(docs: list[dict[str, Any]], root: Path) -> list[tuple[str, Pod]]:
-    """(workload name, its container) for every workload of a target."""
-    return [
-        (d["metadata"]["name"], Pod(docs, d, root / d["kind"])) for d in docs if d["kind"] in KINDS
-    ]
-
-
-def secret_problems(pod: Pod) -> list[str]:
-    """A container that runs no lorastack code: each value it takes from a Secret."""
-    return [why for k, v in pod.secret_env.items() if (why := secret_problem(v, k))]
+        _RUNS[key] = (r.returncode, r.stdout + r.stderr)
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("target", TARGETS)
