@@ -36,6 +36,7 @@ from k8s_render import (
     checkov,
     kustomize,
     render,
+    render_copy,
     rendered_text,
     runs_lorastack,
     secret_data,
@@ -178,6 +179,25 @@ def test_prometheus_loads_the_alert_rules_compose_loads() -> None:
     rules = monitoring["lorastack-prometheus-rules"]["data"]["rules.yml"]
     assert rules == (REPO / "deploy/prometheus/rules.yml").read_text()
     alerts = {r.get("alert") for g in yaml.safe_load(rules)["groups"] for r in g["rules"]}
+    assert {"GatewayLimitsNotShared", "ServedModelDiffersFromTrained"} <= alerts
+
+
+def test_the_prometheus_operator_loads_the_alert_rules_as_a_prometheus_rule(
+    tmp_path: Path,
+) -> None:
+    """The Operator loads rules only from PrometheusRules (it writes rule_files itself):
+    deploy/k8s/monitoring-operator is the monitoring target plus one, whose groups are
+    deploy/prometheus/rules.yml's, in the same namespace."""
+    docs = render_copy("deploy/k8s/monitoring-operator", tmp_path)
+    made = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    shipped = {(d["kind"], d["metadata"]["name"]) for d in render(MONITORING)}
+    assert made == shipped | {("PrometheusRule", "lorastack")}
+    assert {d["metadata"]["namespace"] for d in docs} == {"monitoring"}
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    rules = yaml.safe_load((REPO / "deploy/prometheus/rules.yml").read_text())
+    assert rule["spec"] == {"groups": rules["groups"]}
+    alerts = {r.get("alert") for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"GatewayLimitsNotShared", "ServedModelDiffersFromTrained"} <= alerts
 
 
