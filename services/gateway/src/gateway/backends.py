@@ -6,13 +6,16 @@ answers again. The model catalog is the union of the models of the backends that
 up. Tokenizers of newly seen base models are loaded in a worker thread here, so the
 first request does not pay for it.
 
-With `backends_dns` the set of backends follows DNS (discovery.py adds them, and drains
-the ones that leave: a draining backend is neither scraped nor routed to, and its open
-requests finish); otherwise it is the fixed `backends` list.
+With `backends_dns` the set of backends follows DNS: the follower (discovery.py, built and
+started beside this in main.py) calls `add`, `drain`, `resume` and `forget`, the only
+writers of the set and of a backend's draining state (a draining backend is neither scraped
+nor routed to, and its open requests finish); otherwise it is the fixed `backends` list.
 
 Owns: backend state, the model catalog, tokenizer lookup per model (and asks
 `declared.py` whether a model no backend lists is a declared adapter being loaded).
-Does not own: scoring (routing.py), parsing (scrape.py), proxying (upstream.py).
+Does not own: scoring (routing.py), parsing (scrape.py), proxying (upstream.py), the DNS
+lookups and when a backend joins or leaves (discovery.py), which series a backend has
+(metrics.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import anyio
 import httpx
 
 from gateway.declared import DeclaredAdapters
-from gateway.discovery import DnsFollower
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -87,7 +89,6 @@ class Backends:
         self.inflight: Inflight = inflight or InflightCounter()
         self.last_refresh = 0.0  # monotonic seconds
         self._refresh_lock = asyncio.Lock()
-        self.follower = DnsFollower(settings, self, metrics) if settings.backends_dns else None
 
     # --- refresh -------------------------------------------------------------
     async def _scrape_one(self, st: BackendState) -> None:
@@ -132,29 +133,48 @@ class Backends:
                         log.error("tokenizer for %s: %s (retried later)", model, e)
 
     async def run(self) -> None:
-        """The background loop (and the DNS follower's); cancelled when the app stops."""
-        follow = asyncio.create_task(self.follower.run()) if self.follower else None
-        try:
-            while True:
-                try:
-                    await self.refresh()
-                except Exception:  # keep refreshing whatever one round did
-                    log.exception("backend refresh failed")
-                await asyncio.sleep(self.settings.scrape_interval_s)
-        finally:
-            if follow is not None:
-                follow.cancel()
+        """The background loop; cancelled when the app stops."""
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # keep refreshing whatever one round did
+                log.exception("backend refresh failed")
+            await asyncio.sleep(self.settings.scrape_interval_s)
 
-    # --- membership (discovery.py, with backends_dns) -----------------------------
+    # --- membership (discovery.py's follower calls these, with backends_dns) ----------
     async def add(self, url: str, max_num_seqs: int | None) -> None:
         """A replica that appeared: scraped at once, routed to once that answers."""
+        self.inflight.found(url)
         st = self.states[url] = BackendState(url, max_num_seqs=max_num_seqs)
         await self._scrape_one(st)
 
+    def drain(self, url: str) -> int:
+        """Route nothing new to `url`; its open requests finish. Returns how many are open
+        (every worker's)."""
+        self.states[url].draining = True
+        open_requests = self.inflight.counts.get(url, 0)
+        self.inflight.draining(url, open_requests)
+        return open_requests
+
+    def resume(self, url: str) -> None:
+        """Route to a draining `url` again (it came back)."""
+        self.states[url].draining = False
+        self.inflight.resumed(url)
+
+    def drained(self) -> list[str]:
+        """Draining backends with nothing open on them any more."""
+        return [
+            url
+            for url, st in self.states.items()
+            if st.draining and self.inflight.counts.get(url, 0) <= 0
+        ]
+
     def forget(self, url: str) -> None:
-        """Drop a drained backend (nothing is open on it any more)."""
+        """Drop a drained backend (nothing is open on it any more), its counts and its
+        metric series."""
         self.states.pop(url, None)
         self.inflight.forget(url)
+        self.metrics.forget_backend(url)
 
     # --- lookups -------------------------------------------------------------
     def catalog(self) -> dict[str, ModelInfo]:
@@ -177,7 +197,7 @@ class Backends:
             info = self.catalog().get(name)
         if info is None and not any(st.up for st in self.states.values()):
             down = "; ".join(f"{st.url}: {st.error}" for st in self.states.values())
-            if self.follower is not None and not self.states:
+            if self.settings.backends_dns is not None and not self.states:
                 down = f"no replica found at {self.settings.backends_dns}"
             raise UpstreamUnavailable(
                 f"no backend is up, so no model is served ({down[:500]})",

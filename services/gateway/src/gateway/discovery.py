@@ -23,17 +23,19 @@ setting follows any DNS that lists replicas (compose's `--scale` gives several A
 The price: a pod's leaving is seen up to one interval late, which the inference pod's
 preStop delay covers (docs/scaling.md).
 
-Owns: the lookup, the membership plan, the discovery metrics.
-Does not own: scraping and the backends' state (backends.py), routing (routing.py).
+Owns: the lookup, the membership plan, the discovery metrics. The app builds the
+follower and runs it beside the backends' refresh (main.py's lifespan).
+Does not own: scraping and the backends' state, which only `Backends.add`, `drain`,
+`resume` and `forget` change (backends.py); a forgotten backend's metric series
+(`GatewayMetrics.forget_backend`); routing (routing.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import dns.asyncresolver
 import dns.exception
@@ -42,12 +44,10 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.metrics import UPSTREAM_ERROR_KINDS, GatewayMetrics
+from gateway.backends import Backends
+from gateway.metrics import GatewayMetrics
 from gateway.setting_values import dns_target, nameserver, served_max_num_seqs
 from gateway.settings import GatewaySettings
-
-if TYPE_CHECKING:
-    from gateway.backends import Backends
 
 log = logging.getLogger(__name__)
 
@@ -125,28 +125,6 @@ class DiscoveryMetrics(Collector):
         )
 
 
-def forget_series(metrics: GatewayMetrics, url: str) -> None:
-    """Drop a forgotten backend's per-backend series (a gauge would keep its last value).
-    With `--workers N` `remove` does nothing (the values live in every worker's files):
-    `GatewayMetrics.render` then leaves out the series of backends no longer known."""
-    gauges = (
-        metrics.backend_up,
-        metrics.backend_kv,
-        metrics.backend_running,
-        metrics.backend_waiting,
-        metrics.backend_preemptions,
-        metrics.backend_inflight,
-        metrics.backend_kv_claimed,
-        metrics.backend_kv_capacity,
-    )
-    for gauge in gauges:
-        with contextlib.suppress(KeyError):
-            gauge.remove(url)
-    for kind in UPSTREAM_ERROR_KINDS:
-        with contextlib.suppress(KeyError):
-            metrics.upstream_errors.remove(url, kind)
-
-
 class DnsFollower:
     """Keeps `backends` equal to the A records of `backends_dns`, draining the ones that go."""
 
@@ -161,7 +139,6 @@ class DnsFollower:
         self.name, self.port = dns_target(settings.backends_dns)
         self.interval_s = settings.backends_dns_interval_s
         self.backends = backends
-        self.metrics = metrics
         self.counts = DiscoveryMetrics(metrics, backends)
         self.resolver = resolver or make_resolver(settings.backends_dns_nameserver)
         # every replica runs the same serve config: its running slots hold for each
@@ -188,29 +165,23 @@ class DnsFollower:
             states = self.backends.states
             draining = frozenset(u for u, st in states.items() if st.draining)
             plan = plan_membership(found, frozenset(states) - draining, draining)
-            inflight = self.backends.inflight
             for url in sorted(plan.resume):
-                states[url].draining = False
-                inflight.resumed(url)
+                self.backends.resume(url)
                 log.info("backend %s is back in %s", url, self.name)
             for url in sorted(plan.drain):
-                states[url].draining = True
-                open_requests = inflight.counts.get(url, 0)  # every worker's
-                inflight.draining(url, open_requests)
+                open_requests = self.backends.drain(url)
                 log.info("backend %s left %s: draining (%d open)", url, self.name, open_requests)
-            for url in sorted(plan.add):
-                inflight.found(url)
+            added = sorted(plan.add)
+            for url in added:
                 log.info("backend %s found in %s", url, self.name)
-            await asyncio.gather(*(self.backends.add(u, self.max_num_seqs) for u in plan.add))
+            await asyncio.gather(*(self.backends.add(u, self.max_num_seqs) for u in added))
         self.forget_drained()
 
     def forget_drained(self) -> None:
         """Forget draining backends that have nothing open any more."""
-        for url, st in list(self.backends.states.items()):
-            if st.draining and self.backends.inflight.counts.get(url, 0) <= 0:
-                self.backends.forget(url)
-                forget_series(self.metrics, url)
-                log.info("backend %s drained and forgotten", url)
+        for url in self.backends.drained():
+            self.backends.forget(url)
+            log.info("backend %s drained and forgotten", url)
 
     async def run(self) -> None:
         """Look up every interval until cancelled (one failed round does not stop it)."""

@@ -24,6 +24,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.auth import Authenticator, bearer_matches
 from gateway.backends import Backends
+from gateway.discovery import DnsFollower
 from gateway.endpoints import ENDPOINTS
 from gateway.errors import GatewayError, Unauthorized, error_response
 from gateway.metrics import GatewayMetrics
@@ -145,17 +146,23 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
     upstream = Upstream(settings, metrics, backends.inflight)
     auth = Authenticator.from_settings(settings, metrics)
     proxy = Proxy(settings, backends, upstream, auth, metrics)
+    # with backends_dns the backends follow DNS: the follower adds, drains and forgets them
+    follower = DnsFollower(settings, backends, metrics) if settings.backends_dns else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         share_the_gil()  # the loop waits less for a worker thread's turn (workers.py)
-        task = asyncio.create_task(backends.run())
+        tasks = [asyncio.create_task(backends.run())]
+        if follower is not None:
+            tasks.append(asyncio.create_task(follower.run()))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await upstream.aclose()
             await scrape_client.aclose()
             await auth.limiter.aclose()

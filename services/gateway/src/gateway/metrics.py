@@ -15,6 +15,7 @@ share exactly (discovery's counts) is read once from the shared counts (`add_col
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Final
@@ -245,6 +246,17 @@ class GatewayMetrics:
         )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
+        # every series labelled by a backend alone: `forget_backend` drops them all
+        self.per_backend: tuple[Gauge, ...] = (
+            self.backend_up,
+            self.backend_kv,
+            self.backend_running,
+            self.backend_waiting,
+            self.backend_preemptions,
+            self.backend_inflight,
+            self.backend_kv_claimed,
+            self.backend_kv_capacity,
+        )
 
     def series(self, model: str, route: str) -> RouteSeries:
         """The request histograms of `model` on `route` (models come from the backends'
@@ -267,6 +279,18 @@ class GatewayMetrics:
         self.backend_preemptions.labels(url).set(m.preemptions)
         cap = m.kv_capacity_tokens
         self.backend_kv_capacity.labels(url).set(float("nan") if cap is None else cap)
+
+    def forget_backend(self, url: str) -> None:
+        """Drop a forgotten backend's series (a gauge would keep its last value): the one
+        place that knows which series a backend has. With `--workers N` `remove` does
+        nothing (the values live in every worker's files): `render` then leaves out the
+        series of backends no longer known."""
+        for gauge in self.per_backend:
+            with contextlib.suppress(KeyError):
+                gauge.remove(url)
+        for kind in UPSTREAM_ERROR_KINDS:
+            with contextlib.suppress(KeyError):
+                self.upstream_errors.remove(url, kind)
 
     def add_collector(self, collector: Collector) -> None:
         """A collector of values every worker reads alike (the shared counts): rendered
