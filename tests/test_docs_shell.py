@@ -359,12 +359,15 @@ def test_a_serve_config_the_docs_start_passes_check(
 
 def test_the_serve_config_the_readme_ships_is_the_one_the_demo_writes(tmp_path: Path) -> None:
     """apps/lorastack/serve.yaml is `lorastack demo`'s serve.yaml on the CPU, but for the
-    adapter's version, which the demo pins."""
+    adapter: the README's path lists it (LoRA on), the demo loads it at runtime."""
     from lorastack_app.pipeline import write_serve_config
 
-    write_serve_config(tmp_path / "serve.yaml", "date-iso/adapter", "cpu")
+    write_serve_config(tmp_path / "serve.yaml", "cpu")
     shipped = yaml.safe_load((REPO / "apps/lorastack/serve.yaml").read_text())
-    assert shipped == yaml.safe_load((tmp_path / "serve.yaml").read_text())
+    assert shipped.pop("adapters") == ["date-iso/adapter"]
+    demo = yaml.safe_load((tmp_path / "serve.yaml").read_text())
+    assert demo.pop("enable_lora") is True
+    assert shipped == demo
 
 
 BROKEN = [  # (a command a doc might show, what must catch it)

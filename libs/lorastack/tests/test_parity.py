@@ -354,6 +354,8 @@ def test_replays_must_match_the_probes() -> None:
         ("cuda", "float32", False, ["float32"], "float32"),  # a float32 merge, checked so
         ("cuda", "float32", False, ["bfloat16"], "float16"),  # a merge of a GPU-trained adapter
         ("cuda", "float32", False, [], "bfloat16"),  # nothing to go by: vLLM's own auto
+        # LoRA on, the adapters loaded later (the demo): as when they are listed at start
+        ("cuda", "float32", True, [], "float16"),
     ],
 )
 def test_auto_serves_in_a_dtype_chosen_on_purpose(

@@ -142,6 +142,18 @@ def test_cuda_command(tmp_path: Path) -> None:
     assert "VLLM_CPU_KVCACHE_SPACE" not in s.environment()
 
 
+def test_a_fixed_gpu_kv_cache_replaces_the_memory_profile(tmp_path: Path) -> None:
+    """gpu_kv_cache_gib: vLLM takes that much for its KV cache and skips the start-up
+    profile that counts another process's memory (the demo's training) as its own."""
+    s = VllmServer(EngineSpec(
+        model_dir=tmp_path, served_name="m", port=1, workdir=tmp_path, dtype="float16",
+        gpu_kv_cache_gib=1.5, platform="cuda",
+    ))  # fmt: skip
+    cmd = s.command()
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(3 * 2**29)
+    assert "--gpu-memory-utilization" not in cmd
+
+
 @pytest.mark.slow
 def test_a_crashed_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
     model = tmp_path / "model"

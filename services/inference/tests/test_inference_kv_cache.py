@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,16 @@ def test_gpu_capacity(
     assert est.weights_bytes == expected_weights
     budget = int(gpu_gib * util * GIB) - expected_weights - 2 * GIB
     assert est.budget_bytes == max(0, budget)
+
+
+def test_a_fixed_gpu_kv_cache_is_the_budget_whatever_the_gpu_memory() -> None:
+    """gpu_kv_cache_gib (vLLM's --kv-cache-memory-bytes): the budget is that, not a share of
+    the device less the weights (8B in bf16: 128 KiB a token, 16-token blocks)."""
+    setup = KvSetup(platform="cuda", max_model_len=8192, max_num_seqs=8, gpu_mem_gib=80)
+    fixed = estimate(LLAMA_31_8B, replace(setup, gpu_kv_cache_gib=2))
+    assert fixed.budget_bytes == 2 * GIB
+    assert fixed.capacity_tokens == 2 * GIB // (128 * 1024)
+    assert estimate(LLAMA_31_8B, setup).capacity_tokens > fixed.capacity_tokens
 
 
 def test_fp32_checkpoint_runs_in_bf16_on_gpu_and_fp32_on_cpu() -> None:

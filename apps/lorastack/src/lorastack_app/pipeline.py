@@ -2,12 +2,17 @@
 
 Every stage is a `lorastack` command run as a child process, printed before it runs, so
 each step can be repeated by hand and shows its own progress. In order: import the
-base model, write the demo task (written dates -> ISO dates), check it, smoke-test,
-train, merge with verification, start vLLM and the gateway (`lorastack up`), chat
-through the gateway (multi-turn and streaming), show base and LoRA answers side by
-side, evaluate base + prompt vs LoRA on the frozen test split, run a short load test,
-and print where everything is. A demo run left by other code or another config is started
-afresh (lorastack_app.earlier_run); one this code made is continued.
+base model, write the demo task (written dates -> ISO dates) and check it; start vLLM on
+the base model and the gateway (`lorastack up`) beside the smoke test and the training;
+load the trained adapter into the running vLLM (`POST /admin/adapters`: parity-checked
+under a private name before any client can reach it) while the merge and its
+verification run beside serving; chat through the gateway (multi-turn and streaming),
+show base and LoRA answers side by side, evaluate base + prompt vs LoRA on the frozen
+test split, run a short load test, and print where everything is. A stage started
+"beside" the others runs as its own process with its own log; the demo waits for it
+where its result is needed and fails with its log's tail if it failed. A demo run left by
+other code or another config is started afresh (lorastack_app.earlier_run); one this code
+made is continued.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,15 @@ from lorastack.errors import NotFound, Refused
 from lorastack.settings import CommonSettings
 from lorastack.sse import EventReader, chunk_text
 from lorastack.store import open_store
-from lorastack_app.local_stack import GATEWAY_PORT, SUPERVISOR_PORT, VLLM_PORT, parity_lines
+from lorastack_app.local_stack import (
+    GATEWAY_PORT,
+    SUPERVISOR_PORT,
+    VLLM_PORT,
+    parity_lines,
+    services,
+    tail,
+    wait_listed,
+)
 from trainer.config import load_config
 from trainer.settings import TrainerSettings
 
@@ -42,12 +56,24 @@ SYSTEM_PROMPT = "Convert the date to ISO 8601 (YYYY-MM-DD). Answer with the date
 FEW_SHOT = ["the fourth of July, 1999 => 1999-07-04", "March 3rd 2021 => 2021-03-03"]
 
 
+@dataclass
+class Beside:
+    """A stage running as its own process beside the next ones (`Stages.start`)."""
+
+    title: str
+    cmd: list[str]
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started: float
+
+
 class Stages:
     """Runs and times the stages; a failing command stops the demo with its exit code."""
 
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
         self.started = time.monotonic()
+        self.beside: list[Beside] = []
 
     def run(self, title: str, *args: str, ok: tuple[int, ...] = (0,)) -> None:
         """Run `lorastack ARGS` as a stage and time it; raises Refused on an exit code not in
@@ -63,6 +89,48 @@ class Stages:
                 f"re-run it alone: {' '.join(cmd)}",
             )
         print(f"   ({self.timings[title]:.0f} s)", flush=True)
+
+    def start(self, title: str, log: Path, *args: str) -> Beside:
+        """Start `lorastack ARGS` beside the next stages, its output to `log`; `finish`
+        waits for it."""
+        cmd = ["lorastack", *args]
+        print(f"\n== {title} (beside the next stages; log: {log})\n$ {' '.join(cmd)}", flush=True)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "lorastack.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        stage = Beside(title, cmd, proc, log, time.monotonic())
+        self.beside.append(stage)
+        return stage
+
+    def finish(self, stage: Beside) -> None:
+        """Wait for a stage started beside the others; Refused, with its log's tail, when
+        it failed. Its time is from its start to its end, most of it hidden by the others."""
+        waited = time.monotonic()
+        code = stage.proc.wait()
+        self.beside.remove(stage)
+        end = time.monotonic()
+        self.timings[f"{stage.title} (beside)"] = end - stage.started
+        if code != 0:
+            raise Refused(
+                f"stage '{stage.title}' failed (exit code {code}):\n{tail(stage.log)}",
+                f"the full log is {stage.log}; re-run it alone: {' '.join(stage.cmd)}",
+            )
+        print(
+            f"\n== {stage.title}: done ({end - stage.started:.0f} s,"
+            f" {end - waited:.0f} s of it waited for)",
+            flush=True,
+        )
+
+    def stop_beside(self) -> None:
+        """Stop what still runs beside (the demo failed before it waited for it)."""
+        for stage in self.beside:
+            stage.proc.terminate()
+            stage.proc.wait()
+        self.beside.clear()
 
     @contextlib.contextmanager
     def timed(self, title: str) -> Iterator[None]:
@@ -83,13 +151,16 @@ def demo_config() -> Path:
     return Path(str(resource))
 
 
-def write_serve_config(path: Path, adapter_ref: str, platform: str) -> None:
-    """The demo's serve.yaml. On CUDA vLLM runs eager: CUDA graphs and torch.compile cost
-    a 135M model more start-up time than the demo's few requests win back."""
+def write_serve_config(path: Path, platform: str) -> None:
+    """The demo's serve.yaml: the base model with LoRA on and no adapter yet (the demo
+    loads the trained one at runtime). On CUDA vLLM runs eager: CUDA graphs and
+    torch.compile cost a 135M model more start-up time than the demo's few requests win
+    back; and its KV cache has a fixed size (1 GiB, as on the CPU): it starts beside the
+    training, whose memory vLLM's start-up profile would otherwise take for its own."""
     config: dict[str, Any] = {
         "model": BASE,
         "served_model_name": SERVED_BASE,
-        "adapters": [adapter_ref],
+        "enable_lora": True,
         "max_model_len": 2048,
         "max_num_seqs": 8,
         "kv_cache_gib": 1,
@@ -98,6 +169,7 @@ def write_serve_config(path: Path, adapter_ref: str, platform: str) -> None:
     }
     if platform == "cuda":
         config["extra_vllm_args"] = ["--enforce-eager"]
+        config["gpu_kv_cache_gib"] = 1
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -127,13 +199,28 @@ def stream_chat(gateway: str, model: str, messages: list[dict[str, str]]) -> Ite
                     yield piece
 
 
-def served_models(gateway: str) -> tuple[str, str]:
-    """(base, adapter) served names, from the gateway's /v1/models."""
-    models = httpx.get(f"{gateway}/v1/models", timeout=30).json()["data"]
-    adapters = [m["id"] for m in models if m.get("parent")]
-    if not adapters:
-        raise Refused("the gateway lists no adapter", "check 'lorastack status' and its logs")
-    return SERVED_BASE, adapters[-1]
+def load_adapter(supervisor: str, ref: str, digest: str) -> str:
+    """Have the running supervisor serve the adapter `ref` (`POST /admin/adapters`): it
+    replays the adapter's parity reference under a private name no client can reach, and
+    serves it under its name only when the verdict passes. Returns the served name; one
+    already served (an earlier demo's declaration, loaded at start) is not loaded twice.
+    Refused with the supervisor's cause when it refuses."""
+    status = httpx.get(f"{supervisor}/status", timeout=30).json()
+    for served in status.get("adapters", []):
+        if (served["ref"], served["digest"]) == (ref, digest):
+            print(f"   {served['served_name']} is served already (loaded at start)")
+            return str(served["served_name"])
+    print(f'$ curl -X POST {supervisor}/admin/adapters -d \'{{"ref": "{ref}"}}\'', flush=True)
+    # the check replays every probe (parity_timeout_s, 300 s, at most), then vLLM loads it
+    resp = httpx.post(f"{supervisor}/admin/adapters", json={"ref": ref}, timeout=900)
+    if resp.status_code != 201:
+        error = resp.json().get("error", {}) if resp.content else {}
+        raise Refused(
+            f"the supervisor did not serve {ref} ({resp.status_code}):"
+            f" {error.get('message', resp.text)}",
+            error.get("hint") or "see 'lorastack status' and HOME/logs/inference.log",
+        )
+    return str(resp.json()["served_name"])
 
 
 def test_prompts(settings: CommonSettings, n: int) -> list[tuple[str, str]]:
@@ -171,22 +258,41 @@ def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: boo
     again = continue_or_restart(
         open_store(settings), settings.resolved_runs_dir, load_config(config, overrides)
     )
-    # the training follows at once: the smoke test's checks (the loss falls, the checkpoint
-    # reloads, a sample stops) on 2 samples a step instead of the run's 8, a quarter of the
-    # compute; the run's cost estimate scales its time per token
-    smoke_batch = ["micro_batch=2", "grad_accum=1"]
-    stages.run("smoke test", "train", str(config), "--smoke", *overrides, *smoke_batch)
-    stages.run("train", "train", str(config), *overrides, *again)
-    stages.run("merge into the base and verify", "merge", f"{RUN}/adapter", "--dtype", "float32")
-    adapter = open_store(settings).resolve(f"{RUN}/adapter")
+    # vLLM and the gateway start on the base model beside the smoke test and the training;
+    # the adapter joins them at runtime
     serve_yaml = work / "serve.yaml"
-    write_serve_config(serve_yaml, adapter.ref, detect_platform())
-    stages.run("start vLLM and the gateway", "up", "--serve-config", str(serve_yaml))
+    write_serve_config(serve_yaml, detect_platform())
+    serving = stages.start(
+        "start vLLM on the base model and the gateway",
+        work / "up.log",
+        "up",
+        "--serve-config",
+        str(serve_yaml),
+    )
     try:
-        # the supervisor replayed the adapter's parity reference before it said ready
-        for line in parity_lines(f"http://127.0.0.1:{SUPERVISOR_PORT}"):
-            print(f"   {line}")
-        base, lora = served_models(gateway)
+        # the smoke test's checks (the loss falls, the checkpoint reloads, a sample stops) on
+        # 2 samples a step instead of the run's 8, a quarter of the compute; the run's cost
+        # estimate scales its time per token
+        smoke_batch = ["micro_batch=2", "grad_accum=1"]
+        stages.run("smoke test", "train", str(config), "--smoke", *overrides, *smoke_batch)
+        stages.run("train", "train", str(config), *overrides, *again)
+        merging = stages.start(
+            "merge into the base and verify",
+            work / "merge.log",
+            "merge",
+            f"{RUN}/adapter",
+            "--dtype",
+            "float32",
+        )
+        stages.finish(serving)
+        adapter = open_store(settings).resolve(f"{RUN}/adapter")
+        with stages.timed("serve the adapter: parity check, then load (POST /admin/adapters)"):
+            supervisor = f"http://127.0.0.1:{SUPERVISOR_PORT}"
+            lora = load_adapter(supervisor, adapter.ref, adapter.digest)
+            wait_listed(services(settings, serve_yaml, GATEWAY_PORT))
+            for line in parity_lines(supervisor):
+                print(f"   {line}")
+        base = SERVED_BASE
         with stages.timed("chat through the gateway"):
             turns = [{"role": "user", "content": "Convert to ISO 8601: the ninth of May, 2013"}]
             first = chat(gateway, lora, turns)
@@ -261,7 +367,9 @@ def run_demo(settings: TrainerSettings, max_steps: int | None, keep_running: boo
             "--out",
             str(work / "loadtest"),
         )
+        stages.finish(merging)
     finally:
+        stages.stop_beside()  # only what a failed stage left running
         if not keep_running:
             stages.run("stop the services", "down")
     summary(settings, stages, work, keep_running)

@@ -282,23 +282,24 @@ def serving_dtype(
     precision it was checked in); otherwise in float16, never bfloat16: vLLM's LoRA kernels
     take 16-bit weights only, and float16 keeps 11 significant bits to bfloat16's 8, so a
     near-tie that training and evaluation decided one way is decided the same way far more
-    often. Without any reference, as vLLM's own `auto`: bfloat16."""
+    often; with LoRA on, float16 whether the adapters are listed or loaded at runtime. Without
+    any reference, as vLLM's own `auto`: bfloat16."""
     if platform == "cpu":
         return "float32", "vLLM's CPU build runs float32 (bfloat16 is slower without AVX-512)"
     if checkpoint_dtype != "float32":
         return checkpoint_dtype, f"the checkpoint's dtype ({checkpoint_dtype})"
+    if with_lora:  # the adapters listed now and those loaded at runtime alike
+        return "float16", (
+            "a float32 checkpoint served with LoRA adapters (vLLM's LoRA kernels take 16-bit"
+            " weights only): float16 keeps 11 significant bits to bfloat16's 8"
+        )
     if not references:
         return "bfloat16", "a float32 checkpoint without a parity reference (as vLLM's auto)"
-    if not with_lora and all(r.dtype == "float32" for r in references):
+    if all(r.dtype == "float32" for r in references):
         return "float32", "a float32 checkpoint whose parity reference was recorded in float32"
     return "float16", (
-        "a float32 checkpoint served "
-        + (
-            "with LoRA adapters (vLLM's LoRA kernels take 16-bit weights only)"
-            if with_lora
-            else "after training in 16-bit"
-        )
-        + ": float16 keeps 11 significant bits to bfloat16's 8"
+        "a float32 checkpoint served after training in 16-bit: float16 keeps 11 significant"
+        " bits to bfloat16's 8"
     )
 
 

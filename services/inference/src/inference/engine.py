@@ -103,6 +103,7 @@ class EngineSpec:
     dtype: str = "float32"
     kv_cache_gib: float = 1.0  # CPU only: KV cache space, GiB
     gpu_memory_utilization: float = 0.9  # CUDA only: fraction of GPU memory
+    gpu_kv_cache_gib: float = 0.0  # CUDA only: a fixed KV cache instead (0: off)
     enable_lora: bool = False  # on as well where lora_modules names any
     lora_modules: Mapping[str, Path] = field(default_factory=dict)  # served name -> folder
     max_lora_rank: int = 16
@@ -136,6 +137,7 @@ class EngineSpec:
             dtype=dtype,
             kv_cache_gib=settings.kv_cache_gib,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            gpu_kv_cache_gib=settings.gpu_kv_cache_gib,
             enable_lora=settings.enable_lora,
             max_lora_rank=settings.max_lora_rank,
             max_loras=settings.max_loras,
@@ -191,6 +193,8 @@ class VllmServer:
             if not float(spec.kv_cache_gib).is_integer():
                 # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
                 cmd += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * GIB))]
+        elif spec.gpu_kv_cache_gib:  # no memory profile: another process may share the GPU
+            cmd += ["--kv-cache-memory-bytes", str(int(spec.gpu_kv_cache_gib * GIB))]
         else:
             cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
         if self.enable_lora:

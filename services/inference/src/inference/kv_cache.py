@@ -7,7 +7,8 @@ safetensors headers of a model folder). The arithmetic, per token:
 
 and the memory budget the cache may use:
 
-    GPU: total × gpu_memory_utilization − weights − overhead (activations, CUDA graphs, …)
+    GPU: total × gpu_memory_utilization − weights − overhead (activations, CUDA graphs, …),
+    or gpu_kv_cache_gib where the serve config fixes it
     CPU: the configured KV space (VLLM_CPU_KVCACHE_SPACE, GiB)
 
 vLLM allocates whole blocks (`block_size` tokens: 128 on CPU, 16 on GPU), so capacity is
@@ -149,6 +150,7 @@ class KvSetup:
     kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE
     gpu_mem_gib: float = 0.0  # GPU: total memory of the device
     gpu_util: float = 0.9  # GPU: --gpu-memory-utilization
+    gpu_kv_cache_gib: float = 0.0  # GPU: a fixed KV cache (--kv-cache-memory-bytes); 0: off
     overhead_gib: float = DEFAULT_GPU_OVERHEAD_GIB  # GPU: activations, graphs, non-torch
     block_size: int | None = None  # default: vLLM's for the platform
     typical_tokens: int | None = None  # default: max_model_len
@@ -168,6 +170,7 @@ class KvSetup:
             kv_cache_gib=settings.kv_cache_gib,
             gpu_mem_gib=gpu_mem_gib,
             gpu_util=settings.gpu_memory_utilization,
+            gpu_kv_cache_gib=settings.gpu_kv_cache_gib,
             overhead_gib=settings.gpu_overhead_gib,
             typical_tokens=settings.typical_tokens,
         )
@@ -189,7 +192,11 @@ def estimate(shape: ModelShape, setup: KvSetup) -> KvEstimate:
             raise ConfigError("GPU memory is unknown", "pass --gpu-mem-gib (e.g. 80 for an H100)")
         weights = shape.params * dtype_bytes(compute_dtype)
         budget = (
-            int(setup.gpu_mem_gib * setup.gpu_util * GIB) - weights - int(setup.overhead_gib * GIB)
+            int(setup.gpu_kv_cache_gib * GIB)
+            if setup.gpu_kv_cache_gib
+            else int(setup.gpu_mem_gib * setup.gpu_util * GIB)
+            - weights
+            - int(setup.overhead_gib * GIB)
         )
     blocks, tokens = capacity_tokens(max(budget, 0), per_token, block)
     typical = setup.typical_tokens or max_model_len

@@ -97,6 +97,14 @@ class InferenceSettings(CommonSettings):
     )
     kv_cache_dtype: str = Field("auto", description="auto = the compute dtype; fp8 on GPU")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_kv_cache_gib: float = Field(
+        0.0,
+        ge=0.0,
+        le=4096,
+        description="GPU: a fixed KV cache in GiB (vLLM's --kv-cache-memory-bytes) in place of"
+        " gpu_memory_utilization, for a GPU shared with another process (the demo trains beside"
+        " vLLM), whose memory vLLM's start-up profile would count as its own; 0 = off",
+    )
     gpu_overhead_gib: float = Field(
         2.0, ge=0.0, description="GPU memory besides weights and KV (activations, graphs), GiB"
     )
