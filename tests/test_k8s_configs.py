@@ -565,6 +565,24 @@ def test_checkov_kubernetes_checks_pass_on_the_rendered_manifests(tmp_path: Path
     assert sum(rep["summary"]["passed"] for rep in reports) > 100, r.stdout[-2000:]
 
 
+def test_a_missing_kubectl_under_ci_fails_rather_than_skips(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where CI is set, a machine without kubectl fails every k8s test. Caught as any
+    outcome (a skip is not a failure to pytest.raises(pytest.fail.Exception): a tool()
+    that went back to skipping would make that test skip, not fail)."""
+    from k8s_render import tool
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without kubectl
+    monkeypatch.setenv("CI", "true")
+    outcome: BaseException | None = None
+    try:
+        tool("kubectl", tmp_path / "kubectl")  # nor one in .venv
+    except BaseException as e:  # pytest's skip and fail are BaseExceptions
+        outcome = e
+    assert isinstance(outcome, pytest.fail.Exception), repr(outcome)
+
+
 def test_the_minio_component_makes_the_store_users_the_workloads_secrets_name() -> None:
     """store-init makes one MinIO user per workload from that workload's own Secret (the
     access key and secret the service reads), with compose's policies, and the base's
