@@ -92,6 +92,10 @@ class Key:
     budget: Budget | None
     usage: dict[str, Any] = field(default_factory=dict)  # metric children, bound once
 
+    def may_use(self, model: str) -> bool:
+        """Whether this key may use `model`."""
+        return self.models is None or model in self.models
+
     def carry_from(self, old: Key) -> None:
         """Keep what `old` (the same name, before a reload) used."""
         for mine, theirs in ((self.requests, old.requests), (self.tokens, old.tokens)):
@@ -240,8 +244,8 @@ class Authenticator:
 
     def check_model(self, key: Key, model: str) -> None:
         """Raise ModelNotAllowed unless `key` may use `model`."""
-        if key.models is not None and model not in key.models:
-            allowed = ", ".join(sorted(key.models)) or "none"
+        if not key.may_use(model):
+            allowed = ", ".join(sorted(key.models or ())) or "none"
             raise ModelNotAllowed(
                 f"the key {key.name!r} may not use the model `{model}`; it may use: {allowed}",
                 "use one of those models, or ask for the key's models to be extended",

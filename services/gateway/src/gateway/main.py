@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from gateway.auth import Authenticator, bearer_matches
+from gateway.access import Access
+from gateway.auth import Authenticator, Key, bearer_matches
 from gateway.backends import Backends
 from gateway.discovery import DnsFollower
 from gateway.endpoints import ENDPOINTS
@@ -145,7 +146,8 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
     backends = Backends(settings, metrics, tokenizers, scrape_client, inflight=shared)
     upstream = Upstream(settings, metrics, backends.inflight)
     auth = Authenticator.from_settings(settings, metrics)
-    proxy = Proxy(settings, backends, upstream, auth, metrics)
+    access = Access(auth, backends, metrics)
+    proxy = Proxy(settings, backends, upstream, access, metrics)
     # with backends_dns the backends follow DNS: the follower adds, drains and forgets them
     follower = DnsFollower(settings, backends, metrics) if settings.backends_dns else None
 
@@ -180,30 +182,25 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        rid = request.scope.get("request_id")
         try:
-            key = auth.authenticate(request.headers.get("authorization"))
+            key = access.key(request.headers.get("authorization"))
         except GatewayError as e:
-            metrics.rejections.labels("unauthorized").inc()
-            return error_response(e, request.scope.get("request_id"))
+            return access.refuse(e, "/v1/models", rid)
         now = int(time.time())
-        allowed = sorted(
-            (m for m in backends.catalog().values() if key.models is None or m.id in key.models),
-            key=lambda m: m.id,
-        )
-        data = [model_card(m, now) for m in allowed]
+        data = [model_card(m, now) for m in access.models(key)]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         """One model (the `openai` client's `models.retrieve`); 404 when no backend has it."""
+        rid = request.scope.get("request_id")
+        key: Key | None = None
         try:
-            key = auth.authenticate(request.headers.get("authorization"))
-            auth.check_model(key, model_id)  # before existence: a 403 or 404 tells nothing
-            info = await backends.model(model_id, key.models)
+            key = access.key(request.headers.get("authorization"))
+            info = await access.model(key, model_id)
         except GatewayError as e:
-            if e.reason:
-                metrics.rejections.labels(e.reason).inc()
-            return error_response(e, request.scope.get("request_id"))
+            return access.refuse(e, "/v1/models/{id}", rid, key)
         return JSONResponse(model_card(info, int(time.time())))
 
     @app.post("/tokenize")
@@ -253,8 +250,8 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
         if not metrics_open and not bearer_matches(
             metrics_key, request.headers.get("authorization")
         ):
-            metrics.rejections.labels("unauthorized").inc()
-            return error_response(metrics_refused(metrics_key), request.scope.get("request_id"))
+            refused = metrics_refused(metrics_key)
+            return access.refuse(refused, "/metrics", request.scope.get("request_id"))
         for url, n in backends.inflight.counts.items():
             metrics.backend_inflight.labels(url).set(n)
             metrics.backend_kv_claimed.labels(url).set(backends.inflight.tokens.get(url, 0))

@@ -5,8 +5,8 @@ The same auth, body limits, model check and per-key request limit as chat, then 
 POST (no retry beyond `upstream.open`'s, no length check: nothing is generated, and vLLM
 checks an embedding input's length itself).
 
-Owns: that flow. Does not own: its pieces (auth, body reading, routing, the upstream,
-the error exit: `proxy.Proxy`'s).
+Owns: that flow. Does not own: its pieces (the key, the model check and the error exit:
+`access.py`; body reading, routing, the upstream: `proxy.Proxy`'s).
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ async def passthrough(
     key: Key | None = None
     held = LargeBody()
     try:
-        key = proxy.auth.authenticate(request.headers.get("authorization"))
+        key = proxy.access.key(request.headers.get("authorization"))
         model, raw = await _read_model(proxy, request, held)
         held.release()  # nothing below needs the parsed body (`workers.py`)
-        proxy.auth.check_model(key, model)  # before existence: a 403 or 404 tells nothing
-        info = await proxy.backends.model(model, key.models)
+        info = await proxy.access.model(key, model)
         if embed:
             proxy.backends.require_embeddings(model)
         await proxy.auth.admit(key, 0)  # counts as a request, uses no tokens
@@ -50,7 +49,7 @@ async def passthrough(
         headers = {REQUEST_ID_HEADER: rid, BACKEND_HEADER: call.backend}
         return Response(answer, call.status, headers, media_type=call.content_type)
     except Exception as e:
-        return proxy.fail(e, path, rid, key)
+        return proxy.access.refuse(e, path, rid, key)
     finally:
         held.release()
 

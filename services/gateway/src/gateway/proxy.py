@@ -1,14 +1,15 @@
 """The request flow of /v1/chat/completions, /v1/completions and /v1/responses (read as
-the chat request vLLM renders from it: `responses.py`); `fail`, `read_json` and `send`
-also serve the bodies passed through as they are (`passthrough.py`).
+the chat request vLLM renders from it: `responses.py`); `read_json` and `send` also
+serve the bodies passed through as they are (`passthrough.py`).
 
 auth -> body limits -> parse -> model check (exists, and the key may use it) -> exact
 token count -> length check (or clamp) -> per-key limits and budget -> route (admission
 control) -> upstream with retries -> pass the response through (SSE chunk by chunk) ->
 metrics.
 
-Owns: that flow and its I/O (auth, backends, upstream, metrics); the wait for KV-cache
-room before the upstream is `admission.py`'s. Its pure pieces live
+Owns: that flow and its I/O (backends, upstream, metrics); the key, the model check and
+the error exit are `access.py`'s, the wait for KV-cache room before the upstream is
+`admission.py`'s. Its pure pieces live
 apart: reading the body (`request_body.py`), what differs per path (`endpoints.py`), and
 the request it forwards, built step by step (`prepared.py`). The steps whose work grows
 with a large body run on worker threads (`workers.py`), never on the loop.
@@ -43,18 +44,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from gateway.access import Access
 from gateway.admission import Admission
 from gateway.affinity import SESSION_HEADER, Affinity, session_key
-from gateway.auth import Authenticator, Key
+from gateway.auth import Key
 from gateway.backends import Backends
 from gateway.counting import count_prompts
 from gateway.endpoints import Endpoint
-from gateway.errors import (
-    GatewayError,
-    UpstreamTimeout,
-    as_gateway_error,
-    error_response,
-)
+from gateway.errors import GatewayError, UpstreamTimeout, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prepared import (
     BACKEND_HEADER,
@@ -90,13 +87,14 @@ class Proxy:
         settings: GatewaySettings,
         backends: Backends,
         upstream: Upstream,
-        auth: Authenticator,
+        access: Access,
         metrics: GatewayMetrics,
     ) -> None:
         self.settings = settings
         self.backends = backends
         self.upstream = upstream
-        self.auth = auth
+        self.access = access
+        self.auth = access.auth  # the key's limits, budget and usage
         self.metrics = metrics
         self.weights = Weights(prefix=settings.prefix_weight, session=settings.session_weight)
         thresholds = Thresholds(
@@ -120,7 +118,7 @@ class Proxy:
         left: list[bool] = []  # the watcher appends once the client has hung up
         watcher: asyncio.Task[None] | None = None
         try:
-            key = self.auth.authenticate(fields.get(b"authorization"))
+            key = self.access.key(fields.get(b"authorization"))
             prep = await self._prepare(request, fields, endpoint, rid, key, held)
             held.release()  # nothing below needs the parsed body (`workers.py`)
             # the body is read: from here the client hanging up cancels the request, which
@@ -150,33 +148,13 @@ class Proxy:
             log.info("request %s: the client left before the answer", rid)
             return Response(status_code=499)
         except Exception as e:
-            return self.fail(e, endpoint.label, rid, key)
+            return self.access.refuse(e, endpoint.label, rid, key)
         finally:
             if watcher is not None:
                 watcher.cancel()
             held.release()  # where the preparation failed, once its frames are gone
             if done_here:
                 self.metrics.inflight.dec()
-
-    def fail(self, e: Exception, route: str, rid: str, key: Key | None) -> Response:
-        """The one error exit of a proxied request: log line, rejection metric, response."""
-        err = as_gateway_error(e)
-        if type(err) is GatewayError:
-            log.exception("request %s: unexpected error on %s", rid, route)
-        else:
-            log.log(
-                logging.WARNING if err.status >= 500 else logging.INFO,
-                "request %s: %s answered %d: %s",
-                rid,
-                route,
-                err.status,
-                err.message,
-            )
-        if err.reason:
-            self.metrics.rejections.labels(err.reason).inc()
-            if key is not None:
-                self.auth.rejected(key, err.reason)
-        return error_response(err, rid)
 
     # --- before the upstream ------------------------------------------------
     async def read_json(
@@ -207,8 +185,7 @@ class Proxy:
         size = len(raw)  # a large body's parse, count and rewrite run off the loop
         req = await run_for_body(size, endpoint.parse, body, self.settings.max_messages)
         held.keep(req)
-        self.auth.check_model(key, req.model)  # before existence: a 403 or 404 tells nothing
-        info = await self.backends.model(req.model, key.models)
+        info = await self.access.model(key, req.model)
         max_len = self.backends.max_model_len(info)
         tok = await self.backends.tokenizer_for(info)
         param, requested = endpoint.requested_output(req)
