@@ -295,3 +295,11 @@ def sse_error_event(exc: BaseException, request_id: str | None = None) -> bytes:
     """One SSE error event for a stream that already started (no [DONE] follows)."""
     err = as_gateway_error(exc)
     return b"data: " + json.dumps(_body(err, request_id)).encode() + b"\n\n"
+
+
+def http_error(method: str, path: str, status: int, detail: str, rid: str | None) -> JSONResponse:
+    """Starlette's own HTTP errors (404, 405, ...) in the OpenAI error shape."""
+    err = GatewayError(f"{method} {path}: {detail}")
+    err.status = status
+    err.type = "NotFoundError" if status == 404 else "BadRequestError"
+    return error_response(err, rid)

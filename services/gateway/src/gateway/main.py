@@ -1,9 +1,14 @@
-"""`create_app(settings)`: wiring only. Routes, the error map and the background refresh.
+"""`create_app(settings)`: wiring only. Builds the gateway's parts, runs the background
+loops (the backends' refresh, the DNS follower with `backends_dns`) in the app's lifespan,
+and mounts the routes (`routes.py`) and the error handler.
 
 The proxied generation routes (`PROXIED`) are dispatched before FastAPI: on the streaming hot
 path its middleware stack and router cost a send wrapper per chunk and routing work per
 request (bench/gateway/history.md), and the proxy needs none of them (it maps
-its own errors). Every other route is plain FastAPI.
+its own errors). Every other route is plain FastAPI (`routes.py`).
+
+Owns: who builds and starts what, and the ASGI entry point. Does not own: any route's
+logic (`routes.py`, `proxy.py`, `passthrough.py`), the error map (`errors.py`).
 """
 
 from __future__ import annotations
@@ -11,28 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.access import Access
-from gateway.auth import Authenticator, Key, bearer_matches
+from gateway.auth import Authenticator
 from gateway.backends import Backends
 from gateway.discovery import DnsFollower
 from gateway.endpoints import ENDPOINTS
-from gateway.errors import GatewayError, Unauthorized, error_response
+from gateway.errors import http_error
 from gateway.metrics import GatewayMetrics
-from gateway.passthrough import passthrough
 from gateway.proxy import Proxy
 from gateway.request_id import request_id
-from gateway.scrape import ModelInfo
+from gateway.routes import health_routes, metrics_routes, model_routes, passthrough_routes
 from gateway.settings import GatewaySettings
 from gateway.shared_claims import SharedInflight, WorkerSlot
 from gateway.tokens import TokenizerCache
@@ -98,42 +101,6 @@ def _with_request_id(send: Send, rid: str) -> Send:
     return sender
 
 
-def http_error(method: str, path: str, status: int, detail: str, rid: str | None) -> Response:
-    """Starlette's own HTTP errors (404, 405, ...) in the OpenAI error shape."""
-    err = GatewayError(f"{method} {path}: {detail}")
-    err.status = status
-    err.type = "NotFoundError" if status == 404 else "BadRequestError"
-    return error_response(err, rid)
-
-
-def metrics_refused(metrics_key: str | None) -> Unauthorized:
-    """The 401 of GET /metrics without the metrics key: what to send, or what to set."""
-    if metrics_key is None:
-        return Unauthorized(
-            "GET /metrics is off while clients need API keys and no metrics key is set:",
-            "set LORASTACK_METRICS_KEY (at least 32 characters) and give Prometheus the same"
-            " key (authorization: {type: Bearer, credentials_file: FILE})",
-        )
-    return Unauthorized(
-        "GET /metrics needs the metrics key:",
-        "send `Authorization: Bearer LORASTACK_METRICS_KEY` (Prometheus: authorization:"
-        " {type: Bearer, credentials_file: FILE})",
-    )
-
-
-def model_card(m: ModelInfo, created: int) -> dict[str, Any]:
-    """One entry of /v1/models, as OpenAI's API and vLLM shape it."""
-    return {
-        "id": m.id,
-        "object": "model",
-        "created": created,
-        "owned_by": "lorastack",
-        "root": m.root,
-        "parent": m.parent,
-        "max_model_len": m.max_model_len,
-    }
-
-
 def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> FastAPI:
     """The gateway app; `worker`: one of the processes of `--workers N` (`processes.py`),
     which counts its requests and metrics where every worker reads them."""
@@ -180,84 +147,8 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
         rid = request.scope.get("request_id")
         return http_error(request.method, request.url.path, exc.status_code, str(exc.detail), rid)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        rid = request.scope.get("request_id")
-        try:
-            key = access.key(request.headers.get("authorization"))
-        except GatewayError as e:
-            return access.refuse(e, "/v1/models", rid)
-        now = int(time.time())
-        data = [model_card(m, now) for m in access.models(key)]
-        return JSONResponse({"object": "list", "data": data})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str) -> Response:
-        """One model (the `openai` client's `models.retrieve`); 404 when no backend has it."""
-        rid = request.scope.get("request_id")
-        key: Key | None = None
-        try:
-            key = access.key(request.headers.get("authorization"))
-            info = await access.model(key, model_id)
-        except GatewayError as e:
-            return access.refuse(e, "/v1/models/{id}", rid, key)
-        return JSONResponse(model_card(info, int(time.time())))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await passthrough(proxy, request, "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await passthrough(proxy, request, "/detokenize")
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await passthrough(proxy, request, "/v1/embeddings", embed=True)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-
-    @app.get("/ready")
-    async def ready(request: Request) -> JSONResponse:
-        """Ready or not, to anyone (probes); what stands behind it (backend URLs and their
-        errors, models, tokenizers loading) only with `Authorization: Bearer ADMIN_KEY`."""
-        loading = backends.pending_tokenizers()
-        failed = backends.failed_tokenizers()  # a model that would answer 503: not ready
-        up = any(st.up and st.models for st in backends.states.values())
-        ok = up and not loading and not failed
-        body: dict[str, Any] = {"ready": ok}
-        if bearer_matches(admin_key, request.headers.get("authorization")):
-            states = {url: ("up" if st.up else st.error) for url, st in backends.states.items()}
-            body |= {
-                "backends": states,
-                "models": sorted(backends.catalog()),
-                "loading_tokenizers": loading,
-                "failed_tokenizers": failed,
-            }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    metrics_key = settings.metrics_key.get_secret_value() if settings.metrics_key else None
-    metrics_open = metrics_key is None and not settings.auth_required  # an open gateway
-
-    @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        """Prometheus text. It names every key and backend: while clients need keys, or
-        a metrics key is set, only for `Authorization: Bearer METRICS_KEY`."""
-        if not metrics_open and not bearer_matches(
-            metrics_key, request.headers.get("authorization")
-        ):
-            refused = metrics_refused(metrics_key)
-            return access.refuse(refused, "/metrics", request.scope.get("request_id"))
-        for url, n in backends.inflight.counts.items():
-            metrics.backend_inflight.labels(url).set(n)
-            metrics.backend_kv_claimed.labels(url).set(backends.inflight.tokens.get(url, 0))
-        metrics.kv_admission_waiting.set(backends.inflight.waiting)
-        return Response(
-            metrics.render(backends.states), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
-
+    app.include_router(model_routes(access))
+    app.include_router(passthrough_routes(proxy))
+    app.include_router(health_routes(settings, backends))
+    app.include_router(metrics_routes(settings, backends, access, metrics))
     return app
