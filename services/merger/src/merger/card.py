@@ -48,16 +48,7 @@ def render_card(name: str, lineage: Mapping[str, Any], report: Mapping[str, Any]
         "| role | artifact | digest |",
         "|---|---|---|",
     ]
-    for role in ("base", "dataset", "adapter"):
-        item = lineage.get(role)
-        if item:
-            lines.append(f"| {role} | `{item['ref']}` | `{item['digest']}` |")
-    for key, label in (
-        ("run_config_digest", "run config (adapter manifest config)"),
-        ("run_manifest_sha256", "run-manifest.json"),
-    ):
-        if lineage.get(key):
-            lines.append(f"| {label} | | `{lineage[key]}` |")
+    lines += _lineage_rows(lineage)
     lines += [
         "",
         "## Verification (before publishing)",
@@ -86,3 +77,19 @@ def render_card(name: str, lineage: Mapping[str, Any], report: Mapping[str, Any]
         "",
     ]
     return "\n".join(lines)
+
+
+def _lineage_rows(lineage: Mapping[str, Any]) -> list[str]:
+    """The lineage table's rows: the base, dataset and adapter, the run's config digests."""
+    lines: list[str] = []
+    for role in ("base", "dataset", "adapter"):
+        item = lineage.get(role)
+        if item:
+            lines.append(f"| {role} | `{item['ref']}` | `{item['digest']}` |")
+    for key, label in (
+        ("run_config_digest", "run config (adapter manifest config)"),
+        ("run_manifest_sha256", "run-manifest.json"),
+    ):
+        if lineage.get(key):
+            lines.append(f"| {label} | | `{lineage[key]}` |")
+    return lines

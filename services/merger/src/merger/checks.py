@@ -157,6 +157,25 @@ def check_adapter_for_vllm(
     adapter_vocab_size: int | None = None,
 ) -> list[Finding]:
     """Everything that would stop vLLM from loading this adapter, with what to change."""
+    out = _check_fields(adapter_config, max_lora_rank)
+    out += _check_full_training(adapter_config)
+    out += _check_tensors(tensor_names, adapter_config, architecture)
+    if base_vocab_size and adapter_vocab_size and adapter_vocab_size > base_vocab_size:
+        out.append(
+            Finding(
+                "error",
+                f"the adapter's tokenizer has {adapter_vocab_size} tokens, the base "
+                f"{base_vocab_size}; vLLM 0.32 serves LoRA adapters with the base vocabulary "
+                "only (there is no extra-vocabulary option)",
+                "merge the adapter and serve the merged model, or retrain without adding tokens",
+            )
+        )
+    return out
+
+
+def _check_fields(adapter_config: Mapping[str, Any], max_lora_rank: int) -> list[Finding]:
+    """The config's LoRA fields vLLM reads: present, a LoRA, a rank the server takes, no
+    bias."""
     out: list[Finding] = []
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in adapter_config]
     if missing:
@@ -199,6 +218,13 @@ def check_adapter_for_vllm(
                 "retrain with bias='none', or merge the adapter and serve the merged model",
             )
         )
+    return out
+
+
+def _check_full_training(adapter_config: Mapping[str, Any]) -> list[Finding]:
+    """What the config trains beyond LoRA deltas (options, weight-changing inits, full
+    modules, embedding rows), which vLLM cannot load."""
+    out: list[Finding] = []
     for key, what in _UNSUPPORTED_FLAGS.items():
         if adapter_config.get(key):
             out.append(
@@ -237,17 +263,6 @@ def check_adapter_for_vllm(
                 "cannot load",
                 "merge the adapter and serve the merged model, or retrain without "
                 "trainable_token_indices",
-            )
-        )
-    out += _check_tensors(tensor_names, adapter_config, architecture)
-    if base_vocab_size and adapter_vocab_size and adapter_vocab_size > base_vocab_size:
-        out.append(
-            Finding(
-                "error",
-                f"the adapter's tokenizer has {adapter_vocab_size} tokens, the base "
-                f"{base_vocab_size}; vLLM 0.32 serves LoRA adapters with the base vocabulary "
-                "only (there is no extra-vocabulary option)",
-                "merge the adapter and serve the merged model, or retrain without adding tokens",
             )
         )
     return out
@@ -294,6 +309,14 @@ def _check_tensors(
                     "the merged model",
                 )
             )
+    out += _check_full_weights(full, adapter_config)
+    return out
+
+
+def _check_full_weights(full: set[str], adapter_config: Mapping[str, Any]) -> list[Finding]:
+    """The full (non-LoRA) weights in the tensors that the config does not explain (a
+    classifier head, modules_to_save, trainable tokens)."""
+    out: list[Finding] = []
     saved = set(adapter_config.get("modules_to_save") or [])
     full_leaves = {m.rsplit(".", 1)[-1] for m in full}
     if adapter_config.get("trainable_token_indices"):

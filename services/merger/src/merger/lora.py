@@ -150,6 +150,19 @@ def plan_lora(
                     f"{sorted(HEAD_COPIES)}",
                     "the merger merges LoRA adapters; retrain without extra trained modules",
                 )
+    _place_updates(plan, loras, copies, base_names, tie_word_embeddings)
+    return plan
+
+
+def _place_updates(
+    plan: LoraPlan,
+    loras: dict[str, list[tuple[str, str, float, bool]]],
+    copies: dict[str, str],
+    base_names: set[str],
+    tie_word_embeddings: bool,
+) -> None:
+    """Add to `plan` an update of the base tensor each LoRA (by target tensor) and each
+    full copy changes; refuse one the base has no tensor for, or both for one tensor."""
     for target, found in loras.items():
         target_name = target
         if target not in base_names and tie_word_embeddings and target == TIED_HEAD[0]:
@@ -166,4 +179,3 @@ def plan_lora(
         if target in plan.updates:
             raise _refuse(f"both a LoRA and a full copy of {target}", "retrain with one of them")
         plan.updates[target] = Update(copy=name)
-    return plan
