@@ -256,7 +256,7 @@ def test_cancelled_read_closes_the_connection_and_never_pools_it(fake) -> None:
             await reader
         await call.aclose()
         assert call.conn.closed and up.inflight.counts[url] == 0
-        assert up._client.pools[url].idle == []  # never back to the pool
+        assert url not in up._client.pools  # never back to a pool (none left: dropped)
         # the next request opens a new connection and works
         again = await up.open(lambda tried: url, CHAT, chat_body(), JSON)
         assert again.conn is not call.conn
@@ -306,7 +306,7 @@ def test_first_byte_and_idle_timeouts(fake) -> None:
         with pytest.raises(UpstreamTimeout, match=r"did not answer within 0\.1 s"):
             await up.open(lambda tried: silent_url, CHAT, chat_body(), JSON)
         assert len(asked) == 1 and up.inflight.counts[silent_url] == 0
-        assert up._client.pools[silent_url].idle == []  # the timed-out connection was closed
+        assert silent_url not in up._client.pools  # the timed-out connection was closed
         await up.aclose()
         finish.set()
         server.close()
@@ -321,7 +321,7 @@ def test_first_byte_and_idle_timeouts(fake) -> None:
         with pytest.raises(UpstreamTimeout, match=r"sent nothing for 0\.1 s"):
             await call.read()
         await call.aclose()
-        assert call.conn.closed and up._client.pools[url].idle == []
+        assert call.conn.closed and url not in up._client.pools
         await up.aclose()
 
     run(scenario())
@@ -522,7 +522,7 @@ def test_backend_bytes_that_are_not_http_break_the_response() -> None:
         with pytest.raises(UpstreamBroken, match=r"invalid HTTP/1\.1"):
             await call.read()
         await call.aclose()
-        assert call.conn.closed and up._client.pools[url].idle == []
+        assert call.conn.closed and url not in up._client.pools
         await up.aclose()
         done.set()
         server.close()
@@ -590,5 +590,61 @@ def test_a_reader_that_falls_behind_pauses_the_connection() -> None:
         assert got == big and conn.reusable()
         done.set()
         server.close()
+
+    run(scenario())
+
+
+def test_a_backend_whose_connections_are_all_gone_leaves_no_pool(fake, second_fake) -> None:
+    """Issue 58: a pool was kept for every backend ever used (replicas that come and go
+    with new addresses under backends_dns left one each). A pool is dropped once it holds
+    no connection, in use or idle; one in use keeps it."""
+    gone, _ = fake
+    stays, _ = second_fake
+
+    async def scenario() -> None:
+        client = H1Client(connect_timeout_s=CONNECT_S)
+        (first, _, _), (second, _, _) = await asyncio.gather(
+            exchange(client.pool(gone), chat_body()), exchange(client.pool(gone), chat_body())
+        )
+        kept, _, _ = await exchange(client.pool(stays), chat_body())
+        client.pool(stays).release(kept)
+        pool = client.pool(gone)
+        assert pool.busy == 2
+        pool.discard(first)  # its backend went away mid-exchange
+        assert first.closed and set(client.pools) == {gone, stays}  # `second` is in use
+        pool.discard(second)
+        assert set(client.pools) == {stays}  # nothing left of `gone`
+        assert not kept.closed and client.pool(stays).idle == [kept]
+        assert client.pool(gone) is not pool  # a request to it again makes a new one
+        client.close()
+
+    run(scenario())
+
+
+def test_a_pool_whose_last_idle_connection_expires_is_dropped(fake) -> None:
+    url, _ = fake
+
+    async def scenario() -> None:
+        clock = _ClockLoop()  # the keep-alive on a clock the test moves
+        emptied: list[Pool] = []
+        pool = Pool(
+            url,
+            connect_timeout_s=CONNECT_S,
+            keepalive_s=4.0,
+            clock=clock,
+            on_empty=emptied.append,  # type: ignore[arg-type]
+        )
+        (a, _, _), (b, _, _) = await asyncio.gather(
+            exchange(pool, chat_body()), exchange(pool, chat_body())
+        )
+        pool.release(a)
+        clock.advance(5.0)  # a expired; b, in use, keeps the pool
+        assert a.closed and pool.idle == [] and emptied == []
+        pool.release(b)
+        clock.advance(3.0)
+        assert emptied == []  # b is kept for its 4 s
+        clock.advance(1.0)
+        assert b.closed and emptied == [pool]
+        pool.close()
 
     run(scenario())

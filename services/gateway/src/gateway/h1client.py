@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -158,7 +159,13 @@ class Connection(asyncio.Protocol):
 
 
 class Pool:
-    """The keep-alive connections to one backend (`base_url`: http[s]://host[:port])."""
+    """The keep-alive connections to one backend (`base_url`: http[s]://host[:port]).
+
+    Each connection `acquire` gives is handed back once: `release` (kept when its exchange
+    ended cleanly) or `discard`. When none is in use and none is kept (the last idle one
+    expired, or the last one in use was closed), `on_empty` is called: its `H1Client`
+    drops it, so a backend that left (a replica gone from `backends_dns`) leaves no pool
+    behind, and the next request to a backend that stays makes a new one."""
 
     def __init__(
         self,
@@ -167,6 +174,7 @@ class Pool:
         connect_timeout_s: float,
         keepalive_s: float = KEEPALIVE_S,
         clock: asyncio.AbstractEventLoop | None = None,
+        on_empty: Callable[[Pool], None] | None = None,
     ) -> None:
         if keepalive_s <= 0:
             raise ValueError(f"keepalive_s must be > 0 seconds, not {keepalive_s!r}")
@@ -180,7 +188,10 @@ class Pool:
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
+        self.base_url = base_url
         self.idle: list[Connection] = []  # oldest first; reuse takes the newest
+        self.busy = 0  # connections acquired and not handed back yet
+        self._on_empty = on_empty
         self._sweeper: asyncio.TimerHandle | None = None
         # whose time(), call_later() and call_at() keep the keep-alive: the running loop,
         # or one with a fake clock (tests); the connections always use the running loop
@@ -196,6 +207,7 @@ class Pool:
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed:
+                self.busy += 1
                 return conn
         conn = Connection(loop)
         try:
@@ -211,19 +223,32 @@ class Pool:
             raise ConnectFailed(f"connect timed out after {self.connect_timeout_s:g} s") from None
         except OSError as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from None
+        self.busy += 1
         return conn
 
     def release(self, conn: Connection) -> None:
-        """Back to the pool if its exchange ended cleanly, else closed."""
+        """Hand back an acquired connection: kept if its exchange ended cleanly, else closed."""
         if not conn.reusable():
-            conn.close()
+            self.discard(conn)
             return
+        self.busy -= 1
         loop = self._timers()
         conn.parser = None
         conn.idle_since = loop.time()
         self.idle.append(conn)
         if self._sweeper is None:
             self._sweeper = loop.call_later(self.keepalive_s, self._sweep)
+
+    def discard(self, conn: Connection) -> None:
+        """Hand back an acquired connection to be closed (an exchange left unfinished: the
+        backend aborts it)."""
+        conn.close()
+        self.busy -= 1
+        self._if_empty()
+
+    def _if_empty(self) -> None:
+        if self.busy == 0 and not self.idle and self._on_empty is not None:
+            self._on_empty(self)
 
     def close(self) -> None:
         """Stop the idle sweeper and close every idle connection."""
@@ -250,10 +275,13 @@ class Pool:
         if self.idle:
             due = self.idle[0].idle_since + self.keepalive_s
             self._sweeper = loop.call_at(due, self._sweep)
+        else:
+            self._if_empty()
 
 
 class H1Client:
-    """One `Pool` per backend base URL, made on first use."""
+    """One `Pool` per backend base URL, made on first use and dropped once it holds no
+    connection (`Pool.on_empty`)."""
 
     def __init__(self, *, connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S) -> None:
         self.connect_timeout_s = connect_timeout_s
@@ -265,9 +293,16 @@ class H1Client:
         pool = self.pools.get(base_url)
         if pool is None:
             pool = self.pools[base_url] = Pool(
-                base_url, connect_timeout_s=self.connect_timeout_s, keepalive_s=self.keepalive_s
+                base_url,
+                connect_timeout_s=self.connect_timeout_s,
+                keepalive_s=self.keepalive_s,
+                on_empty=self._drop,
             )
         return pool
+
+    def _drop(self, pool: Pool) -> None:
+        if self.pools.get(pool.base_url) is pool:
+            del self.pools[pool.base_url]
 
     def close(self) -> None:
         """Close every pool's idle connections and forget the pools."""

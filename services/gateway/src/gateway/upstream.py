@@ -113,7 +113,7 @@ class UpstreamCall:
             if self.complete:
                 self.pool.release(self.conn)  # back to the keep-alive pool
             else:
-                self.conn.close()  # drop the connection: vLLM aborts the request
+                self.pool.discard(self.conn)  # drop the connection: vLLM aborts the request
 
 
 class _Silence(Exception):
@@ -208,7 +208,7 @@ class Upstream:
         """One try on `backend`, whose request and claim `open` has counted in `inflight`
         (given back here when the try fails)."""
         s = self.settings
-        conn: Connection | None = None
+        conn: Connection | None = None  # acquired and not handed back to `pool` yet
         watch: _SilenceWatch | None = None
         try:
             pool = self._client.pool(backend)
@@ -249,7 +249,8 @@ class Upstream:
                 if call.complete:
                     pool.release(conn)
                 else:
-                    conn.close()
+                    pool.discard(conn)
+                conn = None
                 if head.status >= 500:
                     self.metrics.upstream_errors.labels(backend, "status_5xx").inc()
                 if head.status in RETRY_STATUSES:
@@ -259,8 +260,8 @@ class Upstream:
             self.inflight.add(backend, -1, -tokens)
             if watch is not None:
                 watch.stop()
-            if conn is not None and not conn.closed and conn.parser is not None:
-                conn.close()  # an exchange left unfinished (cancelled, timed out)
+            if conn is not None:
+                pool.discard(conn)  # an exchange left unfinished (cancelled, timed out)
             raise
         return call
 
