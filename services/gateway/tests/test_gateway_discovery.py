@@ -8,6 +8,7 @@ gateway shows the change; open streams end when the test releases the fake's `ho
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -18,9 +19,13 @@ import httpx
 import pytest
 from test_gateway_proxy import ADMIN, ADMIN_KEY, chat, metric, sse_events, wait_for
 
-from gateway.discovery import plan_membership
+from gateway.backends import Backends
+from gateway.discovery import DnsFollower, plan_membership
 from gateway.main import create_app
+from gateway.metrics import GatewayMetrics
+from gateway.routing import BackendView
 from gateway.settings import GatewaySettings
+from gateway.tokens import TokenizerCache
 from lorastack_testing.dns_server import DnsServer
 from lorastack_testing.fake_state import FakeState
 from lorastack_testing.fake_vllm import serve_fake
@@ -158,6 +163,54 @@ def test_dns_settings_start_with_no_backend() -> None:
 
 
 # --- over the wire --------------------------------------------------------------------
+def test_a_backend_back_from_draining_is_routed_only_on_a_fresh_scrape(tmp_path: Path) -> None:
+    """Issue 58: a draining backend is not scraped; one that came back was routed on the
+    scrape from before it left (its models, KV cache and health) until the next refresh,
+    though it may have restarted meanwhile. It is unknown until a scrape answers, as a
+    new one is: the follower's round that resumes it scrapes it."""
+    with DnsServer() as dns:
+        replica = Replica(2, free_port()).start()
+        try:
+            asyncio.run(_drain_and_come_back(dns, replica, tmp_path))
+        finally:
+            replica.stop()
+
+
+async def _drain_and_come_back(dns: DnsServer, replica: Replica, tmp_path: Path) -> None:
+    url = replica.url
+    settings = GatewaySettings(
+        home=tmp_path / "home",
+        backends_dns=f"{NAME}:{replica.port}",
+        backends_dns_nameserver=dns.address,
+    )
+    metrics = GatewayMetrics()
+    async with httpx.AsyncClient() as client:
+        backends = Backends(settings, metrics, TokenizerCache(settings), client)
+        follower = DnsFollower(settings, backends, metrics)
+
+        async def publish(*ips: str) -> BackendView:
+            dns.records[NAME] = list(ips)
+            await follower.sync()
+            (view,) = backends.views()
+            return view
+
+        view = await publish(replica.ip)
+        assert view.healthy and view.models == {"smollm2"} and view.kv_usage == 0.0
+        backends.inflight.add(url, 1)  # a request open on it: it drains, it is not forgotten
+        assert not (await publish()).healthy  # draining
+        # meanwhile its server restarted with another model, and its cache filled up
+        replica.state.models = [{"id": "other", "max_model_len": 2048}]
+        replica.state.kv_usage = 0.99
+        view = await publish(replica.ip)
+        assert view.healthy and view.models == {"other"} and view.kv_usage == 0.99
+        # one that comes back down is not routed to on what it was before it left
+        await publish()
+        replica.stop()
+        view = await publish(replica.ip)
+        assert not view.healthy and view.models == frozenset()
+        assert backends.states[url].error.startswith("ConnectError")
+
+
 def test_replicas_appear_become_ready_drain_and_leave(dns_gateway, cluster) -> None:
     r2, r3 = cluster.replicas[:2]
     r2.start()

@@ -156,10 +156,14 @@ class Backends:
         self.inflight.draining(url, open_requests)
         return open_requests
 
-    def resume(self, url: str) -> None:
-        """Route to a draining `url` again (it came back)."""
-        self.states[url].draining = False
+    async def resume(self, url: str) -> None:
+        """Route to a draining `url` again (it came back) once a scrape answers: it was not
+        scraped while it drained, and may have restarted since (other models, KV cache),
+        so until then it is unknown, as a new one is."""
+        max_num_seqs = self.states[url].max_num_seqs
+        st = self.states[url] = BackendState(url, max_num_seqs=max_num_seqs)
         self.inflight.resumed(url)
+        await self._scrape_one(st)
 
     def drained(self) -> list[str]:
         """Draining backends with nothing open on them any more."""

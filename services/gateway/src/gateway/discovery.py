@@ -46,8 +46,9 @@ from prometheus_client.registry import Collector
 
 from gateway.backends import Backends
 from gateway.metrics import GatewayMetrics
-from gateway.setting_values import dns_target, nameserver, served_max_num_seqs
+from gateway.serve_config import served_max_num_seqs
 from gateway.settings import GatewaySettings
+from gateway.settings_parsing import dns_target, nameserver
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,6 @@ class DnsFollower:
             draining = frozenset(u for u, st in states.items() if st.draining)
             plan = plan_membership(found, frozenset(states) - draining, draining)
             for url in sorted(plan.resume):
-                self.backends.resume(url)
                 log.info("backend %s is back in %s", url, self.name)
             for url in sorted(plan.drain):
                 open_requests = self.backends.drain(url)
@@ -174,7 +174,10 @@ class DnsFollower:
             added = sorted(plan.add)
             for url in added:
                 log.info("backend %s found in %s", url, self.name)
-            await asyncio.gather(*(self.backends.add(u, self.max_num_seqs) for u in added))
+            await asyncio.gather(
+                *(self.backends.resume(u) for u in sorted(plan.resume)),  # scraped afresh
+                *(self.backends.add(u, self.max_num_seqs) for u in added),
+            )
         self.forget_drained()
 
     def forget_drained(self) -> None:
