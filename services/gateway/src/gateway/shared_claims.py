@@ -26,16 +26,16 @@ Discovery (`backends_dns`, which every worker follows on its own) keeps each bac
 membership here too, so what it counts (`Membership`) is counted once, by the first
 worker to see each change, whichever worker answers /metrics.
 
-Layout, int64 words: the next ticket, a version (bumped by every change: readers reuse
-their last totals while it stands), the number of backend entries used, a registry
-generation (bumped when an entry is taken or freed: each worker then reads the URLs
-again), the discovery counters; then the requests ever sent to each backend (routing
-compares it with a scrape's) and each backend's membership; then per worker slot
-(`_Slot` offsets) its waiting count, and per backend its open requests, their KV claims
-(tokens), the lowest ticket of its requests waiting there and its wake-up word. After
-the words, the backend URLs, `URL_BYTES` each. A backend the gateway forgets (it left
-`backends_dns` and drained) frees its entry once no worker counts anything on it or
-waits for it, so replicas that come and go with new addresses never run the table out.
+Layout, int64 words: the header (`_Header`: the next ticket, a version bumped by every
+change, the number of backend entries used, a registry generation bumped when an entry
+is taken or freed, the discovery counters); then the requests ever sent to each backend
+(routing compares it with a scrape's) and each backend's membership; then per worker
+slot (`_Slot` offsets, from `_slot_base`) its waiting count, and per backend its open
+requests, their KV claims (tokens), the lowest ticket of its requests waiting there and
+its wake-up word. After the words, the backend URLs, `URL_BYTES` each. A backend the
+gateway forgets (it left `backends_dns` and drained) frees its entry once no worker
+counts anything on it or waits for it, so replicas that come and go with new addresses
+never run the table out.
 
 Owns: that file and the wake-up sockets. Does not own: what the counts mean
 (`routing.py`), the processes (`processes.py`).
@@ -52,6 +52,7 @@ import socket
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gateway.routing import (
     DRAINING,
@@ -65,17 +66,27 @@ from gateway.routing import (
 
 MAX_BACKENDS = 256
 URL_BYTES = 512  # bytes of one backend URL (UTF-8), at most
-# next ticket, version, backend entries used, registry generation, then the counters of
-# `Membership`: backends discovered, removed, requests open on them when they began draining
-_HEADER = 7
-_GENERATION = 3
-_DISCOVERED = 4
-_SENT = _HEADER
+
+
+class _Header:
+    """Offsets of the words at the start of the file."""
+
+    NEXT_TICKET = 0  # the ticket the next request to join a line takes
+    VERSION = 1  # bumped by every change: readers reuse their last totals while it stands
+    USED = 2  # backend entries used (a freed one among them has an empty URL)
+    GENERATION = 3  # bumped when an entry is taken or freed: workers read the URLs again
+    DISCOVERED = 4  # `Membership`: backends that appeared (again)
+    REMOVED = 5  # `Membership`: backends forgotten once drained
+    DRAINED_REQUESTS = 6  # `Membership`: requests open on backends as they began draining
+    WORDS = 7
+
+
+_SENT = _Header.WORDS  # per backend: requests ever sent to it (routing compares a scrape's)
 # per backend: GONE, MEMBER or DRAINING (`backends_dns`), or _FORGOTTEN by a worker
 # while another still counted on it
 _MEMBERS = _SENT + MAX_BACKENDS
 _FORGOTTEN = 3
-_SLOTS = _MEMBERS + MAX_BACKENDS
+_SLOTS = _MEMBERS + MAX_BACKENDS  # then one `_Slot` per worker, then the URLs
 
 
 class _Slot:
@@ -89,8 +100,21 @@ class _Slot:
     WORDS = WAKE + MAX_BACKENDS
 
 
+def _slot_base(slot: int) -> int:
+    """The word at which worker `slot`'s words start; `_slot_base(workers)`: the URLs'."""
+    return _SLOTS + slot * _Slot.WORDS
+
+
 def _size(workers: int) -> int:
-    return (_SLOTS + workers * _Slot.WORDS) * 8 + MAX_BACKENDS * URL_BYTES
+    return _slot_base(workers) * 8 + MAX_BACKENDS * URL_BYTES
+
+
+class Totals(NamedTuple):
+    """Every worker's counts per backend URL."""
+
+    counts: dict[str, int]  # open requests
+    sent: dict[str, int]  # requests ever sent
+    tokens: dict[str, int]  # KV claims of the open requests, tokens
 
 
 def wake_address(claims: Path, slot: int) -> bytes:
@@ -119,18 +143,17 @@ class SharedInflight:
         self._fd = os.open(path, os.O_RDWR)  # opened per process: flock is per open file
         self._map = mmap.mmap(self._fd, 0)
         self._words = memoryview(self._map).cast("B").cast("q")
-        self.workers = (len(self._map) - MAX_BACKENDS * URL_BYTES) // 8 - _SLOTS
-        self.workers //= _Slot.WORDS
+        self.workers = ((len(self._map) - MAX_BACKENDS * URL_BYTES) // 8 - _SLOTS) // _Slot.WORDS
         if not 0 <= slot < self.workers:
             raise ValueError(f"slot {slot} outside the {self.workers} workers of {path}")
-        self._base = self._slot_base(slot)
+        self._base = _slot_base(slot)
         self._depth = 0  # the lock is re-entered within a process (flock is not counted)
         self._index: dict[str, int] = {}
         self._generation = 0  # of the registry `_index` was read at
         # backend -> this worker's requests waiting for room on it, first come first
         self._lines: dict[str, list[Turn]] = {}
         self._seen = -1  # the version of the cached totals
-        self._totals: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
+        self._totals = Totals({}, {}, {})
         self._addresses = [wake_address(path, s) for s in range(self.workers)]
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
@@ -145,7 +168,7 @@ class SharedInflight:
         shared = SharedInflight(path, 0)
         with shared.exclusive():
             for slot in range(workers):
-                heads = shared._slot_base(slot) + _Slot.HEADS
+                heads = _slot_base(slot) + _Slot.HEADS
                 for i in range(MAX_BACKENDS):
                     shared._words[heads + i] = NO_TICKET
         shared.close()
@@ -174,12 +197,8 @@ class SharedInflight:
             if self._depth == 0:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    @staticmethod
-    def _slot_base(slot: int) -> int:
-        return _SLOTS + slot * _Slot.WORDS
-
     def _bases(self) -> list[int]:
-        return [self._slot_base(s) for s in range(self.workers)]
+        return [_slot_base(s) for s in range(self.workers)]
 
     def clear_slot(self, slot: int) -> None:
         """Forget what a dead worker counted and what it had waiting (the parent, before it
@@ -187,7 +206,7 @@ class SharedInflight:
         only its counts kept; every other worker looks at its lines again, since the dead
         one's requests may have come first in them."""
         w = self._words
-        base = self._slot_base(slot)
+        base = _slot_base(slot)
         with self.exclusive():
             for i in range(_Slot.WORDS):
                 w[base + i] = 0
@@ -195,12 +214,12 @@ class SharedInflight:
                 w[base + _Slot.HEADS + i] = NO_TICKET
             for other in range(self.workers):
                 for i in range(MAX_BACKENDS):
-                    w[self._slot_base(other) + _Slot.WAKE + i] = int(other != slot)
+                    w[_slot_base(other) + _Slot.WAKE + i] = int(other != slot)
             self._load_urls()
             for i in list(self._index.values()):  # forgotten, kept only by the dead worker
                 if w[_MEMBERS + i] == _FORGOTTEN and self._unused(i):
                     self._free(i)
-            w[1] += 1
+            w[_Header.VERSION] += 1
         for other in range(self.workers):
             if other != slot:
                 self._ring(other)
@@ -209,7 +228,10 @@ class SharedInflight:
     def _backend(self, url: str) -> int:
         """The index of `url`'s counters, registered on first use by any worker (in the
         first free entry)."""
-        if self._words[_GENERATION] == self._generation and (i := self._index.get(url)) is not None:
+        if (
+            self._words[_Header.GENERATION] == self._generation
+            and (i := self._index.get(url)) is not None
+        ):
             return i
         raw = url.encode()
         if len(raw) > URL_BYTES:
@@ -218,15 +240,15 @@ class SharedInflight:
             self._load_urls()
             i = self._index.get(url)
             if i is None:
-                used = int(self._words[2])
+                used = int(self._words[_Header.USED])
                 free = [j for j in range(used) if self._map[self._url_at(j)] == 0]
                 i = free[0] if free else used
                 if i >= MAX_BACKENDS:
                     raise ValueError(f"more than {MAX_BACKENDS} backends at once")
                 at = self._url_at(i)
                 self._map[at : at + URL_BYTES] = raw.ljust(URL_BYTES, b"\0")
-                self._words[2] = max(used, i + 1)
-                self._words[_GENERATION] += 1  # every worker reads the URLs again
+                self._words[_Header.USED] = max(used, i + 1)
+                self._words[_Header.GENERATION] += 1  # every worker reads the URLs again
                 self._load_urls()
         return i
 
@@ -242,7 +264,7 @@ class SharedInflight:
             if i is None:
                 return
             if w[_MEMBERS + i] == DRAINING:
-                w[_DISCOVERED + 1] += 1
+                w[_Header.REMOVED] += 1
             w[_MEMBERS + i] = _FORGOTTEN
             if self._unused(i):
                 self._free(i)
@@ -264,8 +286,8 @@ class SharedInflight:
         self._map[at : at + URL_BYTES] = bytes(URL_BYTES)
         w[_SENT + i] = 0
         w[_MEMBERS + i] = GONE
-        w[_GENERATION] += 1
-        w[1] += 1
+        w[_Header.GENERATION] += 1
+        w[_Header.VERSION] += 1
         self._load_urls()
 
     def found(self, url: str) -> None:
@@ -275,7 +297,7 @@ class SharedInflight:
             i = self._backend(url)
             if w[_MEMBERS + i] in (GONE, _FORGOTTEN):
                 w[_MEMBERS + i] = MEMBER
-                w[_DISCOVERED] += 1
+                w[_Header.DISCOVERED] += 1
 
     def draining(self, url: str, open_requests: int) -> None:
         """`url` left `backends_dns` with `open_requests` (every worker's) open on it:
@@ -285,7 +307,7 @@ class SharedInflight:
             i = self._backend(url)
             if w[_MEMBERS + i] == MEMBER:
                 w[_MEMBERS + i] = DRAINING
-                w[_DISCOVERED + 2] += open_requests
+                w[_Header.DRAINED_REQUESTS] += open_requests
 
     def resumed(self, url: str) -> None:
         """`url` came back to `backends_dns` while draining."""
@@ -299,23 +321,26 @@ class SharedInflight:
         """The discovery counters and the backends draining now, of every worker."""
         w = self._words
         with self.exclusive():
-            used = int(w[2])
+            used = int(w[_Header.USED])
             draining = sum(w[_MEMBERS + i] == DRAINING for i in range(used))
             return Membership(
-                int(w[_DISCOVERED]), int(w[_DISCOVERED + 1]), int(w[_DISCOVERED + 2]), draining
+                discovered=int(w[_Header.DISCOVERED]),
+                removed=int(w[_Header.REMOVED]),
+                drained_requests=int(w[_Header.DRAINED_REQUESTS]),
+                draining=draining,
             )
 
     def _url_at(self, i: int) -> int:
-        return (_SLOTS + self.workers * _Slot.WORDS) * 8 + i * URL_BYTES
+        return _slot_base(self.workers) * 8 + i * URL_BYTES
 
     def _load_urls(self) -> None:
         """`_index` as the registry has it now (called with the lock held)."""
         self._index = {}
-        for i in range(int(self._words[2])):
+        for i in range(int(self._words[_Header.USED])):
             at = self._url_at(i)
             if name := self._map[at : at + URL_BYTES].rstrip(b"\0"):
                 self._index[name.decode()] = i
-        self._generation = int(self._words[_GENERATION])
+        self._generation = int(self._words[_Header.GENERATION])
 
     # --- InflightCounter's interface ---------------------------------------------
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
@@ -329,7 +354,7 @@ class SharedInflight:
                 w[_SENT + i] += delta
             if tokens:
                 w[self._base + _Slot.TOKENS + i] += tokens
-            w[1] += 1
+            w[_Header.VERSION] += 1
             first = self._first_waiting(i) if delta < 0 else None
         if first is not None:
             self._wake(first, url)
@@ -348,7 +373,7 @@ class SharedInflight:
                 line[0].set()
             return
         with self.exclusive():
-            self._words[self._slot_base(slot) + _Slot.WAKE + self._backend(url)] = 1
+            self._words[_slot_base(slot) + _Slot.WAKE + self._backend(url)] = 1
         self._ring(slot)
 
     def _ring(self, slot: int) -> None:
@@ -369,7 +394,7 @@ class SharedInflight:
         wake = self._base + _Slot.WAKE
         marked = []
         with self.exclusive():
-            if w[_GENERATION] != self._generation:
+            if w[_Header.GENERATION] != self._generation:
                 self._load_urls()
             for url, i in self._index.items():
                 if w[wake + i]:
@@ -392,32 +417,32 @@ class SharedInflight:
             loop.add_reader(self._inbox.fileno(), self._woken)
             self._inbox_loop = loop
 
-    def _sums(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    def _sums(self) -> Totals:
         """Open requests, requests ever sent and KV claims per backend, all workers: exact
         under the lock; without it (routing's scores) each word is read whole, a change in
         progress may show in part, and the version it bumps has the next call read again."""
         w = self._words
-        version = int(w[1])
+        version = int(w[_Header.VERSION])
         if version == self._seen:
             return self._totals
-        if self._depth == 0 and w[_GENERATION] == self._generation:
+        if self._depth == 0 and w[_Header.GENERATION] == self._generation:
             self._seen, self._totals = version, self._read_sums()
             return self._totals
         with self.exclusive():
-            if w[_GENERATION] != self._generation:
+            if w[_Header.GENERATION] != self._generation:
                 self._load_urls()
-            self._seen, self._totals = int(w[1]), self._read_sums()
+            self._seen, self._totals = int(w[_Header.VERSION]), self._read_sums()
         return self._totals
 
-    def _read_sums(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    def _read_sums(self) -> Totals:
         w = self._words
-        counts, sent, tokens = {}, {}, {}
+        totals = Totals({}, {}, {})
         bases = self._bases()
         for url, i in self._index.items():
-            counts[url] = sum(w[b + _Slot.COUNTS + i] for b in bases)
-            tokens[url] = sum(w[b + _Slot.TOKENS + i] for b in bases)
-            sent[url] = int(w[_SENT + i])
-        return counts, sent, tokens
+            totals.counts[url] = sum(w[b + _Slot.COUNTS + i] for b in bases)
+            totals.tokens[url] = sum(w[b + _Slot.TOKENS + i] for b in bases)
+            totals.sent[url] = int(w[_SENT + i])
+        return totals
 
     def claimed(self, url: str) -> tuple[int, int]:
         """(open requests, their KV claims in tokens) on `url`, every worker's: the one
@@ -432,15 +457,15 @@ class SharedInflight:
 
     @property
     def counts(self) -> dict[str, int]:
-        return self._sums()[0]
+        return self._sums().counts
 
     @property
     def sent(self) -> dict[str, int]:
-        return self._sums()[1]
+        return self._sums().sent
 
     @property
     def tokens(self) -> dict[str, int]:
-        return self._sums()[2]
+        return self._sums().tokens
 
     @property
     def waiting(self) -> int:
@@ -453,7 +478,7 @@ class SharedInflight:
         any worker: each word read whole (exact under the lock)."""
         if not self.waiting:
             return frozenset()
-        if self._words[_GENERATION] != self._generation:
+        if self._words[_Header.GENERATION] != self._generation:
             with self.exclusive():
                 self._load_urls()
         w = self._words
@@ -473,8 +498,8 @@ class SharedInflight:
         index = {url: self._backend(url) for url in urls}
         w = self._words
         with self.exclusive():
-            turn = Turn(int(w[0]), urls)
-            w[0] += 1
+            turn = Turn(int(w[_Header.NEXT_TICKET]), urls)
+            w[_Header.NEXT_TICKET] += 1
             for url, i in index.items():
                 line = self._lines.setdefault(url, [])
                 if not line:
@@ -513,7 +538,7 @@ class SharedInflight:
                 if not line:
                     del self._lines[url]
                 first = self._first_waiting(i)
-                if first is not None and turn.ticket < w[self._slot_base(first) + _Slot.HEADS + i]:
+                if first is not None and turn.ticket < w[_slot_base(first) + _Slot.HEADS + i]:
                     woken.append((first, url))  # it was first of every worker's: the next is
             w[self._base + _Slot.WAITING] -= 1
         for slot, url in woken:
