@@ -11,11 +11,13 @@ import fcntl
 import http.client
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_proxy import ADMIN_KEY, CHAT, METRICS_KEY, metric
 
+from gateway import processes
 from gateway.admission import Admission
 from gateway.backends import Backends
 from gateway.errors import NoKvRoom
@@ -33,7 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import RouteRequest, Thresholds, Weights
 from gateway.scrape import BackendMetrics, ModelInfo
 from gateway.settings import GatewaySettings
-from gateway.shared_claims import SharedInflight
+from gateway.shared_claims import LockWatch, SharedInflight
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream
 from lorastack_testing.dns_server import DnsServer
@@ -43,6 +46,7 @@ from lorastack_testing.redis_server import require_redis_server, serve_redis
 
 FREE_KEY = "sk-free-" + "0123456789abcdef" * 2
 LIMITED_KEY = "sk-limited-" + "0123456789abcdef" * 2
+BUDGET_KEY = "sk-budget-" + "0123456789abcdef" * 2
 MAX_TOKENS = 1000
 # 189 blocks of 16 tokens: room for two claims of prompt (1..504 tokens: the gateway may
 # claim an upper bound of this short chat) + MAX_TOKENS, never three (the null block aside)
@@ -260,6 +264,85 @@ def test_a_pick_made_without_the_lock_routes_again_once_another_worker_took_its_
     assert one.claimed(a) == (2, 176) and one.claimed(b) == (2, 176)
 
 
+# a process that takes the lock of the shared counts, then stops itself while holding it
+HOLD_AND_STOP = """
+import os, signal, sys
+from pathlib import Path
+from gateway.shared_claims import LockWatch, SharedInflight
+
+shared = SharedInflight(Path(sys.argv[1]), 1)
+with shared.exclusive():
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_worker_stopped_while_it_holds_the_lock_is_killed_and_the_others_go_on(
+    tmp_path,
+) -> None:
+    """Issue 58: every worker takes the lock on its event loop, so one stopped while it
+    holds it (SIGSTOP, a debugger, a frozen cgroup) stopped them all, for as long as it
+    stayed stopped. The parent's lock watch kills it after LOCK_STALL_S; the kernel then
+    drops its lock. (A worker killed while it holds the lock never blocked anyone: the
+    kernel drops the lock of a dead process, shown here by the same kill.)"""
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_STOP, str(path)])
+    try:
+        # it stopped itself inside the lock: the process's state says when, no guessing
+        wait_for(
+            lambda: psutil.Process(holder.pid).status() == psutil.STATUS_STOPPED,
+            "the holder stopped while it holds the lock",
+            60,
+        )
+        other = SharedInflight(path, 0)
+        with pytest.raises(BlockingIOError):  # what every other worker's loop waited for
+            fcntl.flock(other._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=processes.watch_lock, args=(path, lambda: {holder.pid}, stop)
+        )
+        started = time.monotonic()
+        watcher.start()
+        counted = threading.Thread(target=other.add, args=("http://a", 1, 16))
+        counted.start()  # waits for the lock, as a worker's loop would
+        # a guard against a hang, not a measurement: the watch kills after LOCK_STALL_S
+        # and LOCK_CHECK_S (1.25 s); a loaded CI machine has taken up to seconds more
+        counted.join(60)
+        assert not counted.is_alive(), "the lock was never freed"
+        assert holder.wait(60) == -signal.SIGKILL  # killed by the watch, not stopped
+        # it waited at least the stall: the watch kills no holder sooner
+        assert time.monotonic() - started >= processes.LOCK_STALL_S
+        assert other.claimed("http://a") == (1, 16)
+        stop.set()
+        watcher.join()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_the_lock_watch_kills_no_holder_that_goes_on_and_none_that_is_not_a_worker(
+    tmp_path,
+) -> None:
+    """A lock taken and given back between two looks, or held by another process than a
+    worker (the parent), is no stall."""
+    path = tmp_path / "claims"
+    SharedInflight.create(path, 2)
+    watch, shared = LockWatch(path), SharedInflight(path, 0)
+    assert watch.stalled(0.0, 1.0) is None  # free
+    with shared.exclusive():
+        assert watch.stalled(0.0, 1.0) is None  # first seen held
+        assert watch.stalled(0.5, 1.0) is None  # not for a second yet
+        assert watch.stalled(1.0, 1.0) == os.getpid()  # held since the look at 0
+    with shared.exclusive():  # another acquisition by the same process: seen anew
+        assert watch.stalled(2.0, 1.0) is None
+    with shared.exclusive():
+        assert watch.stalled(3.5, 1.0) is None
+    assert watch.stalled(4.0, 1.0) is None  # free again
+    watch.close()
+    shared.close()
+
+
 def test_limits_with_several_workers_need_redis(tmp_path) -> None:
     with pytest.raises(ValueError, match="redis_url"):
         GatewaySettings(home=tmp_path, workers=2, key_requests_per_min=10)
@@ -274,6 +357,7 @@ class Workers:
         self.parent = psutil.Process(proc.pid)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.redis_url = ""  # the Redis the workers keep the key limits in
         self._spare: list[http.client.HTTPConnection] = []
 
     def pids(self) -> list[int]:
@@ -295,8 +379,12 @@ class Workers:
         return None
 
     def connect(self, pid: int) -> http.client.HTTPConnection:
-        """A kept-alive connection that worker `pid` accepted."""
-        for _ in range(200):
+        """A kept-alive connection that worker `pid` accepted (a worker that replaces a
+        dead one takes connections once ready: until then the others take them)."""
+        # a guard, not a measurement: a replacement is ready once its tokenizer loaded,
+        # 20 s measured on two loaded cores
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
             conn.connect()
             assert conn.sock is not None
@@ -307,10 +395,15 @@ class Workers:
                 holder[0] = self._holder(local)
                 return holder[0] is not None
 
-            wait_for(accepted, "a worker accepted the connection", 10)
+            # a guard, not a measurement: a worker just started takes its first connection
+            # once its imports and start are done, 11 s measured on two loaded cores
+            wait_for(accepted, "a worker accepted the connection", 120)
             if holder[0] == pid:
                 return conn
             self._spare.append(conn)  # kept open, so the next connect may land elsewhere
+            if len(self._spare) > 100:
+                self._spare.pop(0).close()
+            time.sleep(0.05)
         raise AssertionError(f"no connection reached worker {pid}")
 
     def close(self) -> None:
@@ -325,9 +418,9 @@ def _post(conn: http.client.HTTPConnection, key: str, **extra: Any) -> http.clie
     return conn.getresponse()
 
 
-def _held_stream(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+def _held_stream(conn: http.client.HTTPConnection, key: str = FREE_KEY) -> http.client.HTTPResponse:
     """A stream that is answering (its first event read) and holds its KV claim."""
-    r = _post(conn, FREE_KEY, stream=True)
+    r = _post(conn, key, stream=True)
     assert r.status == 200, r.read()
     assert b"data: " in r.read1(65536)
     return r
@@ -354,6 +447,7 @@ def two_workers(embedded_model: Path, tmp_path_factory) -> Iterator[tuple[Worker
             keys=[
                 KeyEntry(name="free", sha256=hash_secret(FREE_KEY)),
                 KeyEntry(name="limited", sha256=hash_secret(LIMITED_KEY), requests_per_min=2),
+                KeyEntry(name="budget", sha256=hash_secret(BUDGET_KEY), budget_tokens=10**6),
             ]
         ),
     )
@@ -377,8 +471,10 @@ def two_workers(embedded_model: Path, tmp_path_factory) -> Iterator[tuple[Worker
         cmd += ["--port", str(port), "--backend", backend]
         proc = subprocess.Popen(cmd, env=env)
         gw = Workers(proc, port)
+        gw.redis_url = redis_url
         try:
-            wait_for(lambda: len(gw.pids()) == 2, "two workers", 60)
+            # a guard, not a measurement: the parent's start (imports) on loaded cores
+            wait_for(lambda: len(gw.pids()) == 2, "two workers", 120)
             for pid in gw.pids():  # each worker answers ready (it has scraped the fake)
                 conn = gw.connect(pid)
                 wait_for(lambda c=conn: _ready(c), f"worker {pid} ready", 120)
@@ -471,6 +567,74 @@ def test_a_killed_worker_loses_only_its_streams_and_is_replaced(two_workers) -> 
         conn.close()
     wait_for(lambda: _claimed(gw, backend) == 0, "every claim given back")
     conn_a.close()
+
+
+def test_a_killed_workers_reservation_stays_charged_in_full_and_expires(two_workers) -> None:
+    """Issue 58, "a killed worker never refunds its Redis reservation": what happens. A
+    request's tokens (prompt bound + max_tokens) are charged in Redis at admission and
+    its unused part refunded at its end; a worker killed mid-stream never refunds it, and
+    no other process can (only that worker knew how much was used). So the key stays
+    charged the whole reservation: more than it used, never less, as a refund dropped
+    while Redis is down. Nothing is held open: the tokens bucket refills on its own, and
+    every key the script writes expires (buckets after 2 minutes untouched, a budget an
+    hour past its period)."""
+    import redis
+
+    gw, _, _ = two_workers
+    store = redis.Redis.from_url(gw.redis_url)
+    a, _ = gw.pids()
+    conn = gw.connect(a)
+    stream = _held_stream(conn, BUDGET_KEY)
+    (budget,) = store.keys("lorastack:limits:{budget}:budget:*")
+    reserved = int(store.get(budget) or 0)
+    assert MAX_TOKENS < reserved <= MAX_TOKENS + BOUND  # charged at admission, in full
+    os.kill(a, signal.SIGKILL)
+    wait_for(lambda: a not in gw.pids(), "the worker dead")  # its refund can never come
+    with contextlib.suppress(ConnectionError, http.client.IncompleteRead):
+        stream.read()
+    conn.close()
+    assert int(store.get(budget) or 0) == reserved  # not refunded, not charged twice
+    assert store.ttl(budget) > 3600  # seconds: it expires an hour past the day's end
+    wait_for(lambda: len(gw.pids()) == 2, "a new worker", 60)
+
+
+def _scrapes(state: FakeState) -> int:
+    return sum(path == "/metrics" for path, _ in state.authorizations)
+
+
+def test_a_replacement_worker_accepts_no_connection_before_it_is_ready(two_workers) -> None:
+    """Issue 58: a worker started in place of a dead one took connections from the shared
+    socket before its first scrape and tokenizer load (its /ready said 503, its requests
+    waited for the load) while the other worker could serve them. It accepts once its own
+    /ready answers 200."""
+    gw, state, _ = two_workers
+    a, b = gw.pids()
+    state.metrics_down = True  # the backend's scrapes fail: no worker starting is ready
+    os.kill(a, signal.SIGKILL)
+    wait_for(lambda: len(gw.pids()) == 2 and a not in gw.pids(), "a new worker", 60)
+    new = next(pid for pid in gw.pids() if pid != b)
+    os.kill(b, signal.SIGSTOP)  # now only the new worker could take a connection
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=120)
+        conn.request("GET", "/ready")  # queued on the shared socket
+        assert conn.sock is not None
+        local = conn.sock.getsockname()
+        # b is stopped, so every scrape from now on is the new worker's: three more mean
+        # its loop has turned many times since the connection was queued, any of which
+        # would have accepted and answered it had it been listening
+        seen = _scrapes(state)
+        wait_for(lambda: _scrapes(state) >= seen + 3, "the new worker scraped again", 120)
+        answered, _, _ = select.select([conn.sock], [], [], 0)
+        assert not answered, "a worker that was not ready took the connection"
+        assert gw._holder(local) is None
+        state.metrics_down = False  # the next scrape finds the backend: ready
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read()) == {"ready": True}
+        assert gw._holder(local) == new
+        conn.close()
+    finally:
+        os.kill(b, signal.SIGCONT)
+        state.metrics_down = False
 
 
 # --- two workers following DNS ---------------------------------------------------------

@@ -10,19 +10,23 @@ makes: the KV claims and the admission line (`shared_claims.py`) and the metric 
 `redis_url` for them). The backend scrapes, tokenizers, keys file and affinity tables are
 each worker's own: copies that are only read, or routing hints.
 
-A worker that dies (killed, crashed) loses the streams it was relaying: their clients see
-the connection close before the last event, and their backend connections close, so
+A worker that dies (killed, crashed) loses the streams it was relaying: their clients
+see the connection close before the last event, and their backend connections close, so
 vLLM aborts them. The parent then zeroes the worker's slot of the shared counts, marks
-its metric files dead and starts a new worker in its place. SIGTERM or SIGINT to the
-parent closes its copy of the listening socket, then stops the workers (each closes its
-own, so new connections are refused at once, and finishes its streams for up to
-`shutdown_grace_s`, uvicorn's graceful shutdown), and removes the run folder; the run
-folder of a parent killed by SIGKILL is removed by the next gateway's start
-(`sweep_run_folders`).
+its metric files dead and starts a new worker in its place, which accepts connections
+once its own /ready answers 200 (`once_ready`: until then the others take them). A
+worker that holds the shared counts' lock for `LOCK_STALL_S` (stopped or frozen there,
+it stops every other worker's loop) is killed by the parent's lock watch, and replaced
+the same way. SIGTERM or SIGINT to the parent closes its copy of the listening socket,
+then stops the workers (each closes its own, so new connections are refused at once, and
+finishes its streams for up to `shutdown_grace_s`, uvicorn's graceful shutdown), and
+removes the run folder; the run folder of a parent killed by SIGKILL is removed by the
+next gateway's start (`sweep_run_folders`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -32,15 +36,19 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Collection
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from gateway.settings import GatewaySettings
-from gateway.shared_claims import SharedInflight, WorkerSlot
+from gateway.shared_claims import LockWatch, SharedInflight, WorkerSlot
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,12 @@ MAX_QUICK_EXITS = 3  # in a row, in one slot: the parent gives up (the error is 
 RUN_PREFIX = "lorastack-gateway-"  # + the parent's pid + "-": the run folder's name
 STOP_MARGIN_S = 5.0  # past shutdown_grace_s, a stopping worker is killed
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+# a worker holds the claims lock for microseconds; one that holds it this long (seconds)
+# is stopped or frozen, and every other worker's loop waits on it: the parent kills it
+LOCK_STALL_S = 1.0
+LOCK_CHECK_S = 0.25  # seconds between the parent's looks at the lock
+# seconds a replacement worker waits at most to be ready before it accepts anyway
+READY_WAIT_S = 60.0
 
 
 def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
@@ -78,10 +92,15 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def run_worker(
-    settings: GatewaySettings, slot: WorkerSlot, sock: socket.socket, parent: int
+    settings: GatewaySettings,
+    slot: WorkerSlot,
+    sock: socket.socket,
+    parent: int,
+    replacement: bool = False,
 ) -> None:
     """A worker's process: the app on the parent's socket, until SIGTERM or SIGINT, or
-    until the parent dies (even by SIGKILL: no worker keeps serving without it)."""
+    until the parent dies (even by SIGKILL: no worker keeps serving without it). A
+    `replacement` (of a worker that died) accepts once ready (`once_ready`)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # it died before the prctl
@@ -90,8 +109,70 @@ def run_worker(
 
     from gateway.main import create_app
 
-    config = uvicorn.Config(create_app(settings, slot), **uvicorn_options(settings))
+    app: ASGIApp = create_app(settings, slot)
+    if replacement:
+        app = once_ready(app, READY_WAIT_S, settings.scrape_interval_s)
+    config = uvicorn.Config(app, **uvicorn_options(settings))
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def once_ready(app: ASGIApp, within_s: float, every_s: float) -> ASGIApp:
+    """`app`, whose start waits until its own GET /ready answers 200 (its backends scraped,
+    its tokenizers loaded), asked every `every_s` seconds, for `within_s` seconds at most.
+
+    uvicorn accepts on the socket only once the app's lifespan has started: a worker that
+    replaces a dead one takes no connection it could not serve yet while the others can
+    (the parent's socket queues for them). The workers of a start serve at once: /health
+    answers while the backends come up, and /ready says when they serve."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def started(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                await _until_ready(app, within_s, every_s)
+            await send(message)
+
+        await app(scope, receive, started)
+
+    return wrapped
+
+
+async def _until_ready(app: ASGIApp, within_s: float, every_s: float) -> None:
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
+        while (await client.get("/ready")).status_code != 200:
+            if loop.time() >= deadline:
+                log.warning("gateway worker not ready after %g s: serving anyway", within_s)
+                return
+            await asyncio.sleep(every_s)
+
+
+def watch_lock(claims: Path, workers: Callable[[], Collection[int]], stop: threading.Event) -> None:
+    """The parent's thread, until `stop` is set: SIGKILL a worker (one of `workers()`'s
+    pids) that has held the claims lock for `LOCK_STALL_S` (`LockWatch`). The kernel drops
+    a dead process's lock, so the other workers go on; the parent replaces the killed one
+    as any that dies (its streams are lost, as they were while it was stopped)."""
+    watch = LockWatch(claims)
+    try:
+        while not stop.wait(LOCK_CHECK_S):
+            pid = watch.stalled(time.monotonic(), LOCK_STALL_S)
+            if pid is not None and pid in workers():
+                log.error(
+                    "gateway worker (pid %d) has held the claims lock for %g s or more (stopped"
+                    " or frozen): every worker waits on it; killing it",
+                    pid,
+                    LOCK_STALL_S,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        watch.close()
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -117,8 +198,11 @@ def serve(settings: GatewaySettings) -> int:
 
     def start(slot: int) -> None:
         place = WorkerSlot(slot, claims, metrics_dir)
+        replacement = slot in procs
         proc = _spawn.Process(
-            target=run_worker, args=(settings, place, sock, os.getpid()), daemon=False
+            target=run_worker,
+            args=(settings, place, sock, os.getpid(), replacement),
+            daemon=False,
         )
         proc.start()
         procs[slot] = (proc, time.monotonic())
@@ -126,6 +210,14 @@ def serve(settings: GatewaySettings) -> int:
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     quick = dict.fromkeys(range(settings.workers), 0)
     code = 0
+    watching = threading.Event()
+    watcher = threading.Thread(
+        target=watch_lock,
+        args=(claims, lambda: {proc.pid for proc, _ in list(procs.values())}, watching),
+        name="claims-lock-watch",
+        daemon=True,
+    )
+    watcher.start()
     try:
         for slot in range(settings.workers):
             start(slot)
@@ -168,6 +260,8 @@ def serve(settings: GatewaySettings) -> int:
         # went on queueing connections that no worker would ever accept
         sock.close()
         _stop_all([proc for proc, _ in procs.values()], settings.shutdown_grace_s + STOP_MARGIN_S)
+        watching.set()
+        watcher.join()
         shared.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code

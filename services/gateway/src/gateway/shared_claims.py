@@ -10,7 +10,8 @@ admission and the upstream use either. What makes it exact across processes:
   counted), holds an `flock` on the file, so no two workers admit against the same room;
   routing itself scores on totals read without the lock (held around the scoring, it
   kept the workers waiting on each other); the kernel drops the lock of a process that
-  dies, so a killed worker never blocks the others;
+  dies, so a killed worker never blocks the others, and the parent kills one that holds
+  it for a second or more (stopped or frozen there: `LockWatch`);
 - each worker counts its requests and claims in a slot of its own; the parent zeroes a
   dead worker's slot (`clear_slot`) before its replacement starts: the dead worker's
   streams died with it (their backend connections closed, so vLLM aborted them);
@@ -28,14 +29,14 @@ worker to see each change, whichever worker answers /metrics.
 
 Layout, int64 words: the header (`_Header`: the next ticket, a version bumped by every
 change, the number of backend entries used, a registry generation bumped when an entry
-is taken or freed, the discovery counters); then the requests ever sent to each backend
-(routing compares it with a scrape's) and each backend's membership; then per worker
-slot (`_Slot` offsets, from `_slot_base`) its waiting count, and per backend its open
-requests, their KV claims (tokens), the lowest ticket of its requests waiting there and
-its wake-up word. After the words, the backend URLs, `URL_BYTES` each. A backend the
-gateway forgets (it left `backends_dns` and drained) frees its entry once no worker
-counts anything on it or waits for it, so replicas that come and go with new addresses
-never run the table out.
+is taken or freed, the discovery counters, the lock's acquisitions); then the requests
+ever sent to each backend (routing compares it with a scrape's) and each backend's
+membership; then per worker slot (`_Slot` offsets, from `_slot_base`) its waiting count,
+and per backend its open requests, their KV claims (tokens), the lowest ticket of its
+requests waiting there and its wake-up word. After the words, the backend URLs,
+`URL_BYTES` each. A backend the gateway forgets (it left `backends_dns` and drained)
+frees its entry once no worker counts anything on it or waits for it, so replicas that
+come and go with new addresses never run the table out.
 
 Owns: that file and the wake-up sockets. Does not own: what the counts mean
 (`routing.py`), the processes (`processes.py`).
@@ -78,7 +79,8 @@ class _Header:
     DISCOVERED = 4  # `Membership`: backends that appeared (again)
     REMOVED = 5  # `Membership`: backends forgotten once drained
     DRAINED_REQUESTS = 6  # `Membership`: requests open on backends as they began draining
-    WORDS = 7
+    LOCKS = 7  # the lock's acquisitions, ever: `LockWatch` tells a stuck hold by it
+    WORDS = 8
 
 
 _SENT = _Header.WORDS  # per backend: requests ever sent to it (routing compares a scrape's)
@@ -132,6 +134,59 @@ class WorkerSlot:
     slot: int  # 0..N-1: where this worker counts its own requests
     claims: Path  # the shared counts (`SharedInflight`)
     metrics_dir: Path  # prometheus_client's multiprocess files (`metrics.py`)
+
+
+def _lock_holder(dev: int, inode: int) -> int | None:
+    """The pid holding an `flock` on the file (`dev`, `inode`), as the kernel lists it in
+    /proc/locks ("1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"; a waiter's line has
+    "->" before FLOCK); None when none does."""
+    where = f"{os.major(dev):02x}:{os.minor(dev):02x}:{inode}"
+    with contextlib.suppress(OSError), open("/proc/locks") as locks:
+        for line in locks:
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where:
+                return int(fields[4])
+    return None
+
+
+class LockWatch:
+    """Tells a process that has held the shared file's lock since one acquisition for
+    `stall_s` or longer: stopped (SIGSTOP, a debugger) or frozen while it held it, it
+    stops every worker, whose loops wait for the lock. The kernel drops the lock of a
+    process that dies, so the parent kills that one (`processes.watch_lock`)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR)  # its own open file: its own flock
+        st = os.fstat(self._fd)
+        self._file = (st.st_dev, st.st_ino)
+        self._map = mmap.mmap(self._fd, _Header.WORDS * 8)  # the header is all it reads
+        self._words = memoryview(self._map).cast("B").cast("q")
+        self._held: tuple[int, int, float] | None = None  # holder, acquisition, first seen
+
+    def stalled(self, now: float, stall_s: float) -> int | None:
+        """The pid of the holder when the lock has been held by the same acquisition since
+        a call at least `stall_s` seconds before `now` (monotonic seconds), every call in
+        between included; None while the lock is free or changes hands."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._held = None
+            return None
+        holder = _lock_holder(*self._file)
+        acquisition = int(self._words[_Header.LOCKS])
+        if holder is None or self._held is None or self._held[:2] != (holder, acquisition):
+            self._held = None if holder is None else (holder, acquisition, now)
+            return None
+        return holder if now - self._held[2] >= stall_s else None
+
+    def close(self) -> None:
+        """Unmap the header and close the file."""
+        self._words.release()
+        self._map.close()
+        os.close(self._fd)
 
 
 class SharedInflight:
@@ -189,6 +244,7 @@ class SharedInflight:
         """Hold the lock of every worker: what is read and changed meanwhile is exact."""
         if self._depth == 0:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._words[_Header.LOCKS] += 1
         self._depth += 1
         try:
             yield
