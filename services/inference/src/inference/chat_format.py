@@ -121,18 +121,13 @@ def _label(r: Recorded) -> str:
     return f"{r.ref} (template {r.template_name or 'of its base'}, sha256 {r.template_sha256[:12]})"
 
 
-def plan_chat_format(
-    model_path: Path,
-    model_manifest: Manifest,
-    adapters: Sequence[tuple[Manifest, Path]],
-    extra_args: Sequence[str] = (),
-) -> ChatFormat:
-    """The server's template and parser for the model and the adapters listed at start;
-    ConfigError on a contradiction, saying what to change."""
-    own = folder_template(model_path)
-    own_sha = text_sha256(own) if own is not None else None
-    model_rec = recorded(model_manifest)
-    adapter_recs = [(r, path) for m, path in adapters if (r := recorded(m)) is not None]
+def _tool_parser(
+    model_rec: Recorded | None,
+    adapter_recs: list[tuple[Recorded, Path]],
+    extra_args: Sequence[str],
+) -> tuple[str | None, str]:
+    """The tool-call parser the artifacts were trained for (or the user's, where it agrees)
+    and what says so; ConfigError where they disagree."""
     parsers = {
         r.ref: r.tool_call_parser
         for r in [model_rec, *(r for r, _ in adapter_recs)]
@@ -156,6 +151,22 @@ def plan_chat_format(
         )
     if user_parser:
         parser, parser_from = user_parser, "extra_vllm_args"
+    return parser, parser_from
+
+
+def plan_chat_format(
+    model_path: Path,
+    model_manifest: Manifest,
+    adapters: Sequence[tuple[Manifest, Path]],
+    extra_args: Sequence[str] = (),
+) -> ChatFormat:
+    """The server's template and parser for the model and the adapters listed at start;
+    ConfigError on a contradiction, saying what to change."""
+    own = folder_template(model_path)
+    own_sha = text_sha256(own) if own is not None else None
+    model_rec = recorded(model_manifest)
+    adapter_recs = [(r, path) for m, path in adapters if (r := recorded(m)) is not None]
+    parser, parser_from = _tool_parser(model_rec, adapter_recs, extra_args)
     if flag_value(extra_args, TEMPLATE_FLAG) is not None:
         return ChatFormat(None, None, "extra_vllm_args", parser, parser_from)
     foreign = [(r, p) for r, p in adapter_recs if r.template_sha256 != own_sha]

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from lorastack.errors import ConfigError
+
+if TYPE_CHECKING:
+    from inference.kv_cache import KvEstimate, ModelShape
+
+N = TypeVar("N", int, float)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -43,7 +50,7 @@ def _model_folder(ref_or_dir: str) -> Path:
 
 
 def cmd_kv_estimate(args: argparse.Namespace) -> int:
-    from inference.kv_cache import GIB, KvSetup, Platform, estimate, explain_flags, read_shape
+    from inference.kv_cache import KvSetup, Platform, estimate, read_shape
 
     folder = _model_folder(args.model)
     shape = read_shape(folder)
@@ -67,6 +74,18 @@ def cmd_kv_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(est.as_dict(), indent=2))
         return 0
+    _print_estimate(folder, shape, est, args)
+    return 0
+
+
+def _print_estimate(
+    folder: Path, shape: ModelShape, est: KvEstimate, args: argparse.Namespace
+) -> None:
+    """The estimate for people: the model's shape, the bytes per token, the budget, the
+    capacity and what each flag does to it."""
+    from inference.kv_cache import GIB, explain_flags
+
+    platform = est.platform
     per_elem = est.bytes_per_token // (2 * shape.layers * shape.kv_heads * shape.head_dim)
     print(
         f"model: {folder} ({shape.layers} layers, {shape.kv_heads} KV heads x "
@@ -95,37 +114,29 @@ def cmd_kv_estimate(args: argparse.Namespace) -> int:
         print(f"  {line}")
     for w in est.warnings:
         print(f"warning: {w}")
-    return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _number_argument(
+    convert: Callable[[str], N], what: str, ok: Callable[[N], bool], rule: str
+) -> Callable[[str], N]:
+    """An argparse type: `convert` the text (else "is not `what`"), then hold it to `ok`
+    (else "`rule`")."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{value} {rule}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1], e.g. 0.9")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be above 0")
-    return value
+_positive_int = _number_argument(int, "a whole number", lambda v: v >= 1, "must be at least 1")
+_fraction = _number_argument(float, "a number", lambda v: 0 < v <= 1, "must be in (0, 1], e.g. 0.9")
+_positive_float = _number_argument(float, "a number", lambda v: v > 0, "must be above 0")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -201,21 +201,8 @@ def estimate(shape: ModelShape, setup: KvSetup) -> KvEstimate:
     blocks, tokens = capacity_tokens(max(budget, 0), per_token, block)
     typical = setup.typical_tokens or max_model_len
     concurrency = tokens / max_model_len
-    warnings: list[str] = []
-    if tokens < max_model_len:
-        warnings.append(
-            f"the KV cache holds {tokens:,} tokens, less than one request of max-model-len "
-            f"{max_model_len:,}: vLLM refuses to start; lower --max-model-len or give it "
-            "more memory"
-        )
     fits = max_num_seqs * typical <= tokens
-    if not fits and tokens >= max_model_len:
-        warnings.append(
-            f"max-num-seqs {max_num_seqs} × {typical:,} tokens = {max_num_seqs * typical:,} "
-            f"tokens > capacity {tokens:,}: under full load vLLM will preempt requests "
-            f"(about {tokens // typical} fit at once); lower --max-num-seqs or "
-            "--max-model-len, or raise the memory"
-        )
+    warnings = _capacity_warnings(tokens, max_model_len, max_num_seqs, typical)
     return KvEstimate(
         platform=platform,
         bytes_per_token=per_token,
@@ -233,6 +220,28 @@ def estimate(shape: ModelShape, setup: KvSetup) -> KvEstimate:
         fits=fits,
         warnings=tuple(warnings),
     )
+
+
+def _capacity_warnings(
+    tokens: int, max_model_len: int, max_num_seqs: int, typical: int
+) -> list[str]:
+    """What a KV cache of `tokens` means for vLLM: it refuses to start below one request of
+    `max_model_len`; it preempts when `max_num_seqs` requests of `typical` tokens do not fit."""
+    warnings: list[str] = []
+    if tokens < max_model_len:
+        warnings.append(
+            f"the KV cache holds {tokens:,} tokens, less than one request of max-model-len "
+            f"{max_model_len:,}: vLLM refuses to start; lower --max-model-len or give it "
+            "more memory"
+        )
+    if max_num_seqs * typical > tokens >= max_model_len:
+        warnings.append(
+            f"max-num-seqs {max_num_seqs} × {typical:,} tokens = {max_num_seqs * typical:,} "
+            f"tokens > capacity {tokens:,}: under full load vLLM will preempt requests "
+            f"(about {tokens // typical} fit at once); lower --max-num-seqs or "
+            "--max-model-len, or raise the memory"
+        )
+    return warnings
 
 
 def explain_flags(est: KvEstimate, shape: ModelShape, kv_dtype: str = "auto") -> list[str]:

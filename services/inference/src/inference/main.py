@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.artifacts import fetch_adapter, fetch_model
+from inference.artifacts import ServedAdapter, ServedModel, fetch_adapter, fetch_model
 from inference.chat_format import plan_chat_format
 from inference.declared_adapters import AdapterReconciler
 from inference.engine import EngineSpec, VllmServer, detect_platform
@@ -73,10 +73,11 @@ def _readable(folder: Path) -> Reference | None:
         return None
 
 
-def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
-    """Fetch and verify the model and preloaded adapters, and estimate the KV cache."""
-    platform: Platform = detect_platform() if settings.engine == "auto" else settings.engine
-    model = fetch_model(store, settings.model)
+def _fetch_preloaded(
+    settings: InferenceSettings, store: ArtifactStore, model: ServedModel
+) -> list[ServedAdapter]:
+    """Fetch and check the adapters the serve config preloads; ConfigError for a served
+    name listed twice."""
     adapters = [
         fetch_adapter(
             store,
@@ -92,6 +93,14 @@ def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"adapter(s) listed twice: {', '.join(dup)}", "list each once")
+    return adapters
+
+
+def prepare(settings: InferenceSettings, store: ArtifactStore) -> ServePlan:
+    """Fetch and verify the model and preloaded adapters, and estimate the KV cache."""
+    platform: Platform = detect_platform() if settings.engine == "auto" else settings.engine
+    model = fetch_model(store, settings.model)
+    adapters = _fetch_preloaded(settings, store, model)
     chat = plan_chat_format(
         model.path,
         model.manifest,

@@ -35,70 +35,89 @@ class SupervisorCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """The supervisor's metrics, read at each scrape."""
         sup = self.supervisor
-        kv = sup.kv.comparison()
-        est = kv["estimate"]
-        ready = GaugeMetricFamily(
-            "lorastack_inference_ready", "1 when vLLM is loaded and answered a warm-up request"
+        yield _single(
+            GaugeMetricFamily,
+            "lorastack_inference_ready",
+            "1 when vLLM is loaded and answered a warm-up request",
+            1.0 if sup.ready else 0.0,
         )
-        ready.add_metric([], 1.0 if sup.ready else 0.0)
-        yield ready
-        restarts = CounterMetricFamily(
-            "lorastack_inference_restarts", "times vLLM was started again after it exited"
+        yield _single(
+            CounterMetricFamily,
+            "lorastack_inference_restarts",
+            "times vLLM was started again after it exited",
+            float(sup.history.restarts),
         )
-        restarts.add_metric([], float(sup.history.restarts))
-        yield restarts
-        tokens = GaugeMetricFamily(
-            "lorastack_inference_kv_cache_tokens",
-            "KV-cache capacity in tokens: our estimate and what vLLM reported",
-            labels=["source"],
+        yield from kv_metrics(sup.kv.comparison())
+        yield _single(
+            GaugeMetricFamily,
+            "lorastack_inference_adapters_loaded",
+            "LoRA adapters served beside the model",
+            float(len(sup.adapters)),
         )
-        tokens.add_metric(["estimate"], float(est["capacity_tokens"]))
-        if kv["vllm_log"]:
-            tokens.add_metric(["vllm_log"], float(kv["vllm_log"]["capacity_tokens"]))
-        if kv["vllm_metrics"] and kv["vllm_metrics"]["capacity_tokens"] is not None:
-            tokens.add_metric(["vllm_metrics"], float(kv["vllm_metrics"]["capacity_tokens"]))
-        yield tokens
-        conc = GaugeMetricFamily(
-            "lorastack_inference_kv_max_concurrency",
-            "requests of max-model-len tokens the KV cache holds at once",
-            labels=["source"],
-        )
-        conc.add_metric(["estimate"], float(est["max_concurrency"]))
-        if kv["vllm_log"] and kv["vllm_log"]["max_concurrency"] is not None:
-            conc.add_metric(["vllm_log"], float(kv["vllm_log"]["max_concurrency"]))
-        yield conc
-        per_token = GaugeMetricFamily(
-            "lorastack_inference_kv_bytes_per_token", "estimated KV-cache bytes per token"
-        )
-        per_token.add_metric([], float(est["bytes_per_token"]))
-        yield per_token
-        fits = GaugeMetricFamily(
-            "lorastack_inference_kv_fits",
-            "1 when max-num-seqs x typical request tokens fit the estimated KV cache",
-        )
-        fits.add_metric([], 1.0 if est["fits"] else 0.0)
-        yield fits
-        adapters = GaugeMetricFamily(
-            "lorastack_inference_adapters_loaded", "LoRA adapters served beside the model"
-        )
-        adapters.add_metric([], float(len(sup.adapters)))
-        yield adapters
         yield from parity_metrics(sup.parity.results(), sup.parity.outcomes)
         if self.follower is not None:
-            switches = CounterMetricFamily(
+            yield _single(
+                CounterMetricFamily,
                 "lorastack_inference_label_switches",
                 "versions switched in place because a followed NAME@LABEL moved",
+                float(self.follower.switches),
             )
-            switches.add_metric([], float(self.follower.switches))
-            yield switches
-            stuck = GaugeMetricFamily(
+            yield _single(
+                GaugeMetricFamily,
                 "lorastack_inference_label_errors",
                 "followed labels whose new target could not be served (see /status labels)",
+                float(len(self.follower.errors)),
             )
-            stuck.add_metric([], float(len(self.follower.errors)))
-            yield stuck
         if self.reconciler is not None:
             yield from declared_metrics(self.reconciler)
+
+
+def _single(
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: float
+) -> Metric:
+    """A metric of one unlabelled series."""
+    metric = family(name, doc)
+    metric.add_metric([], value)
+    return metric
+
+
+def kv_metrics(kv: dict[str, Any]) -> Iterator[Metric]:
+    """The KV cache's capacity in tokens and in requests at once, by source (our estimate,
+    and what vLLM's log and metrics reported: the kv_report comparison), and our estimate's
+    bytes per token and whether the configured load fits."""
+    est, log, scraped = kv["estimate"], kv["vllm_log"], kv["vllm_metrics"]
+    tokens = GaugeMetricFamily(
+        "lorastack_inference_kv_cache_tokens",
+        "KV-cache capacity in tokens: our estimate and what vLLM reported",
+        labels=["source"],
+    )
+    tokens.add_metric(["estimate"], float(est["capacity_tokens"]))
+    if log:
+        tokens.add_metric(["vllm_log"], float(log["capacity_tokens"]))
+    if scraped and scraped["capacity_tokens"] is not None:
+        tokens.add_metric(["vllm_metrics"], float(scraped["capacity_tokens"]))
+    yield tokens
+    concurrency = GaugeMetricFamily(
+        "lorastack_inference_kv_max_concurrency",
+        "requests of max-model-len tokens the KV cache holds at once",
+        labels=["source"],
+    )
+    concurrency.add_metric(["estimate"], float(est["max_concurrency"]))
+    if log and log["max_concurrency"] is not None:
+        concurrency.add_metric(["vllm_log"], float(log["max_concurrency"]))
+    yield concurrency
+    yield _single(
+        GaugeMetricFamily,
+        "lorastack_inference_kv_bytes_per_token",
+        "estimated KV-cache bytes per token",
+        float(est["bytes_per_token"]),
+    )
+    yield _single(
+        GaugeMetricFamily,
+        "lorastack_inference_kv_fits",
+        "1 when max-num-seqs x typical request tokens fit the estimated KV cache",
+        1.0 if est["fits"] else 0.0,
+    )
 
 
 def parity_metrics(
@@ -153,12 +172,12 @@ def parity_metrics(
 
 def declared_metrics(rec: AdapterReconciler) -> Iterator[Metric]:
     """The gauges and counters of the declared-adapters reconciler."""
-    declared = GaugeMetricFamily(
+    yield _single(
+        GaugeMetricFamily,
         "lorastack_inference_declared_adapters",
         "adapters the deployment's declaration in the store lists (as last read)",
+        float(len(rec.declaration.adapters)),
     )
-    declared.add_metric([], float(len(rec.declaration.adapters)))
-    yield declared
     changes = CounterMetricFamily(
         "lorastack_inference_declared_changes",
         "adapters loaded or unloaded here to match the deployment's declaration",
@@ -167,13 +186,13 @@ def declared_metrics(rec: AdapterReconciler) -> Iterator[Metric]:
     changes.add_metric(["load"], float(rec.loads))
     changes.add_metric(["unload"], float(rec.unloads))
     yield changes
-    errors = GaugeMetricFamily(
+    yield _single(
+        GaugeMetricFamily,
         "lorastack_inference_declared_errors",
         "declared adapters this replica cannot serve, or 1 for an unreadable store"
         " (see /status declared.errors)",
+        float(len(rec.errors)),
     )
-    errors.add_metric([], float(len(rec.errors)))
-    yield errors
 
 
 def build_registry(

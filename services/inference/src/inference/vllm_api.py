@@ -94,6 +94,34 @@ def wait_idle(base_url: str, timeout_s: float, poll_s: float = 0.2) -> int:
     return busy
 
 
+def _adapter_call(
+    base_url: str,
+    action: str,
+    body: dict[str, object],
+    *,
+    timeout_s: float,
+    api_key: str | None,
+    hint: str,
+) -> None:
+    """POST vLLM's /v1/{action}_lora_adapter (action: load or unload); EngineFailed when
+    it does not answer, or refuses (502, `hint` says what to check)."""
+    try:
+        r = httpx.post(
+            f"{base_url}/v1/{action}_lora_adapter",
+            json=body,
+            headers=_auth(api_key),
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as e:
+        raise EngineFailed(f"vLLM did not answer the adapter {action}: {e}", "retry") from e
+    if r.status_code != 200:
+        raise EngineFailed(
+            f"vLLM refused to {action} {body['lora_name']} ({r.status_code}): {_message(r)}",
+            hint,
+            status=502,
+        )
+
+
 def load_lora(
     base_url: str,
     served_name: str,
@@ -107,39 +135,25 @@ def load_lora(
     body: dict[str, object] = {"lora_name": served_name, "lora_path": str(path)}
     if inplace:
         body["load_inplace"] = True
-    try:
-        r = httpx.post(
-            f"{base_url}/v1/load_lora_adapter",
-            json=body,
-            headers=_auth(api_key),
-            timeout=timeout_s,
-        )
-    except httpx.HTTPError as e:
-        raise EngineFailed(f"vLLM did not answer the adapter load: {e}", "retry") from e
-    if r.status_code != 200:
-        raise EngineFailed(
-            f"vLLM refused to load {served_name} ({r.status_code}): {_message(r)}",
-            "check the adapter matches the served model and max_lora_rank",
-            status=502,
-        )
+    _adapter_call(
+        base_url,
+        "load",
+        body,
+        timeout_s=timeout_s,
+        api_key=api_key,
+        hint="check the adapter matches the served model and max_lora_rank",
+    )
 
 
 def unload_lora(
     base_url: str, served_name: str, timeout_s: float = 60.0, *, api_key: str | None = None
 ) -> None:
     """Unload a LoRA adapter from a running vLLM."""
-    try:
-        r = httpx.post(
-            f"{base_url}/v1/unload_lora_adapter",
-            json={"lora_name": served_name},
-            headers=_auth(api_key),
-            timeout=timeout_s,
-        )
-    except httpx.HTTPError as e:
-        raise EngineFailed(f"vLLM did not answer the adapter unload: {e}", "retry") from e
-    if r.status_code != 200:
-        raise EngineFailed(
-            f"vLLM refused to unload {served_name} ({r.status_code}): {_message(r)}",
-            "list loaded adapters on /status",
-            status=502,
-        )
+    _adapter_call(
+        base_url,
+        "unload",
+        {"lora_name": served_name},
+        timeout_s=timeout_s,
+        api_key=api_key,
+        hint="list loaded adapters on /status",
+    )
