@@ -1,4 +1,4 @@
-"""Large bodies off the event loop (gateway.workers): where the work runs, the collector
+"""Large bodies off the event loop (gateway.body_pool): where the work runs, the collector
 paused while a large body's objects live and those objects freed on a worker thread; and,
 over real HTTP, a large body answered exactly as a small one (the same 4xx for the same
 fault, the same bytes forwarded), with the collector back on after every request."""
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_gateway_proxy import chat, wait_for
 
-from gateway.workers import LARGE_BODY_BYTES, CollectorPause, LargeBody, run_for_body
+from gateway.body_pool import LARGE_BODY_BYTES, CollectorPause, LargeBody, run_for_body
 
 PAD = "p" * (2 * LARGE_BODY_BYTES)  # a member that makes a body large
 

@@ -18,12 +18,12 @@ import pytest
 from pydantic import ValidationError
 from test_gateway_proxy import ADMIN, ADMIN_KEY, METRICS, METRICS_KEY, chat
 
+from gateway.body_pool import LARGE_BODY_BYTES
 from gateway.counting import count_prompts
 from gateway.keys import KeyEntry, KeysFile, hash_secret, save_keys
 from gateway.settings import GatewaySettings
 from gateway.tokens import CountingTokenizer
 from gateway.validation import parse_chat
-from gateway.workers import LARGE_BODY_BYTES
 from lorastack.cli import main as lorastack_main
 
 GOOD_ADMIN = "x9Qe-6pV3tLr0Zs7Wm2Nk8Bc4Yh1Jd5Gf0Aa3Uo"  # 40 characters

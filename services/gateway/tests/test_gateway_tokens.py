@@ -1,6 +1,6 @@
 """Counting (gateway.tokens): the batched fast encode gives the tokenizer's own counts,
 for completions (one prompt or several) and chats; large bodies are counted on threads of
-lower CPU priority than the event loop (gateway.workers)."""
+lower CPU priority than the event loop (gateway.body_pool)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from gateway.body_pool import POOL
 from gateway.errors import BadRequest
 from gateway.tokens import CountingTokenizer
 from gateway.validation import parse_chat, parse_completion
-from gateway.workers import POOL
 
 TEXTS = ["Hello, world!", "naïve café 東京, the quick brown fox. " * 400, " \n\t", "x"]
 

@@ -46,8 +46,8 @@ from gateway.limits import (
     WorkerShare,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.setting_values import split_alias
 from gateway.settings import GatewaySettings
+from gateway.settings_parsing import split_alias
 from lorastack.errors import ConfigError
 from lorastack.secrets import API_KEY_MIN_CHARS, secret_problem
 

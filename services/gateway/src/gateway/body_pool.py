@@ -1,4 +1,5 @@
-"""Where a request's work that grows with its body runs: two worker threads, off the loop.
+"""The large-body thread pool: where a request's work that grows with its body runs, on two
+threads off the event loop (the worker *processes* of `--workers N` are processes.py's).
 
 A body over `LARGE_BODY_BYTES` is joined, parsed and checked (`request_body.py`),
 validated (`endpoints.py`), rendered and counted (`counting.py`), and serialised again
@@ -17,7 +18,8 @@ them, with the collector paused meanwhile (they are freed before it walks them),
 lets them go on a worker thread. What is left is measured in bench/gateway/README.md.
 
 Owns: the pool, the size that sends work there, the switch interval, the collector's
-pauses.
+pauses. Does not own: the work itself (request_body.py, endpoints.py, counting.py,
+prepared.py).
 """
 
 from __future__ import annotations

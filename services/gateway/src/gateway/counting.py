@@ -7,7 +7,7 @@ latency, bench/gateway/history.md). When an upper bound on the prompt's tokens
 fits, and no tokens-per-minute limit or budget needs the exact number first, the bounds
 stand in and the exact count (with its length check, a formality after the bound) is
 handed back to run later: the proxy runs it while the backend works. Large requests are
-rendered and counted exactly on a worker thread, off the event loop (`workers.py`);
+rendered and counted exactly on a worker thread, off the event loop (`body_pool.py`);
 "large" is the request body's size in bytes, which bounds everything the template renders
 (messages, `tools`, documents, names), not the messages' text alone: a 4 MiB `tools` list
 with a one-word message is rendered off the loop too. What to do with the counts
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.body_pool import LARGE_BODY_BYTES, run_for_body
 from gateway.tokens import CountingTokenizer
 from gateway.validation import ChatRequest, CompletionRequest, plan_tokens
-from gateway.workers import LARGE_BODY_BYTES, run_for_body
 
 
 async def count_prompts(

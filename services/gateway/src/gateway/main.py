@@ -29,6 +29,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from gateway.access import Access
 from gateway.auth import Authenticator
 from gateway.backends import Backends
+from gateway.body_pool import share_the_gil
 from gateway.discovery import DnsFollower
 from gateway.endpoints import ENDPOINTS
 from gateway.errors import http_error
@@ -40,7 +41,6 @@ from gateway.settings import GatewaySettings
 from gateway.shared_claims import SharedInflight, WorkerSlot
 from gateway.tokens import TokenizerCache
 from gateway.upstream import Upstream, upstream_auth
-from gateway.workers import share_the_gil
 
 PROXIED = ENDPOINTS  # path -> the endpoint's handler parts
 
@@ -120,7 +120,7 @@ def create_app(settings: GatewaySettings, worker: WorkerSlot | None = None) -> F
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        share_the_gil()  # the loop waits less for a worker thread's turn (workers.py)
+        share_the_gil()  # the loop waits less for a worker thread's turn (body_pool.py)
         tasks = [asyncio.create_task(backends.run())]
         if follower is not None:
             tasks.append(asyncio.create_task(follower.run()))

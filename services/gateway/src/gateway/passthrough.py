@@ -15,13 +15,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.auth import Key
+from gateway.body_pool import LargeBody
 from gateway.errors import BadRequest
 from gateway.prepared import BACKEND_HEADER
 from gateway.proxy import Proxy
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.request_id import request_id
 from gateway.routing import RouteRequest
-from gateway.workers import LargeBody
 
 
 async def passthrough(
@@ -35,7 +35,7 @@ async def passthrough(
     try:
         key = proxy.access.key(request.headers.get("authorization"))
         model, raw = await _read_model(proxy, request, held)
-        held.release()  # nothing below needs the parsed body (`workers.py`)
+        held.release()  # nothing below needs the parsed body (`body_pool.py`)
         info = await proxy.access.model(key, model)
         if embed:
             proxy.backends.require_embeddings(model)

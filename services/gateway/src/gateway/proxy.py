@@ -12,7 +12,7 @@ the error exit are `access.py`'s, the wait for KV-cache room before the upstream
 `admission.py`'s. Its pure pieces live
 apart: reading the body (`request_body.py`), what differs per path (`endpoints.py`), and
 the request it forwards, built step by step (`prepared.py`). The steps whose work grows
-with a large body run on worker threads (`workers.py`), never on the loop.
+with a large body run on worker threads (`body_pool.py`), never on the loop.
 
 Counting while the backend works: when upper bounds prove the fit (`counting.py`), the
 request is forwarded at once and counted exactly while the gateway waits for the
@@ -49,6 +49,7 @@ from gateway.admission import Admission
 from gateway.affinity import SESSION_HEADER, Affinity, session_key
 from gateway.auth import Key
 from gateway.backends import Backends
+from gateway.body_pool import LargeBody, run_for_body
 from gateway.counting import count_prompts
 from gateway.endpoints import Endpoint
 from gateway.errors import GatewayError, UpstreamTimeout, error_response
@@ -73,7 +74,6 @@ from gateway.request_id import request_id
 from gateway.routing import RouteRequest, Thresholds, Weights
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream, UpstreamCall
-from gateway.workers import LargeBody, run_for_body
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Proxy:
         try:
             key = self.access.key(fields.get(b"authorization"))
             prep = await self._prepare(request, fields, endpoint, rid, key, held)
-            held.release()  # nothing below needs the parsed body (`workers.py`)
+            held.release()  # nothing below needs the parsed body (`body_pool.py`)
             # the body is read: from here the client hanging up cancels the request, which
             # leaves the admission line and closes the upstream call (vLLM aborts it, the
             # claim is given back); a stream's relay watches on its own
@@ -180,7 +180,7 @@ class Proxy:
     ) -> Prepared:
         """Parse, model check, counting, length check (or clamp), limits and budget, body
         rewrite: each a step of its own (`endpoints.py`, `counting.py`, `prepared.py`).
-        A large body's objects stay with `held` (`workers.py`)."""
+        A large body's objects stay with `held` (`body_pool.py`)."""
         body, raw = await self.read_json(request, held, fields)
         size = len(raw)  # a large body's parse, count and rewrite run off the loop
         req = await run_for_body(size, endpoint.parse, body, self.settings.max_messages)

@@ -13,8 +13,8 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
+from gateway.body_pool import LargeBody, run_for_body
 from gateway.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-from gateway.workers import LargeBody, run_for_body
 from lorastack.errors import InvalidInput
 from lorastack.untrusted_json import (
     BodyTooLarge,
@@ -81,7 +81,7 @@ async def read_json(
 ) -> tuple[dict[str, Any], bytes]:
     """The body as a JSON object, and its bytes, within the limits (`limit`: bytes;
     `max_depth`: nesting); a large one is parsed off the loop and kept by `held`
-    (`workers.py`). Read from the ASGI messages and the header dict themselves: with
+    (`body_pool.py`). Read from the ASGI messages and the header dict themselves: with
     Starlette's `stream()` (an async generator) and `headers` this took ~70 µs a request
     under the 64-stream bench, ~40 µs without (bench/gateway/history.md)."""
     try:

@@ -21,13 +21,12 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from gateway.setting_values import (
+from gateway.serve_config import served_max_num_seqs, served_tokenizers
+from gateway.settings_parsing import (
     base_url,
     dns_target,
     is_loopback,
     nameserver,
-    served_max_num_seqs,
-    served_tokenizers,
     split_alias,
     split_list,
     split_map,
