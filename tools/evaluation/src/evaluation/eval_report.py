@@ -184,7 +184,24 @@ def render_markdown(r: EvalReport) -> str:
             f"| [{m.ci_low:+.3f}, {m.ci_high:+.3f}] | {m.wins}/{m.losses}/{m.ties} "
             f"| {'-' if m.p_value is None else f'{m.p_value:.3g}'} | **{m.verdict}** |"
         )
+    lines += _rule_and_requests(r)
+    lines += _evidence_section(r.adapter)
+    lines += ["## What this evidence cannot show", ""]
+    lines += [f"- {x}" for x in r.limits]
     lines += [
+        "",
+        "## Files",
+        "",
+        "- `samples.jsonl`: every prompt, output and score, one item per line",
+        "- `report.json`: this report as data",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _rule_and_requests(r: EvalReport) -> list[str]:
+    """The verdict rule with the primary metric, and how the requests went."""
+    return [
         "",
         "Verdict rule: improvement if the whole BCa interval is above 0 and the exact sign "
         "test on wins vs losses (ties dropped) gives p below 1 - confidence; regression if "
@@ -199,18 +216,6 @@ def render_markdown(r: EvalReport) -> str:
         f"{r.lora.truncated} cut, mean latency {r.lora.mean_latency_s:.2f} s.",
         "",
     ]
-    lines += _evidence_section(r.adapter)
-    lines += ["## What this evidence cannot show", ""]
-    lines += [f"- {x}" for x in r.limits]
-    lines += [
-        "",
-        "## Files",
-        "",
-        "- `samples.jsonl`: every prompt, output and score, one item per line",
-        "- `report.json`: this report as data",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 def _evidence_section(ev: TrainingEvidence | None) -> list[str]:
