@@ -153,22 +153,26 @@ def _lone_surrogate(value: Any) -> tuple[list[str | int], str] | None:
     return None
 
 
+def _text_of(data: bytes | str, what: str) -> tuple[str, re.Pattern[str]]:
+    """`data` as text (InvalidInput where bytes are not UTF-8), and the pattern that finds
+    a lone surrogate in it (escaped only, in decoded bytes)."""
+    if isinstance(data, str):
+        return data, _SURROGATE
+    try:
+        return data.decode("utf-8"), _ESCAPED_SURROGATE
+    except UnicodeDecodeError as e:
+        raise InvalidInput(
+            f"{what} is not valid UTF-8: byte {e.start} ({data[e.start : e.start + 1]!r})"
+            f" {e.reason}",
+            "encode the text as UTF-8",
+        ) from None
+
+
 def loads_object(
     data: bytes | str, *, what: str = "the body", max_depth: int = MAX_DEPTH
 ) -> dict[str, Any]:
     """Parse `data` as one JSON object within the limits above; `what` names it in errors."""
-    if isinstance(data, bytes):
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InvalidInput(
-                f"{what} is not valid UTF-8: byte {e.start} ({data[e.start : e.start + 1]!r})"
-                f" {e.reason}",
-                "encode the text as UTF-8",
-            ) from None
-        surrogate = _ESCAPED_SURROGATE
-    else:
-        text, surrogate = data, _SURROGATE
+    text, surrogate = _text_of(data, what)
     where: list[str | int] | None
     try:
         if text.startswith("\ufeff"):  # as json.loads says it

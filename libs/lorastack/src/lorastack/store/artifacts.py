@@ -26,6 +26,7 @@ from typing import Any
 from lorastack.errors import ConfigError, Conflict, IntegrityError, NotFound
 from lorastack.manifest import (
     KINDS,
+    FileEntry,
     Manifest,
     Parent,
     Producer,
@@ -53,6 +54,17 @@ LINK_MIN_BYTES = 16 << 20  # fetch: from a local store, files this large are lin
 
 def _version_key(v: str) -> tuple[int, int | str]:
     return (0, int(v)) if v.isdigit() else (1, v)
+
+
+def _check_publishable(folder: Path, kind: str, name: str, version: str | None) -> None:
+    """Refuse an unknown kind, a bad name or version, or a `folder` that is none."""
+    if kind not in KINDS:
+        raise ConfigError(f"unknown artifact kind {kind!r}", f"use one of {', '.join(KINDS)}")
+    validate_name(name)
+    if version is not None:
+        validate_version(version)
+    if not folder.is_dir():
+        raise NotFound(f"{folder} is not a folder", "publish a folder of files")
 
 
 class ArtifactStore:
@@ -85,33 +97,8 @@ class ArtifactStore:
         stamped and hashed, then hard-linked in as blobs instead of copied (no second
         16 GB on the disk, no copy's time). They stay in `folder`, read-only; a file
         written between its hash and its link is refused (IntegrityError)."""
-        if kind not in KINDS:
-            raise ConfigError(f"unknown artifact kind {kind!r}", f"use one of {', '.join(KINDS)}")
-        validate_name(name)
-        if version is not None:
-            validate_version(version)
-        if not folder.is_dir():
-            raise NotFound(f"{folder} is not a folder", "publish a folder of files")
-        by_path = dict(walk_files(folder))
-        # a store on this disk (LocalBackend) can take files by a link; others copy them
-        adopt = getattr(self.backend, "adopt_blob", None) if hand_over else None
-        freeze = getattr(self.backend, "freeze", None) if adopt else None
-        frozen = {
-            rel
-            for rel, p in by_path.items()
-            if freeze and p.stat().st_size >= LINK_MIN_BYTES and freeze(p)
-        }  # frozen before they are hashed: the hash is of what will be linked
-        files = scan_folder(folder)
-        if not files:
-            raise ConfigError(f"{folder} holds no files", "an artifact needs at least one file")
-        for f in files:
-            if f.path not in frozen:
-                self.backend.put_blob(f.sha256, by_path[f.path])
-            elif adopt is None or not adopt(f.sha256, by_path[f.path], f.size):
-                raise IntegrityError(
-                    f"{folder / f.path} was written to while it was published",
-                    "publish again once nothing writes to the folder",
-                )
+        _check_publishable(folder, kind, name, version)
+        files = self._upload(folder, hand_over)
         for _ in range(_AUTO_VERSION_TRIES):
             ver = version or self._next_version(name)
             manifest = Manifest(
@@ -136,6 +123,31 @@ class ArtifactStore:
             f"could not take a new version of {name} after {_AUTO_VERSION_TRIES} tries",
             "another writer is publishing the same name; retry, or give an explicit version",
         )
+
+    def _upload(self, folder: Path, hand_over: bool) -> list[FileEntry]:
+        """Put every file of `folder` as a blob (linked in where handed over, see publish);
+        the files as the manifest lists them."""
+        by_path = dict(walk_files(folder))
+        # a store on this disk (LocalBackend) can take files by a link; others copy them
+        adopt = getattr(self.backend, "adopt_blob", None) if hand_over else None
+        freeze = getattr(self.backend, "freeze", None) if adopt else None
+        frozen = {
+            rel
+            for rel, p in by_path.items()
+            if freeze and p.stat().st_size >= LINK_MIN_BYTES and freeze(p)
+        }  # frozen before they are hashed: the hash is of what will be linked
+        files = scan_folder(folder)
+        if not files:
+            raise ConfigError(f"{folder} holds no files", "an artifact needs at least one file")
+        for f in files:
+            if f.path not in frozen:
+                self.backend.put_blob(f.sha256, by_path[f.path])
+            elif adopt is None or not adopt(f.sha256, by_path[f.path], f.size):
+                raise IntegrityError(
+                    f"{folder / f.path} was written to while it was published",
+                    "publish again once nothing writes to the folder",
+                )
+        return files
 
     def _next_version(self, name: str) -> str:
         numbers = [int(v) for v in self.versions(name) if v.isdigit()]
