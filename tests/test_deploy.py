@@ -428,9 +428,9 @@ def test_k8s_autoscale_overlay_scales_inference_on_the_gateways_metrics() -> Non
     exports (a renamed metric would leave the HPA without data, silently)."""
     from types import SimpleNamespace
 
+    from gateway.claims import InflightCounter
     from gateway.discovery import DiscoveryMetrics
     from gateway.metrics import GatewayMetrics
-    from gateway.routing import InflightCounter
 
     docs = render("deploy/k8s/overlays/autoscale")
     (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]

@@ -24,11 +24,11 @@ import httpx
 import pytest
 from test_gateway_proxy import chat, metric, wait_for
 
+from gateway.claims import InflightCounter
 from gateway.errors import KvClaimTooLarge, NoKvRoom, Overloaded
 from gateway.prepared import OutputPlan, kv_sequences
 from gateway.routing import (
     BackendView,
-    InflightCounter,
     RouteRequest,
     Thresholds,
     fits_kv,

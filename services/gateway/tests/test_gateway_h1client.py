@@ -20,6 +20,7 @@ import uvloop
 from test_gateway_sse import _ClockLoop
 
 from gateway import h1client
+from gateway.claims import InflightCounter
 from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from gateway.h1client import Connection, H1Client, Pool
 from gateway.h1wire import (
@@ -33,7 +34,6 @@ from gateway.h1wire import (
     request_bytes,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.routing import InflightCounter
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.claims import InflightCounter
 from gateway.errors import Overloaded, UpstreamUnavailable
 from gateway.routing import (
     BackendView,
-    InflightCounter,
     RouteRequest,
     Thresholds,
     Weights,

@@ -1,11 +1,11 @@
 """Admission: a request goes to a backend once its KV claim fits there, or waits in line.
 
 Owns: the wait for KV-cache room (bounded by `kv_admit_wait_s`, first come first served
-on each backend, across every worker of `--workers N`: the lines are the in-flight
-counter's), the second
-look at the backends before refusing a saturated one, and the call to the upstream with
-the pick and the claim. Does not own: scoring (`routing.py`), the counts
-(`routing.InflightCounter`, `shared_claims.SharedInflight`), retries (`upstream.py`).
+on each backend, across every worker of `--workers N`: the lines are the claims'), the
+second look at the backends before refusing a saturated one, and the call to the
+upstream with the pick and the claim. Does not own: scoring (`routing.py`), the counts
+and lines (`claims.Claims`: `claims.InflightCounter`, `shared_claims.SharedInflight`),
+retries (`upstream.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import asyncio
 from collections.abc import Collection
 
 from gateway.backends import Backends
+from gateway.claims import Turn
 from gateway.errors import NoKvRoom, Overloaded
 from gateway.routing import (
     RouteRequest,
     Thresholds,
-    Turn,
     Weights,
     candidates,
     kv_claim,
@@ -49,10 +49,9 @@ class Admission:
         """POST `body` to the backend routing picks (admission control, retries).
 
         A request with no KV-cache room on any backend that could take it waits up to
-        `kv_admit_wait_s` in the line of each of those backends (`InflightCounter`, or
-        across workers `SharedInflight`), first come first served per backend: it never
-        takes room on a backend where a request that came before it waits, and never
-        waits for a backend it could not use."""
+        `kv_admit_wait_s` in the line of each of those backends (`claims.Claims`), first
+        come first served per backend: it never takes room on a backend where a request
+        that came before it waits, and never waits for a backend it could not use."""
         interval = self.settings.scrape_interval_s
         line = self.backends.inflight
         wait_s = self.settings.kv_admit_wait_s

@@ -30,6 +30,7 @@ from pathlib import Path
 import anyio
 import httpx
 
+from gateway.claims import Claims, InflightCounter
 from gateway.declared import DeclaredAdapters
 from gateway.errors import (
     BadRequest,
@@ -39,10 +40,9 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.routing import BackendView, InflightCounter, RouteRequest, fits_kv
+from gateway.routing import BackendView, RouteRequest, fits_kv
 from gateway.scrape import BackendMetrics, ModelInfo, probe_embeddings, scrape_backend
 from gateway.settings import GatewaySettings
-from gateway.shared_claims import Inflight
 from gateway.tokens import CountingTokenizer, TokenizerCache
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Backends:
         tokenizers: TokenizerCache,
         client: httpx.AsyncClient,
         declared: DeclaredAdapters | None = None,
-        inflight: Inflight | None = None,
+        inflight: Claims | None = None,
     ) -> None:
         self.settings = settings
         self.declared = declared or DeclaredAdapters(settings)
@@ -86,7 +86,7 @@ class Backends:
             for url in settings.backends
         }
         # this process's counts, or every worker's (`shared_claims.py`)
-        self.inflight: Inflight = inflight or InflightCounter()
+        self.inflight: Claims = inflight or InflightCounter()
         self.last_refresh = 0.0  # monotonic seconds
         self._refresh_lock = asyncio.Lock()
 

@@ -2,8 +2,9 @@
 shared by the worker processes of one host: a file mapped into each (mmap), changed
 under a lock on that file.
 
-`SharedInflight` has the interface of `routing.InflightCounter` (one process), so routing,
-admission and the upstream use either. What makes it exact across processes:
+`SharedInflight` is the `claims.Claims` of every worker (`claims.InflightCounter` is one
+process's), so admission, the upstream and discovery use either. What makes it exact
+across processes:
 
 - every change, and every claim with the check that it fits (`exclusive()`, held by
   `Upstream.open` from confirming the backend routing chose, `claimed`, to the claim being
@@ -39,7 +40,7 @@ frees its entry once no worker counts anything on it or waits for it, so replica
 come and go with new addresses never run the table out.
 
 Owns: that file and the wake-up sockets. Does not own: what the counts mean
-(`routing.py`), the processes (`processes.py`).
+(`claims.py`, `routing.py`), the processes (`processes.py`).
 """
 
 from __future__ import annotations
@@ -55,15 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from gateway.routing import (
-    DRAINING,
-    GONE,
-    MEMBER,
-    NO_TICKET,
-    InflightCounter,
-    Membership,
-    Turn,
-)
+from gateway.claims import DRAINING, GONE, MEMBER, NO_TICKET, Membership, Turn
 
 MAX_BACKENDS = 256
 URL_BYTES = 512  # bytes of one backend URL (UTF-8), at most
@@ -398,7 +391,7 @@ class SharedInflight:
                 self._index[name.decode()] = i
         self._generation = int(self._words[_Header.GENERATION])
 
-    # --- InflightCounter's interface ---------------------------------------------
+    # --- the rest of `claims.Claims` ---------------------------------------------
     def add(self, url: str, delta: int, tokens: int = 0) -> None:
         """`delta` requests (+1 sent, -1 ended) holding `tokens` (signed like `delta`);
         room given back wakes the worker first in `url`'s line."""
@@ -599,7 +592,3 @@ class SharedInflight:
             w[self._base + _Slot.WAITING] -= 1
         for slot, url in woken:
             self._wake(slot, url)
-
-
-# what routing, admission and the upstream count with: one process's, or every worker's
-Inflight = InflightCounter | SharedInflight

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 from tenacity import RetryCallState, wait_exponential_jitter
 
+from gateway.claims import Claims
 from gateway.errors import UpstreamBroken, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from gateway.h1client import Connection, H1Client, Pool
 from gateway.h1wire import H1Error, request_bytes
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
-from gateway.shared_claims import Inflight
 
 RETRY_STATUSES = (502, 503)
 MAX_ERROR_BODY = 64 * 1024  # bytes of an upstream error body kept
@@ -54,7 +54,7 @@ class UpstreamCall:
     pool: Pool
     watch: _SilenceWatch
     settings: GatewaySettings
-    inflight: Inflight
+    inflight: Claims
     tokens: int = 0  # KV claim (whole blocks) counted in `inflight` until closed
     closed: bool = field(default=False)
     complete: bool = field(default=False)  # the body was read to its end
@@ -185,7 +185,7 @@ class Upstream:
     jittered backoff), and counts each try in `inflight`."""
 
     def __init__(
-        self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: Inflight
+        self, settings: GatewaySettings, metrics: GatewayMetrics, inflight: Claims
     ) -> None:
         self.settings = settings
         self.metrics = metrics
