@@ -7,7 +7,7 @@ ConfigMaps, Secrets and `env` of the manifest, `$(VAR)` expanded; its mounted Co
 and Secret files; torchrun's command as its rank 0 with torchrun's variables). Here that
 command runs with `--check` in the image the manifest names, one `docker run` a container:
 
-    docker run --rm --network none --env-file ENV --user UID:GID --read-only \\
+    docker run --rm --pull never --network none --env-file ENV --user UID:GID --read-only \\
         --cap-drop ALL --security-opt no-new-privileges -v FILES:/config:ro ... \\
         IMAGE lorastack ARGS --check
 
@@ -62,7 +62,9 @@ def docker_run(pod: Pod, work: Path) -> list[str]:
     assert not bad, f"a multi-line env value (an env file cannot hold it): {bad}"
     env_file = work / "env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
-    argv = ["docker", "run", "--rm", "--network", "none", "--env-file", str(env_file)]
+    # --pull never: the image built here or a failure, never a registry's
+    argv = ["docker", "run", "--rm", "--pull", "never", "--network", "none"]
+    argv += ["--env-file", str(env_file)]
     argv += ["--user", pod.user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
     if pod.read_only_root:
         argv.append("--read-only")
