@@ -95,15 +95,18 @@ MISSED = [
         "s3_secret_access_key is the placeholder",
     ),
 ]
-Results = dict[tuple[str, str], tuple[int, str]]
+# every lorastack command the targets run (`lorastack model import`, train, merge, serve, gateway)
+CHECKED = {"model", "train", "merge", "serve", "gateway"}
+Results = dict[tuple[str, str], tuple[str, int, str]]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
-    """Every check of this file, run at once: {(target, workload): (exit code, output)} for
-    each target's containers (one run per distinct container: the targets share most),
-    and {(missed key, workload): ...} for the near misses. A few `docker run`s at a time:
-    most of each is the engine starting a container and Python importing."""
+    """Every check of this file, run at once: {(target, workload): (its lorastack command,
+    exit code, output)} for each target's containers (one run per distinct container: the
+    targets share most), and {(missed key, workload): ...} for the near misses. A few
+    `docker run`s at a time: most of each is the engine starting a container and Python
+    importing."""
     docker_ok()
     root = tmp_path_factory.mktemp("k8s-images")
     pods: dict[tuple[str, str], Pod] = {}
@@ -125,7 +128,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
                 strict=True,
             )
         )
-    return {at: done[pod.fingerprint()] for at, pod in pods.items()}
+    return {at: (pod.lorastack_argv()[0], *done[pod.fingerprint()]) for at, pod in pods.items()}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -133,8 +136,8 @@ def test_every_rendered_container_passes_its_check_in_its_image(
     target: str, results: Results
 ) -> None:
     ran = {name: out for (t, name), out in results.items() if t == target}
-    assert ran, target
-    for name, (code, output) in ran.items():
+    assert {command for command, _, _ in ran.values()} == CHECKED, (target, ran.keys())
+    for name, (_, code, output) in ran.items():
         assert code == 0 and "check passed" in output, (target, name, output)
 
 
@@ -144,5 +147,5 @@ def test_a_value_left_as_shipped_is_refused_in_the_image(
 ) -> None:
     """The near miss: the secrets file `stem` written from the example with `key` unedited
     (`REPLACE_ME`), every other value the user's."""
-    code, output = results[(key, workload)]
+    _, code, output = results[(key, workload)]
     assert code != 0 and says in output, output
