@@ -145,6 +145,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def make_optimizer(
+    cfg: RunConfig, params: list[torch.nn.Parameter], total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` and its learning-rate schedule (warm-up, then cfg.schedule over
+    `total_steps`)."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup, schedule = cfg.warmup_steps, cfg.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, warmup, schedule)
+    )
+    return optimizer, scheduler
+
+
 def build_model(
     cfg: RunConfig,
     settings: TrainerSettings,
@@ -182,11 +195,7 @@ def build_model(
         train_loss = wrap_for_processes(train_loss, cfg, settings.world_size, device, mode)
     peft.train()
     params = [p for p in peft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    warmup, schedule = cfg.warmup_steps, cfg.schedule
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, warmup, schedule)
-    )
+    optimizer, scheduler = make_optimizer(cfg, params, total_steps)
     components = Components(
         peft=peft,
         compiler=compiler,

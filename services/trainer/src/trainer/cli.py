@@ -97,21 +97,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"template: {template}"
         )
     print("--- rendered context; supervised text between ⟦ and ⟧ ---")
-    text, prev = [], False
-    for (a, b), lab in zip(sample.offsets, sample.labels, strict=True):
-        sup = lab != IGNORE
-        if sup and not prev:
-            text.append("⟦")
-        if prev and not sup:
-            text.append("⟧")
-        text.append(sample.rendered[a:b])
-        prev = sup
-    print("".join(text) + ("⟧" if prev else ""))
+    print(_marked(sample))
     print("--- tokens (+ = supervised, . = masked) ---")
     for i, (tid, lab) in enumerate(zip(sample.input_ids, sample.labels, strict=True)):
         piece = prep.tokenizer.convert_ids_to_tokens(tid)
         print(f"{i:5} {'+' if lab != IGNORE else '.'} {tid:6}  {piece!r}")
     return 0
+
+
+def _marked(sample: Any) -> str:
+    """The sample's rendered text with its supervised spans between ⟦ and ⟧."""
+    from trainer.data.masking import IGNORE
+
+    text, in_span = [], False
+    for (start, end), label in zip(sample.offsets, sample.labels, strict=True):
+        supervised = label != IGNORE
+        if supervised and not in_span:
+            text.append("⟦")
+        if in_span and not supervised:
+            text.append("⟧")
+        text.append(sample.rendered[start:end])
+        in_span = supervised
+    return "".join(text) + ("⟧" if in_span else "")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -236,7 +243,7 @@ def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
     setattr(parser, "parse_known_args", parse_known_args)  # noqa: B010 (instance override)
 
 
-def register(sub: Any) -> None:
+def _register_data(sub: Any) -> None:
     data = sub.add_parser("data", help="make, inspect and check chat datasets")
     d = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     p = d.add_parser("make-demo", help="write the demo task (written date -> ISO date)")
@@ -263,6 +270,10 @@ def register(sub: Any) -> None:
             p.add_argument("--split", choices=("train", "validation", "test"), default="train")
         p.set_defaults(handler=fn)
         _overrides_anywhere(p)
+
+
+def register(sub: Any) -> None:
+    _register_data(sub)
 
     p = sub.add_parser(
         "train",

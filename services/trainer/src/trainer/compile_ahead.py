@@ -45,6 +45,26 @@ if TYPE_CHECKING:
 VOCAB = 256  # the copy's vocabulary: only the layer's widths shape its graph
 
 
+def _may_help(
+    cfg: RunConfig, settings: TrainerSettings, mode: str, device: torch.device, auto_batch: bool
+) -> bool:
+    """Whether a compile ahead is wanted and can help this run (see the module docstring)."""
+    from trainer.model.compiling import use_compile
+
+    wanted = settings.compile_ahead
+    if wanted is None:
+        wanted = device.type == "cuda"
+    return not (
+        not wanted
+        or not cfg.packing
+        or auto_batch
+        or settings.world_size > 1
+        or mode != "train"
+        or cfg.compile_scope == "decoder"
+        or not use_compile(cfg, device)
+    )
+
+
 def start(
     cfg: RunConfig,
     settings: TrainerSettings,
@@ -58,20 +78,9 @@ def start(
     writes its spec and log into `run_dir`."""
     import torch
 
-    from trainer.model.compiling import graph_key, is_warm, use_compile
+    from trainer.model.compiling import graph_key, is_warm
 
-    wanted = settings.compile_ahead
-    if wanted is None:
-        wanted = device.type == "cuda"
-    if (
-        not wanted
-        or not cfg.packing
-        or auto_batch
-        or settings.world_size > 1
-        or mode != "train"
-        or cfg.compile_scope == "decoder"
-        or not use_compile(cfg, device)
-    ):
+    if not _may_help(cfg, settings, mode, device, auto_batch):
         return None
     cache = settings.resolved_cache_dir / "torch-compile"
     key = graph_key(model_config, cfg, "layers")

@@ -191,39 +191,13 @@ def check_dataset(
     report = PreflightReport(
         source=splits.source, max_seq_len=config.max_seq_len, counts=splits.counts()
     )
-    eot = end_of_turn_id(tokenizer)
-    specials = [t for t in tokenizer.all_special_tokens if t]
     encoded: dict[str, list[Sample]] = {}
     for name, items in (
         ("train", splits.train),
         ("validation", splits.validation),
         ("test", splits.test),
     ):
-        kept: list[Sample] = []
-        results = encode_all([it.conv for it in items], tokenizer, config.loss_on, specials, eot)
-        for it, (s, bad) in zip(items, results, strict=True):
-            if bad:
-                report.invalid.append(f"{name} #{it.number}: {bad[0][1]}")
-                continue
-            assert s is not None
-            if s.length > config.max_seq_len:
-                if name == "test":
-                    report.warnings.append(
-                        f"test #{it.number} has {s.length} tokens > max_seq_len (not trained on)"
-                    )
-                else:
-                    report.overlong.append(
-                        Lengths(split=name, number=it.number, total=s.length, **s.parts)
-                    )
-                    if config.dataset.drop_overlong:
-                        report.dropped += 1
-                        continue
-            kept.append(s)
-            if name != "test":
-                for k, v in s.parts.items():
-                    report.longest[k] = max(report.longest.get(k, 0), v)
-                report.longest["total"] = max(report.longest.get("total", 0), s.length)
-        encoded[name] = kept
+        encoded[name] = _encode_split(report, name, items, tokenizer, config)
     report.supervised_tokens = sum(s.supervised for s in encoded["train"])
     if report.invalid:
         report.problems.append(
@@ -234,6 +208,49 @@ def check_dataset(
     if not encoded["train"]:
         report.problems.append("no trainable sample is left in the training split")
 
+    _check_overlap(report, splits)
+
+    if model_config is not None and disk_path is not None:
+        check_disk(report, config, model_config, base_bytes, disk_path)
+    return report, encoded
+
+
+def _encode_split(
+    report: PreflightReport, name: str, items: list[Any], tokenizer: Any, config: RunConfig
+) -> list[Sample]:
+    """Encode split `name`, noting in `report` what cannot be trained on, what is too long
+    and the longest parts; returns the samples kept."""
+    eot = end_of_turn_id(tokenizer)
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    kept: list[Sample] = []
+    results = encode_all([it.conv for it in items], tokenizer, config.loss_on, specials, eot)
+    for it, (s, bad) in zip(items, results, strict=True):
+        if bad:
+            report.invalid.append(f"{name} #{it.number}: {bad[0][1]}")
+            continue
+        assert s is not None
+        if s.length > config.max_seq_len:
+            if name == "test":
+                report.warnings.append(
+                    f"test #{it.number} has {s.length} tokens > max_seq_len (not trained on)"
+                )
+            else:
+                report.overlong.append(
+                    Lengths(split=name, number=it.number, total=s.length, **s.parts)
+                )
+                if config.dataset.drop_overlong:
+                    report.dropped += 1
+                    continue
+        kept.append(s)
+        if name != "test":
+            for k, v in s.parts.items():
+                report.longest[k] = max(report.longest.get(k, 0), v)
+            report.longest["total"] = max(report.longest.get("total", 0), s.length)
+    return kept
+
+
+def _check_overlap(report: PreflightReport, splits: Splits) -> None:
+    """Count duplicates in train and validation, and the test samples they also hold."""
     exact: set[str] = set()
     near: set[str] = set()
     for it in splits.train + splits.validation:
@@ -258,10 +275,6 @@ def check_dataset(
         )
     if report.exact_duplicates:
         report.warnings.append(f"{report.exact_duplicates} exact duplicate(s) in the training data")
-
-    if model_config is not None and disk_path is not None:
-        check_disk(report, config, model_config, base_bytes, disk_path)
-    return report, encoded
 
 
 def check_disk(

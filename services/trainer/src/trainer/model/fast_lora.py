@@ -78,6 +78,7 @@ def _meta_args(meta: QuantMeta | None) -> tuple[int, str, list[int], torch.dtype
 
 
 def _weight(
+    dtype: torch.dtype,
     weight: torch.Tensor | None,
     packed: torch.Tensor | None,
     absmax: torch.Tensor | None,
@@ -89,8 +90,9 @@ def _weight(
     shape: list[int],
     qdtype: torch.dtype,
     nested_blocksize: int,
-    dtype: torch.dtype,
 ) -> torch.Tensor:
+    """The base weight in `dtype`: `weight` itself, or dequantised from its 4-bit parts
+    (the ops' schema order: the tensors, then the quantisation's metadata)."""
     if packed is None:
         return dense_weight(weight, None, None, dtype)
     assert absmax is not None
@@ -128,23 +130,13 @@ def _fwd(
     a: torch.Tensor,
     b: torch.Tensor,
     scale: float,
-    weight: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    absmax: torch.Tensor | None,
-    nested_absmax: torch.Tensor | None,
-    nested_code: torch.Tensor | None,
-    offset: torch.Tensor | None,
-    blocksize: int,
-    quant_type: str,
-    shape: list[int],
-    qdtype: torch.dtype,
-    nested_blocksize: int,
+    *frozen_weight: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y = x·Wᵀ + s·(xd·Aᵀ)·Bᵀ and xd·Aᵀ (kept for backward), for 2-D x and xd."""
+    """y = x·Wᵀ + s·(xd·Aᵀ)·Bᵀ and xd·Aᵀ (kept for backward), for 2-D x and xd.
+    `frozen_weight`: the base weight's arguments as _weight takes them after its dtype."""
     xa = xd2 @ a.t()  # [tokens, r]
     y = (xa * scale) @ b.t()
-    w = _weight(weight, packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                quant_type, shape, qdtype, nested_blocksize, x2.dtype)  # fmt: skip
+    w = _weight(x2.dtype, *frozen_weight)
     y.addmm_(x2, w.t())
     return y, xa
 
@@ -162,22 +154,12 @@ def _bwd(
     b: torch.Tensor,
     scale: float,
     same_input: bool,
-    weight: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    absmax: torch.Tensor | None,
-    nested_absmax: torch.Tensor | None,
-    nested_code: torch.Tensor | None,
-    offset: torch.Tensor | None,
-    blocksize: int,
-    quant_type: str,
-    shape: list[int],
-    qdtype: torch.dtype,
-    nested_blocksize: int,
+    *frozen_weight: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, d(xd) (empty when x itself was the LoRA input: then it is in dx), dA, dB."""
+    """dx, d(xd) (empty when x itself was the LoRA input: then it is in dx), dA, dB.
+    `frozen_weight`: as _fwd's."""
     g = (dy2 @ b) * scale  # [tokens, r]: dL/d(x_dropped·Aᵀ)
-    w = _weight(weight, packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                quant_type, shape, qdtype, nested_blocksize, dy2.dtype)  # fmt: skip
+    w = _weight(dy2.dtype, *frozen_weight)
     # dx also where the input needs none (first layer, 1/32 of the work): no branch on
     # needs_input_grad, so one compiled graph serves every layer
     if same_input:

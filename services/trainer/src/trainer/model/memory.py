@@ -64,6 +64,22 @@ def base_params(cfg: dict[str, Any]) -> tuple[int, int]:
     return linear, other
 
 
+def _weight_bytes(
+    cfg: dict[str, Any], quantization: str, compute_bytes: int, shards: int
+) -> tuple[int, int]:
+    """The base weights' bytes on one device, and those FSDP gathers whole while they run
+    (two layers and the root's own weights; 0 unsharded)."""
+    linear, other = base_params(cfg)
+    if quantization == "nf4":
+        weights = int(linear * NF4_BYTES_PER_PARAM) + other * compute_bytes
+    else:
+        weights = (linear + other) * compute_bytes
+    if shards <= 1:
+        return weights, 0
+    layers = int(cfg["num_hidden_layers"])
+    return weights // shards, (2 * linear // layers + other) * compute_bytes
+
+
 def estimate(
     cfg: dict[str, Any],
     *,
@@ -84,16 +100,8 @@ def estimate(
     the weights, LoRA weights and AdamW state over (trainer.model.sharding); each device then
     also holds two layers gathered whole (the one running and the next, prefetched) and
     the root's own weights (embeddings, final norm, lm_head) whole while it runs."""
-    linear, other = base_params(cfg)
     layers = int(cfg["num_hidden_layers"])
-    if quantization == "nf4":
-        weights = int(linear * NF4_BYTES_PER_PARAM) + other * compute_bytes
-    else:
-        weights = (linear + other) * compute_bytes
-    gathered = 0
-    if shards > 1:
-        weights //= shards
-        gathered = (2 * linear // layers + other) * compute_bytes
+    weights, gathered = _weight_bytes(cfg, quantization, compute_bytes, shards)
     lp = lora_params(cfg, r, targets) // shards
     h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     tokens = micro_batch * seq_len

@@ -123,34 +123,15 @@ def load_model(
     in backward; unset: every layer with gradient_checkpointing true, else none (the
     recipe plans auto: trainer.assembly.estimate_memory)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     dtype = compute_dtype(device)
-    kwargs = base_load_kwargs(config, device)
-    model: Any = None
-    if attention.use_varlen(config, device, read_model_config(base_dir)):
-        attention.register()
-        # an architecture without transformers' attention interface refuses the name at
-        # the class check, before any weight loads: it loads with the default below
-        with contextlib.suppress(ValueError):
-            model = AutoModelForCausalLM.from_pretrained(
-                base_dir, attn_implementation=attention.VARLEN, **kwargs
-            )
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
+    model = _load_base(base_dir, config, device)
     model.config.use_cache = False
     if config.quantization != "nf4" and not on_host:
         model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)  # only the LoRA weights train
-    if checkpointed is None:
-        checkpointed = (
-            len(model.get_decoder().layers) if config.gradient_checkpointing is True else 0
-        )
-    if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for i, layer in enumerate(model.get_decoder().layers):
-            layer.gradient_checkpointing = i < checkpointed
+    checkpointed = _checkpoint_layers(model, config, checkpointed)
     torch.manual_seed(config.seed)  # LoRA A init
     lora = LoraConfig(
         r=config.lora.r,
@@ -173,6 +154,40 @@ def load_model(
     if checkpointed:
         drop_input_require_grads(peft_model.get_base_model())
     return peft_model
+
+
+def _load_base(base_dir: Path, config: RunConfig, device: torch.device) -> Any:
+    """The base model from `base_dir`, with the varlen attention where the run packs rows
+    and the architecture takes it."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = base_load_kwargs(config, device)
+    model: Any = None
+    if attention.use_varlen(config, device, read_model_config(base_dir)):
+        attention.register()
+        # an architecture without transformers' attention interface refuses the name at
+        # the class check, before any weight loads: it loads with the default below
+        with contextlib.suppress(ValueError):
+            model = AutoModelForCausalLM.from_pretrained(
+                base_dir, attn_implementation=attention.VARLEN, **kwargs
+            )
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
+    return model
+
+
+def _checkpoint_layers(model: Any, config: RunConfig, checkpointed: int | None) -> int:
+    """Turn activation checkpointing on for the first `checkpointed` decoder layers (unset:
+    all of them with gradient_checkpointing true, else none); returns how many."""
+    if checkpointed is None:
+        checkpointed = (
+            len(model.get_decoder().layers) if config.gradient_checkpointing is True else 0
+        )
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(model.get_decoder().layers):
+            layer.gradient_checkpointing = i < checkpointed
+    return checkpointed
 
 
 def drop_input_require_grads(model: Any) -> None:
@@ -238,22 +253,7 @@ class LossModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        cu_seq_lens: torch.Tensor | None = None,
-        loss_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The summed loss of the batch (loss_sum on the wrapped model)."""
-        return loss_sum(
-            self.model,
-            input_ids,
-            attention_mask,
-            labels,
-            position_ids,
-            cu_seq_lens,
-            loss_positions,
-        )
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The summed loss of the batch: loss_sum's arguments after the model, on the
+        wrapped model."""
+        return loss_sum(self.model, *args, **kwargs)
