@@ -39,10 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
+from lorastack.errors import LorastackError
 from trainer import assembly, setup_steps
 from trainer.config import RunConfig
 from trainer.data.batching import plan_batches, total_steps
@@ -61,6 +62,15 @@ from trainer.session import Session
 from trainer.settings import TrainerSettings
 from trainer.state import Components, Progress, RunPlan
 from trainer.support_bundle import LogTail
+
+
+class StepDone(NamedTuple):
+    """What one optimizer step gave."""
+
+    loss: float  # the step's mean loss per supervised token
+    lr: float
+    grad_norm: torch.Tensor  # before clipping, on the device: reading it waits for the GPU
+    input_tokens: int  # the step's input tokens (not padding)
 
 
 class Recipe:
@@ -182,7 +192,7 @@ class Recipe:
     def train(self) -> None:
         """The step loop: from the progress's step to total_steps, or until it stops early."""
         plan, session = self.plan, self.session
-        cfg, world = plan.config, plan.settings.world_size
+        cfg = plan.config
         session_start, session_tokens, session_steps = time.monotonic(), 0, 0
         # a resumed run that had stopped early
         if self.progress.val_losses and evaluation.early_stop(cfg, self.progress, session.say):
@@ -190,30 +200,15 @@ class Recipe:
         session.meter.mark()
         while self.progress.step < plan.total_steps:
             t0 = time.monotonic()
-            batch = gradients.step_batches(plan.batches, plan.train_samples, self.progress.step)
-            step_tokens, n_sup = batch.input_tokens, batch.supervised_tokens
-            loss_on_device = gradients.accumulate(
-                plan, self.components, self._step_loss, batch.micro_batches, n_sup
-            )
-            grad_norm, lr = gradients.optimizer_step(self.components, cfg.max_grad_norm)
-            step_loss = float(loss_on_device)  # one process: the step's first wait for the GPU
-            session.memory_marks.setdefault("resting", held_bytes(plan.device))
-            step = self.progress.advance(step_loss, step_tokens, n_sup)
+            step_loss, lr, grad_norm, step_tokens = self._optimizer_step()
+            step = self.progress.step
             session_tokens += step_tokens
             dt = time.monotonic() - t0
             session_steps += 1
-            line = self.components.compiler.after_step(
-                self.components.peft,
-                session_steps,
-                dt,
-                plan.total_steps - step,
-                lambda choice: rank0_decides(choice, world),
-            )
-            if line:
-                session.say(line)
+            self._tell_compiler(session_steps, dt)
             if not math.isfinite(step_loss):
                 raise SmokeFailed(f"the loss is {step_loss} at step {step}", "lower lr")
-            if step % cfg.log_every == 0 or step == plan.total_steps:
+            if self._due(step, cfg.log_every):
                 line, values = progress.log_step(
                     plan,
                     self.progress,
@@ -227,23 +222,51 @@ class Recipe:
                     session_tokens=session_tokens,
                 )
                 session.say(line, show=session.live.step(values, line))
-            evaluated = bool(plan.val_samples) and (
-                step % cfg.eval_every == 0 or step == plan.total_steps
-            )
+            evaluated = bool(plan.val_samples) and self._due(step, cfg.eval_every)
             if evaluated:
                 self.evaluate()
             if plan.mode == "overfit" and step_loss < modes.OVERFIT_LOSS:
                 break
             new_best = evaluated and evaluation.best_step(self.progress.val_losses) == step
-            if (
-                step % cfg.checkpoint_every == 0
-                or step == plan.total_steps
-                or (new_best and cfg.select == "best_val_loss")  # the adapter it may publish
+            # a new best is the adapter it may publish
+            if self._due(step, cfg.checkpoint_every) or (
+                new_best and cfg.select == "best_val_loss"
             ):
                 self.save_checkpoint()
             if evaluated and evaluation.early_stop(cfg, self.progress, session.say):
                 break
             self.stop_if_asked()
+
+    def _optimizer_step(self) -> StepDone:
+        """One optimizer step over the next batch, the progress advanced past it."""
+        plan, components = self.plan, self.components
+        batch = gradients.step_batches(plan.batches, plan.train_samples, self.progress.step)
+        supervised = batch.supervised_tokens
+        loss_on_device = gradients.accumulate(
+            plan, components, self._step_loss, batch.micro_batches, supervised
+        )
+        grad_norm, lr = gradients.optimizer_step(components, plan.config.max_grad_norm)
+        step_loss = float(loss_on_device)  # one process: the step's first wait for the GPU
+        self.session.memory_marks.setdefault("resting", held_bytes(plan.device))
+        self.progress.advance(step_loss, batch.input_tokens, supervised)
+        return StepDone(step_loss, lr, grad_norm, batch.input_tokens)
+
+    def _due(self, step: int, every: int) -> bool:
+        """Whether something done `every` steps is due at `step` (the last step always is)."""
+        return step % every == 0 or step == self.plan.total_steps
+
+    def _tell_compiler(self, session_steps: int, step_seconds: float) -> None:
+        """Let the compile run see this step's time (it may switch the compiled graph);
+        say what it decided, if anything."""
+        line = self.components.compiler.after_step(
+            self.components.peft,
+            session_steps,
+            step_seconds,
+            self.plan.total_steps - self.progress.step,
+            lambda choice: rank0_decides(choice, self.plan.settings.world_size),
+        )
+        if line:
+            self.session.say(line)
 
     def evaluate(self) -> None:
         """The validation loss at this step, recorded in the progress."""
@@ -311,9 +334,7 @@ class Recipe:
         adapter = None
         if plan.mode == "train" and plan.settings.is_main:
             selected = publishing.select_adapter(plan, prep.store, self.progress, session.say)
-            published = publishing.publish_adapter(
-                plan, prep, step, record, selected, plot, session.say
-            )
+            published = publishing.publish_adapter(plan, prep, record, selected, plot, session.say)
             adapter = published.manifest
             record = {**published.completion, "adapter_digest": adapter.digest}
         session.lap("finish")
@@ -367,11 +388,7 @@ def run_training(
         recipe.train()
         result = recipe.finish()
     except Exception as e:
-        prep = getattr(recipe, "prep", None)  # None: the run failed before its data was ready
-        step, session = recipe.progress.step, recipe.session
-        error = failure.report_failure(
-            recipe.plan, prep, step, session.meter, session.tail, session.say, e
-        )
+        error = _report_failure(recipe, e)
         if error is e:
             raise
         raise error from e
@@ -379,9 +396,23 @@ def run_training(
         recipe.cleanup()
         logging.getLogger().removeHandler(tail)
     modes.refuse_failed(mode, result.verdict)
+    return replace(result, hook=_run_success_hook(recipe, result))
+
+
+def _report_failure(recipe: Recipe, e: Exception) -> LorastackError:
+    """The failed run's memo written (trainer.publish.failure); the error to raise."""
+    prep = getattr(recipe, "prep", None)  # None: the run failed before its data was ready
+    step, session = recipe.progress.step, recipe.session
+    return failure.report_failure(
+        recipe.plan, prep, step, session.meter, session.tail, session.say, e
+    )
+
+
+def _run_success_hook(recipe: Recipe, result: TrainResult) -> hooks.HookOutcome | None:
+    """Run the config's on_complete hook, if any, with what the run published."""
     plan, session = recipe.plan, recipe.session
     published = {"adapter": result.adapter, "data": result.data, "test": result.test}
-    hook = hooks.after_success(
+    return hooks.after_success(
         plan,
         recipe.prep.store,
         recipe.progress.step,
@@ -390,4 +421,3 @@ def run_training(
         dict(os.environ),
         session.say,
     )
-    return replace(result, hook=hook)

@@ -79,26 +79,39 @@ def select_samples(
     return Selection(cfg, train, val)
 
 
-def smoke_verdict(
-    plan: RunPlan,
-    prep: Prepared,
-    components: Components,
-    progress: Progress,
-    last_checkpoint: Path | None,
-    series: dict[int, float],
-) -> dict[str, Any]:
-    """The smoke run's checks: the loss fell, the checkpoint reloads, a greedy sample stops."""
-    checks, ok = [], True
-    first, last = (
-        progress.losses.get(1, float("nan")),
-        progress.losses.get(progress.step, float("nan")),
+class Check(NamedTuple):
+    """One check of a smoke run: whether it passed and its line in the verdict."""
+
+    ok: bool
+    line: str
+
+    @classmethod
+    def of(cls, ok: bool, what: str) -> Check:
+        return cls(ok, f"{'ok ' if ok else 'BAD'} {what}")
+
+
+def smoke_checks(
+    plan: RunPlan, prep: Prepared, components: Components, progress: Progress, last: Path | None
+) -> list[Check]:
+    """The smoke run's checks: the loss fell, the checkpoint `last` reloads, a greedy
+    sample stops."""
+    return [
+        _loss_fell(progress),
+        _checkpoint_reloads(last, components.peft),
+        _sample_stops(plan, prep, components.peft),
+    ]
+
+
+def _loss_fell(progress: Progress) -> Check:
+    first = progress.losses.get(1, float("nan"))
+    last = progress.losses.get(progress.step, float("nan"))
+    return Check.of(
+        last < first * (1 - SMOKE_MIN_DROP),
+        f"loss went down (by {SMOKE_MIN_DROP:.0%} at least): {first:.4f} -> {last:.4f}",
     )
-    down = last < first * (1 - SMOKE_MIN_DROP)
-    ok &= down
-    checks.append(
-        f"{'ok ' if down else 'BAD'} loss went down (by {SMOKE_MIN_DROP:.0%} at least): "
-        f"{first:.4f} -> {last:.4f}"
-    )
+
+
+def _checkpoint_reloads(last_checkpoint: Path | None, peft: Any) -> Check:
     reload_ok = False
     if last_checkpoint is not None:
         from safetensors.torch import load_file
@@ -106,21 +119,21 @@ def smoke_verdict(
         saved = load_file(str(last_checkpoint / "adapter" / "adapter_model.safetensors"))
         from peft import get_peft_model_state_dict
 
-        live = get_peft_model_state_dict(components.peft)
+        live = get_peft_model_state_dict(peft)
         reload_ok = (
             bool(saved)
             and set(saved) == set(live)
             and all(torch.equal(saved[k], live[k].detach().cpu()) for k in saved)
         )
-    ok &= reload_ok
-    checks.append(
-        f"{'ok ' if reload_ok else 'BAD'} checkpoint written and reloads: {last_checkpoint}"
-    )
+    return Check.of(reload_ok, f"checkpoint written and reloads: {last_checkpoint}")
+
+
+def _sample_stops(plan: RunPlan, prep: Prepared, peft: Any) -> Check:
     conv = (prep.splits.validation or prep.splits.train)[0].conv
     ids = torch.tensor([prompt_ids(conv, prep.tokenizer)], device=plan.device)
-    components.peft.eval()
+    peft.eval()
     with torch.no_grad():
-        out = components.peft.generate(
+        out = peft.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=SMOKE_NEW_TOKENS,
@@ -132,14 +145,12 @@ def smoke_verdict(
     new = out[0, ids.shape[1] :].tolist()
     stopped = bool(new) and new[-1] == plan.eot
     text = prep.tokenizer.decode(new, skip_special_tokens=True)
-    gen_ok = bool(text.strip()) and stopped
-    ok &= gen_ok
-    checks.append(
-        f"{'ok ' if gen_ok else 'BAD'} sample in the serving format "
+    return Check.of(
+        bool(text.strip()) and stopped,
+        f"sample in the serving format "
         f"({'stopped at end-of-turn' if stopped else f'no end-of-turn in {SMOKE_NEW_TOKENS} tokens'}): "
-        f"{text.strip()[:80]!r} (expected {conv.messages[-1].flat_text[:40]!r})"
+        f"{text.strip()[:80]!r} (expected {conv.messages[-1].flat_text[:40]!r})",
     )
-    return {"passed": bool(ok), "checks": checks, "losses": series}
 
 
 def overfit_verdict(progress: Progress, samples: int) -> dict[str, Any]:
@@ -164,7 +175,12 @@ def verdict(
 ) -> dict[str, Any] | None:
     """The verdict a smoke or overfit run ends with (None for a training run)."""
     if plan.mode == "smoke":
-        return smoke_verdict(plan, prep, components, progress, last_checkpoint, series)
+        checks = smoke_checks(plan, prep, components, progress, last_checkpoint)
+        return {
+            "passed": all(c.ok for c in checks),
+            "checks": [c.line for c in checks],
+            "losses": series,
+        }
     if plan.mode == "overfit":
         return overfit_verdict(progress, len(plan.train_samples))
     return None

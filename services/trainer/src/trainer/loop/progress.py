@@ -61,30 +61,51 @@ def log_step(
     }
     if plan.settings.is_main:
         write_json(plan.metrics_dir / f"metrics-step-{progress.step}.json", record)
-    shown = mem.get("peak_allocated", mem.get("rss", 0))
     cost = meter.cost()
-    line = (
-        f"step {progress.step}/{plan.total_steps} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.3f} "
-        f"tok/s {tokens_per_s:.0f} step {step_seconds:.2f}s eta {duration(eta)} mem {human(shown)}"
-        + (f" cost {cost:.2f}" if plan.config.price_per_gpu_hour else "")
-        + (f"/{plan.config.max_cost:g}" if plan.config.max_cost else "")
-    )
-    values = {
+    line = _step_line(plan, record, eta=eta, cost=cost)
+    return StepReport(line, _live_values(plan, progress, meter, record, eta=eta, cost=cost))
+
+
+def _live_values(
+    plan: RunPlan,
+    progress: Progress,
+    meter: Meter,
+    record: dict[str, float],
+    *,
+    eta: float,
+    cost: float,
+) -> dict[str, float]:
+    """The live metrics' values after a step (trainer.loop.live.LiveRun.step), from its
+    record: `eta` in seconds, `cost` in the run's currency."""
+    return {
         "step": progress.step,
-        "loss": loss,
-        "learning_rate": lr,
-        "tokens_per_second": tokens_per_s,
-        "tokens": progress.tokens_seen,  # the run's so far, all sessions
+        "loss": record["loss"],
+        "learning_rate": record["lr"],
+        "tokens_per_second": record["tokens_per_s"],
+        "tokens": progress.tokens_seen,  # the run's so far, all sessions (not the step's)
         "supervised_tokens": progress.supervised_seen,
-        "gpu_memory_allocated_bytes": mem.get("peak_allocated", 0),
-        "gpu_memory_reserved_bytes": mem.get("peak_reserved", 0),
+        "gpu_memory_allocated_bytes": record.get("peak_allocated", 0),
+        "gpu_memory_reserved_bytes": record.get("peak_reserved", 0),
         "eta_seconds": eta,
         "cost": cost,
         "max_cost": plan.config.max_cost or 0.0,
         "elapsed_hours": meter.hours(),
         **gpu_reading(plan.device),
     }
-    return StepReport(line, values)
+
+
+def _step_line(plan: RunPlan, record: dict[str, float], *, eta: float, cost: float) -> str:
+    """The step's line from its record: loss, rate, time left (`eta`, seconds), memory in
+    use and the cost so far."""
+    memory = record.get("peak_allocated", record.get("rss", 0))
+    return (
+        f"step {record['step']:.0f}/{plan.total_steps} loss {record['loss']:.4f} "
+        f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f} "
+        f"tok/s {record['tokens_per_s']:.0f} step {record['step_time_s']:.2f}s "
+        f"eta {duration(eta)} mem {human(memory)}"
+        + (f" cost {cost:.2f}" if plan.config.price_per_gpu_hour else "")
+        + (f"/{plan.config.max_cost:g}" if plan.config.max_cost else "")
+    )
 
 
 def duration(seconds: float) -> str:

@@ -131,6 +131,11 @@ def _fsync_tree(folder: Path) -> None:
         if p.is_file():
             with p.open("rb") as f:
                 os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Flush `folder`'s entries (its files' names) to disk."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -175,16 +180,7 @@ def save(
         _fsync_tree(tmp)  # delayed allocation: a full disk may only show here
     except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        latest = max((int(p.name[len(PREFIX) :]) for p in root.glob(f"{PREFIX}*")), default=None)
-        kept = f"checkpoint step {latest} is intact" if latest is not None else "no checkpoint"
-        full = _is_disk_full(e)
-        raise CheckpointWriteFailed(
-            f"could not write checkpoint step {step} under {root}: "
-            + ("the disk is full" if full else f"{type(e).__name__}: {e}")
-            + f"; nothing of it was kept, {kept}",
-            ("free space on that disk (or lower keep_checkpoints), then " if full else "")
-            + "continue with the same command plus --resume",
-        ) from e
+        raise _write_failed(e, root, step) from e
     if final.exists():  # the same step written again (a resumed run): swap, never delete first
         aside = root / f".trash-{final.name}-{os.getpid()}"
         os.rename(final, aside)
@@ -192,12 +188,23 @@ def save(
         shutil.rmtree(aside)
     else:
         os.rename(tmp, final)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(root)
     return final
+
+
+def _write_failed(e: BaseException, root: Path, step: int) -> CheckpointWriteFailed:
+    """The error of checkpoint `step` not written under `root`: what stopped it, and the
+    latest checkpoint that is intact."""
+    latest = max((int(p.name[len(PREFIX) :]) for p in root.glob(f"{PREFIX}*")), default=None)
+    kept = f"checkpoint step {latest} is intact" if latest is not None else "no checkpoint"
+    full = _is_disk_full(e)
+    return CheckpointWriteFailed(
+        f"could not write checkpoint step {step} under {root}: "
+        + ("the disk is full" if full else f"{type(e).__name__}: {e}")
+        + f"; nothing of it was kept, {kept}",
+        ("free space on that disk (or lower keep_checkpoints), then " if full else "")
+        + "continue with the same command plus --resume",
+    )
 
 
 def _is_disk_full(e: BaseException) -> bool:

@@ -109,6 +109,20 @@ def measured_parts(
     }
 
 
+def _memory_line(plan: RunPlan, peak: int, memory: dict[str, dict[str, float | int | None]]) -> str:
+    """The estimated memory against the measured `peak` (bytes), in total and per part."""
+    device = plan.device
+    return (
+        f"memory: estimated {human(plan.memory_estimate.get('total', 0))}, measured peak "
+        f"{human(peak)} ({'torch allocated' if device.type == 'cuda' else 'process RSS'}); "
+        + ", ".join(
+            f"{name} {human(int(p['estimate'] or 0))} est / "
+            + (human(int(p["measured"])) if p["measured"] is not None else "-")
+            for name, p in memory.items()
+        )
+    )
+
+
 def record_completion(
     plan: RunPlan,
     components: Components,
@@ -151,13 +165,5 @@ def record_completion(
         "nvml": nvml_reading(device) or None,  # the nvidia-smi reading at the end
         "compile": compile_report() if components.compiler.active else None,
     }
-    say(
-        f"memory: estimated {human(plan.memory_estimate.get('total', 0))}, measured peak "
-        f"{human(peak)} ({'torch allocated' if device.type == 'cuda' else 'process RSS'}); "
-        + ", ".join(
-            f"{name} {human(int(p['estimate'] or 0))} est / "
-            + (human(int(p["measured"])) if p["measured"] is not None else "-")
-            for name, p in memory.items()
-        ),
-    )
+    say(_memory_line(plan, peak, memory))
     return completion

@@ -156,10 +156,37 @@ def already_finished(
     return train_result(plan, prep, progress, completion, adapter=m)
 
 
+def _adapter_folder(plan: RunPlan, prep: Prepared, step: int, plot: Path) -> Path:
+    """RUN_DIR/adapter, afresh: checkpoint `step`'s adapter (its base named by store ref),
+    the tokenizer, the metrics, the loss `plot` and the run's records."""
+    folder = plan.run_dir / "adapter"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(checkpoint.step_dir(plan.ckpt_root, step) / "adapter", folder)
+    adapter_cfg = folder / "adapter_config.json"
+    data = json.loads(adapter_cfg.read_text())
+    data["base_model_name_or_path"] = prep.base.ref  # a store ref, never a hub id or a local path
+    adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    prep.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
+    shutil.copytree(plan.metrics_dir, folder / "metrics")
+    shutil.copy(plot, folder / "loss.png")
+    shutil.copy(plan.run_dir / "run-manifest.json", folder / "run-manifest.json")
+    shutil.copy(plan.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
+    return folder
+
+
+def _chat_format(cfg: RunConfig, prep: Prepared, folder: Path) -> dict[str, Any]:
+    """What the adapter's manifest says of the chat template it was trained with."""
+    return chat_format_record(
+        (folder / TEMPLATE_FILE).read_text("utf-8"),
+        cfg.chat_template,
+        TEMPLATE_FILE,
+        trained_on_tools=any(item.conv.has_tools for item in prep.splits.train),
+    )
+
+
 def publish_adapter(
     plan: RunPlan,
     prep: Prepared,
-    step: int,
     record: dict[str, Any],
     selected: Selected,
     plot: Path,
@@ -170,25 +197,9 @@ def publish_adapter(
     completion record (trainer.publish.completion.record_completion); the adapter holds
     it with the selected step and the weights' sha256, and so does what this returns."""
     cfg = plan.config
-    folder = plan.run_dir / "adapter"
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(checkpoint.step_dir(plan.ckpt_root, selected.step) / "adapter", folder)
-    adapter_cfg = folder / "adapter_config.json"
-    data = json.loads(adapter_cfg.read_text())
-    data["base_model_name_or_path"] = prep.base.ref  # a store ref, never a hub id or a local path
-    adapter_cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    prep.tokenizer.save_pretrained(folder)  # tokenizer files and chat_template.jinja
-    chat_format = chat_format_record(
-        (folder / TEMPLATE_FILE).read_text("utf-8"),
-        cfg.chat_template,
-        TEMPLATE_FILE,
-        trained_on_tools=any(item.conv.has_tools for item in prep.splits.train),
-    )
+    folder = _adapter_folder(plan, prep, selected.step, plot)
+    chat_format = _chat_format(cfg, prep, folder)
     parity = record_parity_reference(plan, prep, folder, say)
-    shutil.copytree(plan.metrics_dir, folder / "metrics")
-    shutil.copy(plot, folder / "loss.png")
-    shutil.copy(plan.run_dir / "run-manifest.json", folder / "run-manifest.json")
-    shutil.copy(plan.run_dir / "memory-estimate.json", folder / "memory-estimate.json")
     completion = {
         **record,
         "selected": selected._asdict(),
@@ -205,7 +216,7 @@ def publish_adapter(
         config=cfg.model_dump(mode="json"),
         metadata={
             "test_split": {"ref": plan.test_manifest.ref, "digest": plan.test_manifest.digest},
-            "steps": step,
+            "steps": record["steps"],
             "selected_step": selected.step,
             "selected_because": selected.why,
             "final_val_loss": record["final_val_loss"],

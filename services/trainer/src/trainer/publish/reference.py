@@ -61,6 +61,20 @@ def stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(set(ids))
 
 
+def _load_adapted(
+    base_dir: Path, adapter_dir: Path, config: RunConfig, device: torch.device
+) -> Any:
+    """The base model with the published adapter, as the run trained it (device, dtype,
+    quantisation), in eval mode."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base: Any = AutoModelForCausalLM.from_pretrained(base_dir, **base_load_kwargs(config, device))
+    if config.quantization != "nf4":
+        base.to(device)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
 def record_reference(
     *,
     base_dir: Path,
@@ -77,13 +91,7 @@ def record_reference(
     """Run the published adapter on `conversations`' prompts and return the reference
     (written by `write_reference`). `spare`: more held-out conversations to record when
     the first do not tell the adapter from its base (MIN_CONTROL)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base: Any = AutoModelForCausalLM.from_pretrained(base_dir, **base_load_kwargs(config, device))
-    if config.quantization != "nf4":
-        base.to(device)
-    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    model = _load_adapted(base_dir, adapter_dir, config, device)
     stops = stop_ids(model, tokenizer)
     with torch.inference_mode():
         probes = [_probe(model, tokenizer, c, device, stops, max_new_tokens) for c in conversations]
@@ -99,7 +107,7 @@ def record_reference(
             f"(mean {control:.3f} nats < {MIN_CONTROL}): serving cannot check that the adapter "
             "is applied; hold out prompts of the task the adapter was trained for"
         )
-    del model, base
+    del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return Reference(
@@ -127,20 +135,7 @@ def _probe(
     tools = conv.tool_dicts()
     text = render(tokenizer, template_messages(conv)[:-1], prompt=True, tools=tools)
     prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = torch.tensor([prompt_ids], device=device)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=stops,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0],
-    )
-    output_ids = out[0, len(prompt_ids) :].tolist()
-    ends = [i for i, t in enumerate(output_ids) if t in stops]
-    if ends:  # generate pads past the stop when batching; keep the stop
-        output_ids = output_ids[: ends[0] + 1]
-    seq = out[:, : len(prompt_ids) + len(output_ids)]
+    seq, output_ids = _greedy(model, tokenizer, prompt_ids, device, stops, max_new_tokens)
     at = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(output_ids) - 1, device=device)
     chosen = torch.tensor(output_ids, device=device)
     logprobs = torch.log_softmax(model(input_ids=seq).logits[0].float(), dim=-1)[at]
@@ -152,13 +147,7 @@ def _probe(
         base_lp[range(len(output_ids)), chosen].tolist(),
         top.values.flatten().tolist(),
     ]
-    if not all(bool(torch.isfinite(torch.tensor(v)).all()) for v in values):
-        raise Refused(
-            f"the trained model's log-probabilities on a held-out prompt are not finite "
-            f"(NaN or inf: {text[-60:]!r})",
-            "the run diverged or its dtype overflowed: check the loss curve, lower the "
-            "learning rate, or train in bfloat16/float32",
-        )
+    _check_finite(values, text)
     return ProbeRecord(
         messages=conv.message_dicts()[:-1],  # as an OpenAI client sends them
         tools=tools,
@@ -173,6 +162,43 @@ def _probe(
         ],
         base_logprobs=[round(v, 6) for v in values[1]],
     )
+
+
+def _greedy(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    device: torch.device,
+    stops: list[int],
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, list[int]]:
+    """The greedy continuation of `prompt_ids` up to its first stop token (kept): the
+    whole sequence ([1, prompt + output]) and the output's ids."""
+    ids = torch.tensor([prompt_ids], device=device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0],
+    )
+    output_ids = out[0, len(prompt_ids) :].tolist()
+    ends = [i for i, t in enumerate(output_ids) if t in stops]
+    if ends:  # generate pads past the stop when batching; keep the stop
+        output_ids = output_ids[: ends[0] + 1]
+    return out[:, : len(prompt_ids) + len(output_ids)], output_ids
+
+
+def _check_finite(values: list[list[float]], text: str) -> None:
+    """Raise Refused where a recorded log-prob list of the prompt `text` holds NaN or inf."""
+    if not all(bool(torch.isfinite(torch.tensor(v)).all()) for v in values):
+        raise Refused(
+            f"the trained model's log-probabilities on a held-out prompt are not finite "
+            f"(NaN or inf: {text[-60:]!r})",
+            "the run diverged or its dtype overflowed: check the loss curve, lower the "
+            "learning rate, or train in bfloat16/float32",
+        )
 
 
 def write_reference(reference: Reference, folder: Path) -> Path:
