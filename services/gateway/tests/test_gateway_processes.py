@@ -268,7 +268,7 @@ def test_a_pick_made_without_the_lock_routes_again_once_another_worker_took_its_
 HOLD_AND_STOP = """
 import os, signal, sys
 from pathlib import Path
-from gateway.shared_claims import LockWatch, SharedInflight
+from gateway.shared_claims import SharedInflight
 
 shared = SharedInflight(Path(sys.argv[1]), 1)
 with shared.exclusive():
