@@ -166,8 +166,9 @@ def test_images_are_pinned_and_dockerfiles_exist() -> None:
         if "image" in svc:
             image = svc["image"]
             assert ":" in image and not image.endswith(":latest"), f"{name}: pin {image}"
-        if "build" in svc:
-            dockerfile = REPO / svc["build"]["context"] / svc["build"]["dockerfile"]
+        if "build" in svc:  # an override may pass only build args: the base's Dockerfile
+            build = {**SERVICES.get(name, {}).get("build", {}), **svc["build"]}
+            dockerfile = REPO / build["context"] / build["dockerfile"]
             assert dockerfile.is_file(), dockerfile
 
 
