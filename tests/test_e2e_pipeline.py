@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from dashboard_queries import missing_from, trainer_metric_names
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -220,6 +221,21 @@ def test_the_served_adapter_is_checked_against_its_training(demo: tuple[Path, st
     assert "parity date-iso/adapter-v1: pass" in log  # the demo says it
     metrics = httpx.get(f"http://127.0.0.1:{SUPERVISOR_PORT}/metrics", timeout=30).text
     assert 'lorastack_inference_parity_ok{model="date-iso/adapter-v1"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_the_demo_serves_its_adapter_only_after_the_verdict(demo: tuple[Path, str]) -> None:
+    """vLLM starts on the base beside the training (the demo's serve.yaml lists no adapter);
+    the trained adapter is loaded at runtime, judged under a private name first, and only
+    then served under its own (the supervisor's log, in order)."""
+    home, log = demo
+    serve_yaml = yaml.safe_load((home / "demo" / "serve.yaml").read_text())
+    assert "adapters" not in serve_yaml and serve_yaml["enable_lora"] is True
+    assert log.index("== train") < log.index("== serve the adapter") < log.index("== chat")
+    supervisor_log = (home / "logs" / "inference.log").read_text()
+    verdict = supervisor_log.index("parity date-iso/adapter-v1: pass")
+    loaded = supervisor_log.index("loaded adapter date-iso/adapter:1 as date-iso/adapter-v1")
+    assert verdict < loaded
 
 
 def _replay(reference: Any, model: str, **kw: Any) -> Any:
