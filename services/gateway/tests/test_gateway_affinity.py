@@ -194,3 +194,19 @@ def test_a_conversation_follows_its_prefix(make_gateway, fake, second_fake) -> N
         fresh = [{"role": "system", "content": "Other. " * 200}, {"role": "user", "content": "Hi."}]
         assert ask(gw, fresh) == other  # a prompt nobody served: the emptier one
         assert ask(gw, turn2, max_tokens=3) == first
+
+
+def test_a_heavier_backend_takes_the_requests_and_its_weight_is_exported(
+    make_gateway, fake, second_fake
+) -> None:
+    """backend_weights: two idle replicas alike but for their static weight (a larger GPU
+    beside a smaller one); the heavier one takes each request, although it loses the
+    tie-break by URL, and /metrics shows each backend's weight."""
+    (a_url, _), (b_url, _) = fake, second_fake
+    light, heavy = sorted([a_url, b_url])  # a tie would go to `light`
+    with make_gateway([light, heavy], backend_weights={heavy: 3.0}) as gw:
+        for i in range(3):
+            assert ask(gw, [{"role": "user", "content": f"Hi {i}."}]) == heavy
+        name = "lorastack_gateway_backend_routing_weight"
+        assert metric(gw, name, backend=heavy) == 3.0
+        assert metric(gw, name, backend=light) == 1.0

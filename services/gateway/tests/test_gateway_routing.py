@@ -18,6 +18,7 @@ from gateway.routing import (
     score_lora_affinity,
     score_prefix,
     score_session,
+    score_static,
 )
 
 M = frozenset({"base", "sql"})
@@ -334,3 +335,30 @@ def test_affinity_off_by_weight() -> None:
     views = [b("a", kv_usage=0.1), b("b", kv_usage=0.5)]
     assert pick_backend(req, views) == "b"
     assert pick_backend(req, views, weights=Weights(prefix=0.0, session=0.0)) == "a"
+
+
+@pytest.mark.parametrize(
+    ("views", "expected"),
+    [
+        ([b("a"), b("b")], {"a": 1.0, "b": 1.0}),  # unweighted: neutral
+        ([b("a", weight=3.0), b("b")], {"a": 1.0, "b": 1 / 3}),
+        ([b("a", weight=0.5), b("b", weight=2.0)], {"a": 0.25, "b": 1.0}),
+        ([b("a", weight=2.0)], {"a": 1.0}),
+    ],
+)
+def test_score_static(views: list[BackendView], expected: dict[str, float]) -> None:
+    assert score_static(BASE, views) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("views", "weights", "expected"),
+    [
+        ([b("a"), b("b", weight=2.0)], Weights(), "b"),  # else a tie, which "a" wins
+        ([b("a"), b("b", weight=2.0)], Weights(static=0.0), "a"),  # off
+        # a far emptier KV cache outweighs a double weight at the default weights
+        ([b("a", kv_usage=0.0), b("b", kv_usage=0.9, weight=2.0)], Weights(), "a"),
+        ([b("a", kv_usage=0.0), b("b", kv_usage=0.9, weight=2.0)], Weights(static=4.0), "b"),
+    ],
+)
+def test_pick_by_static_weight(views: list[BackendView], weights: Weights, expected: str) -> None:
+    assert pick_backend(BASE, views, weights=weights) == expected

@@ -90,6 +90,26 @@ def test_bad_max_num_seqs_is_refused(given: str, message: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("http://elsewhere:8000=2", "not backends"),
+        (f"{A}=0", "> 0"),
+        (f"{A}", "url=W"),
+    ],
+)
+def test_bad_backend_weights_are_refused(given: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        GatewaySettings(backends=[A, B], backend_weights=given)
+
+
+def test_backend_weights_are_read_per_url() -> None:
+    s = GatewaySettings(backends=[A, B], backend_weights=f"{A}/=2.5")
+    assert s.backend_weights == {A: 2.5}
+    with pytest.raises(ValidationError, match="backends_dns"):
+        GatewaySettings(backends_dns="vllm:8000", backend_weights={A: 2})
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (

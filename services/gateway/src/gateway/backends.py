@@ -108,6 +108,9 @@ class Backends:
         if self.states.get(st.url) is not st:
             return  # forgotten while it was scraped: leave no series behind
         self.metrics.mirror_backend(st.url, st.up, st.metrics if st.up else None)
+        self.metrics.backend_weight.labels(st.url).set(
+            self.settings.backend_weights.get(st.url, 1.0)
+        )
 
     async def refresh(self) -> None:
         """Scrape every backend once, then load the tokenizers not loaded yet: those the
@@ -341,6 +344,7 @@ class Backends:
                     kv_capacity_tokens=m.kv_capacity_tokens,
                     block_size=m.block_size,
                     inflight_tokens=self.inflight.tokens.get(st.url, 0),
+                    weight=self.settings.backend_weights.get(st.url, 1.0),
                 )
             )
         return out

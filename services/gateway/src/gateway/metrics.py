@@ -147,6 +147,13 @@ class GatewayMetrics:
             multiprocess_mode=_SCRAPED,
             registry=r,
         )
+        self.backend_weight = Gauge(
+            "lorastack_gateway_backend_routing_weight",
+            "the backend's static routing weight (backend_weights; 1 when unlisted)",
+            b,
+            multiprocess_mode=_SCRAPED,
+            registry=r,
+        )
         labels = ["model", "route"]
         self.duration = Histogram(
             "lorastack_gateway_request_duration_seconds",
@@ -256,6 +263,7 @@ class GatewayMetrics:
             self.backend_inflight,
             self.backend_kv_claimed,
             self.backend_kv_capacity,
+            self.backend_weight,
         )
 
     def series(self, model: str, route: str) -> RouteSeries:

@@ -96,7 +96,11 @@ class Proxy:
         self.access = access
         self.auth = access.auth  # the key's limits, budget and usage
         self.metrics = metrics
-        self.weights = Weights(prefix=settings.prefix_weight, session=settings.session_weight)
+        self.weights = Weights(
+            prefix=settings.prefix_weight,
+            session=settings.session_weight,
+            static=settings.static_weight,
+        )
         thresholds = Thresholds(
             settings.admit_max_kv_usage, settings.admit_max_waiting, settings.kv_request_share
         )

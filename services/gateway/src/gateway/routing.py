@@ -2,8 +2,9 @@
 
 Each scorer maps `{backend url: score in 0..1}` (1 = best) and is a small plugin for one
 concern: KV-cache usage, capacity (free running slots, then the queue), LoRA affinity,
-prefix-cache affinity (the replica that last served the prompt's leading blocks) and
-session affinity (the replica the session used last). `pick_backend` drops unhealthy
+prefix-cache affinity (the replica that last served the prompt's leading blocks), session
+affinity (the replica the session used last) and the operator's static weight of each
+backend (a larger GPU among smaller ones). `pick_backend` drops unhealthy
 backends, those the request's claim is too large for (`within_share`: a 400), those where
 requests that came earlier wait for room (the lines of `claims.py`), and saturated ones
 (admission control: the KV cache this gateway has itself claimed there, `fits_kv`, then
@@ -43,6 +44,9 @@ class BackendView:
     block_size: int = 16  # tokens per KV block
     # KV claims of the requests counted in `inflight`: tokens, whole blocks (`kv_claim`)
     inflight_tokens: int = 0
+    # the operator's static weight of this backend (`backend_weights`; > 0, 1 = unlisted):
+    # a replica on a larger GPU among smaller ones is given more
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class Weights:
     # among backends with a free slot (those without one are dropped before scoring)
     prefix: float = 2.0
     session: float = 4.0  # sticks unless the replica is down, saturated or full
+    static: float = 1.0  # the backends' static weights (`score_static`)
 
 
 Scorer = Callable[[RouteRequest, list[BackendView]], dict[str, float]]
@@ -172,16 +177,25 @@ def score_session(req: RouteRequest, views: list[BackendView]) -> dict[str, floa
     return {v.url: 1.0 if v.url == req.session_backend else 0.0 for v in views}
 
 
+def score_static(req: RouteRequest, views: list[BackendView]) -> dict[str, float]:
+    """Each backend's static weight over the largest among the candidates (1 for the
+    largest); neutral (1 everywhere) when every weight is the same."""
+    top = max((v.weight for v in views), default=1.0)
+    return {v.url: v.weight / top for v in views}
+
+
 def score_combined(
     req: RouteRequest, views: list[BackendView], weights: Weights = Weights()
 ) -> dict[str, float]:
-    """Each backend's weighted mean of the scorers (KV, capacity, LoRA, prefix, session), 0..1."""
+    """Each backend's weighted mean of the scorers (KV, capacity, LoRA, prefix, session,
+    static weight), 0..1."""
     parts: list[tuple[float, Scorer]] = [
         (weights.kv, score_kv_usage),
         (weights.capacity, score_capacity),
         (weights.lora, score_lora_affinity),
         (weights.prefix, score_prefix),
         (weights.session, score_session),
+        (weights.static, score_static),
     ]
     total = sum(w for w, _ in parts) or 1.0
     scores = {v.url: 0.0 for v in views}

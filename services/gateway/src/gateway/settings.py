@@ -129,6 +129,15 @@ class GatewaySettings(CommonSettings):
     session_weight: float = Field(
         4.0, ge=0, description="routing weight of session stickiness; 0 turns it off"
     )
+    backend_weights: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict,
+        description="backend URL -> its static routing weight (> 0; unlisted: 1): JSON or"
+        " url=W,url=W. Replicas on unlike GPUs (an H100 beside L4s) are preferred by their"
+        " weight over the largest, beside the load scorers (static_weight)",
+    )
+    static_weight: float = Field(
+        1.0, ge=0, description="routing weight of backend_weights; 0 turns it off"
+    )
     declared_refresh_s: float = Field(
         5.0,
         ge=0,
@@ -242,6 +251,11 @@ class GatewaySettings(CommonSettings):
         # a URL may hold "=" (a query): the value follows the last one
         return split_map(v, "backend_max_num_seqs must be JSON or url=N,url=N", last=True)
 
+    @field_validator("backend_weights", mode="before")
+    @classmethod
+    def _backend_weights(cls, v: Any) -> Any:
+        return split_map(v, "backend_weights must be JSON or url=W,url=W", last=True)
+
     @field_validator("backends_dns")
     @classmethod
     def _dns_target(cls, v: str | None) -> str | None:
@@ -273,7 +287,23 @@ class GatewaySettings(CommonSettings):
                 "backend_max_num_seqs names URLs, which backends_dns does not know in advance:"
                 " set serve_config (its max_num_seqs holds for every replica) instead"
             )
+        if self.backend_weights:
+            raise ValueError(
+                "backend_weights names URLs, which backends_dns does not know in advance:"
+                " set backends (a fixed list) to weigh replicas"
+            )
         self.backends = []  # found at run time
+        return self
+
+    @model_validator(mode="after")
+    def _weights_of_backends(self) -> GatewaySettings:
+        weights = {base_url(u): w for u, w in self.backend_weights.items()}
+        unknown = sorted(set(weights) - set(self.backends))
+        if unknown:
+            raise ValueError(f"backend_weights names URLs that are not backends: {unknown}")
+        if any(w <= 0 for w in weights.values()):
+            raise ValueError(f"backend_weights values must be > 0: {weights}")
+        self.backend_weights = weights
         return self
 
     @model_validator(mode="after")
