@@ -25,7 +25,10 @@ PACKAGES = {
     "BITSANDBYTES_VERSION": "bitsandbytes",
 }
 # measured on the GPU: recorded in the result's "machine" field
-MEASURED = ("torch", "transformers", "peft", "bitsandbytes")
+MEASURED = ("torch", "peft", "bitsandbytes")
+# the CPU venv's in both builds: lorastack's hub code needs huggingface_hub 2.x, which the
+# result's transformers (5.17.0) does not take
+AS_THE_VENV = ("transformers", "huggingface_hub")
 
 
 def version_args(dockerfile: Path) -> dict[str, str]:
@@ -62,6 +65,10 @@ def test_the_gpu_defaults_are_the_versions_of_a_committed_gpu_training_result(
             assert defaults[arg] == measured, (
                 f"{dockerfile.name} {arg}: {result.name} ran {package} {recorded[package]}"
             )
+    constraints = pins(REPO / "constraints.txt")
+    for arg, package in PACKAGES.items():
+        if package in AS_THE_VENV and arg in defaults:
+            assert defaults[arg] == constraints[package], (dockerfile.name, arg)
     # PyPI's torch is one CUDA build per version: the one measured is CUDA 13.0's
     assert recorded["torch"].endswith("+cu130"), recorded["torch"]
     assert {"TORCH_VERSION", "TRANSFORMERS_VERSION", "PEFT_VERSION"} <= set(defaults)
