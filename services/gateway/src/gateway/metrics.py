@@ -81,57 +81,40 @@ class GatewayMetrics:
         self._series: dict[tuple[str, str], RouteSeries] = {}
         self._collectors: list[Collector] = []  # rendered once, not per worker
         self.registry = r = CollectorRegistry(auto_describe=True)
-        b = ["backend"]
-        self.backend_up = Gauge(
+
+        def backend_gauge(name: str, doc: str) -> Gauge:
+            """A gauge labelled by a backend alone, set alike by every worker (a scrape)."""
+            return Gauge(name, doc, ["backend"], multiprocess_mode=_SCRAPED, registry=r)
+
+        self.backend_up = backend_gauge(
             "lorastack_gateway_backend_up",
             "1 when the last scrape of the backend succeeded",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_kv = Gauge(
+        self.backend_kv = backend_gauge(
             "lorastack_gateway_backend_kv_cache_usage",
             "the backend's vllm:kv_cache_usage_perc (0..1) at the last scrape",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_running = Gauge(
+        self.backend_running = backend_gauge(
             "lorastack_gateway_backend_requests_running",
             "the backend's vllm:num_requests_running at the last scrape",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_waiting = Gauge(
+        self.backend_waiting = backend_gauge(
             "lorastack_gateway_backend_requests_waiting",
             "the backend's vllm:num_requests_waiting at the last scrape",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_preemptions = Gauge(
+        self.backend_preemptions = backend_gauge(
             "lorastack_gateway_backend_preemptions",
             "the backend's vllm:num_preemptions_total at the last scrape",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_inflight = Gauge(
+        self.backend_inflight = backend_gauge(
             "lorastack_gateway_backend_inflight",
             "requests this gateway has open on the backend",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_kv_claimed = Gauge(
+        self.backend_kv_claimed = backend_gauge(
             "lorastack_gateway_backend_kv_claimed_tokens",
             "KV cache the requests this gateway has open on the backend can take: prompt +"
             " max output of each sequence, in whole blocks (its KV-cache admission counts"
             " these against vllm:cache_config_info)",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
         self.kv_admission_waiting = Gauge(
             "lorastack_gateway_kv_admission_waiting",
@@ -140,19 +123,13 @@ class GatewayMetrics:
             multiprocess_mode=_SCRAPED,
             registry=r,
         )
-        self.backend_kv_capacity = Gauge(
+        self.backend_kv_capacity = backend_gauge(
             "lorastack_gateway_backend_kv_capacity_tokens",
             "the backend's KV cache in tokens (vllm:cache_config_info), NaN when not reported",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
-        self.backend_weight = Gauge(
+        self.backend_weight = backend_gauge(
             "lorastack_gateway_backend_routing_weight",
             "the backend's static routing weight (backend_weights; 1 when unlisted)",
-            b,
-            multiprocess_mode=_SCRAPED,
-            registry=r,
         )
         labels = ["model", "route"]
         self.duration = Histogram(
