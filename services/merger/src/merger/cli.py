@@ -18,6 +18,7 @@ from typing import Any
 
 from lorastack.errors import ConfigError, Refused, field_errors
 from lorastack.serving import VLLM_MAX_LORA_RANKS
+from lorastack.subcommands import add_check_flag, add_command
 from merger.settings import MergerSettings
 
 CHECK = "check-adapter"
@@ -64,6 +65,11 @@ def load_settings() -> MergerSettings:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    """merge an adapter into its base, verify, publish; or check-adapter for vLLM
+
+    lorastack merge ADAPTER[:VERSION] [--dtype D] [--device D] [--name N] [--probes N]
+    lorastack merge check-adapter ADAPTER[:VERSION] [--max-lora-rank R] [--export DIR]
+    """
     if args.ref == CHECK:
         return cmd_check(args)
     if args.adapter is not None:
@@ -142,14 +148,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "merge",
-        help="merge an adapter into its base, verify, publish; or check-adapter for vLLM",
-        description="lorastack merge ADAPTER[:VERSION] [--dtype D] [--device D] [--name N] "
-        "[--probes N]\n"
-        "lorastack merge check-adapter ADAPTER[:VERSION] [--max-lora-rank R] [--export DIR]",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, "merge", cmd_merge, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ref", metavar="ADAPTER[:VERSION] | check-adapter")
     p.add_argument("adapter", nargs="?", help="with check-adapter: the adapter to check")
     p.add_argument(
@@ -171,9 +170,4 @@ def register(sub: Any) -> None:
         help="check-adapter: the server's --max-lora-rank (default LORASTACK_MAX_LORA_RANK or 16)",
     )
     p.add_argument("--export", help="check-adapter: copy the serving files into this folder")
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check the settings, adapter ref and secrets as a merge would, then stop",
-    )
-    p.set_defaults(handler=cmd_merge)
+    add_check_flag(p, "check the settings, adapter ref and secrets as a merge would, then stop")

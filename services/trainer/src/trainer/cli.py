@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lorastack.errors import ConfigError
+from lorastack.subcommands import add_check_flag, add_command, add_json_flag
 from trainer.config import RunConfig, load_config, with_overrides
 from trainer.settings import TrainerSettings
 
@@ -30,6 +31,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_make_demo(args: argparse.Namespace) -> int:
+    """write the demo task (written date -> ISO date)"""
     from lorastack.chat_data import write_jsonl
     from trainer.data.demo_data import make_demo
     from trainer.data.demo_tools import make_tool_demo
@@ -50,17 +52,18 @@ def cmd_make_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Exit 0: ok; 1: trainable, with warnings; 3: refused (the lines say why)."""
+    """check the dataset against the run config (also run before training)"""
     import sys
 
     from trainer.data.preparation import check
 
     report = check(_config(args), TrainerSettings(), progress=sys.stderr.isatty())
     print(report.to_json() if args.json else report.render())
-    return report.exit_code
+    return report.exit_code  # 0: ok; 1: trainable, with warnings; 3: refused (the lines say why)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """show one sample as the model sees it, supervised tokens marked"""
     import shutil
 
     from trainer.data.masking import IGNORE
@@ -122,6 +125,11 @@ def _marked(sample: Any) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """train a LoRA adapter (or: train sweep CONFIG --ranks 4,8,16)
+
+    lorastack train CONFIG [options] [key=value ...]  |
+    lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]
+    """
     if args.config == "sweep":
         return _sweep(args)
     from trainer.recipe import run_training
@@ -246,7 +254,7 @@ def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
 def _register_data(sub: Any) -> None:
     data = sub.add_parser("data", help="make, inspect and check chat datasets")
     d = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    p = d.add_parser("make-demo", help="write the demo task (written date -> ISO date)")
+    p = add_command(d, "make-demo", cmd_make_demo)
     p.add_argument("out", help="output JSONL path")
     p.add_argument("--n", type=int, default=200, help="conversations (default 200)")
     p.add_argument("--seed", type=int, default=0)
@@ -255,32 +263,22 @@ def _register_data(sub: Any) -> None:
         action="store_true",
         help="the tool-calling task instead (weather and calculator functions)",
     )
-    p.set_defaults(handler=cmd_make_demo)
-    for name, fn, text in (
-        ("inspect", cmd_inspect, "show one sample as the model sees it, supervised tokens marked"),
-        ("check", cmd_check, "check the dataset against the run config (also run before training)"),
-    ):
-        p = d.add_parser(name, help=text)
+    for name, handler in (("inspect", cmd_inspect), ("check", cmd_check)):
+        p = add_command(d, name, handler)
         p.add_argument("config", help="run config YAML")
         p.add_argument("overrides", nargs="*", metavar="key=value")
         if name == "check":
-            p.add_argument("--json", action="store_true", help="print the report as JSON")
+            add_json_flag(p, "the report")
         if name == "inspect":
             p.add_argument("--index", type=int, default=0, help="sample index in the split")
             p.add_argument("--split", choices=("train", "validation", "test"), default="train")
-        p.set_defaults(handler=fn)
         _overrides_anywhere(p)
 
 
 def register(sub: Any) -> None:
     _register_data(sub)
 
-    p = sub.add_parser(
-        "train",
-        help="train a LoRA adapter (or: train sweep CONFIG --ranks 4,8,16)",
-        description="lorastack train CONFIG [options] [key=value ...]  |  "
-        "lorastack train sweep CONFIG --ranks 4,8,16 [key=value ...]",
-    )
+    p = add_command(sub, "train", cmd_train)
     p.add_argument("config", help="run config YAML (or 'sweep')")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. lora.r=16 lr=1e-4")
     p.add_argument("--smoke", action="store_true", help="short run with a pass/fail verdict")
@@ -297,6 +295,5 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--auto-batch", action="store_true", help="largest micro-batch that fits (CUDA)")
     p.add_argument("--ranks", help="sweep only: comma-separated LoRA ranks")
-    p.add_argument("--check", action="store_true", help=CHECK_HELP)
-    p.set_defaults(handler=cmd_train)
+    add_check_flag(p, CHECK_HELP)
     _overrides_anywhere(p)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lorastack.settings import CommonSettings
+from lorastack.subcommands import add_command
 
 # the flags that set the eval config field of the same name (space-separated)
 _EVAL_FIELDS = (
@@ -25,6 +26,11 @@ _LOADTEST_FIELDS = (
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """base model + prompt vs LoRA on the frozen test split, with bootstrap verdicts
+
+    Ask both models every test prompt through an OpenAI-compatible endpoint (greedy), score
+    the answers and decide per metric from a paired bootstrap CI.
+    """
     from evaluation.eval_config import load_eval_config
     from evaluation.eval_run import default_report_name, run_eval
     from evaluation.verdict import minimum_items
@@ -87,12 +93,7 @@ def _parse_shot(text: str) -> dict[str, str]:
 
 
 def _register_eval(sub: Any) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="base model + prompt vs LoRA on the frozen test split, with bootstrap verdicts",
-        description="Ask both models every test prompt through an OpenAI-compatible endpoint "
-        "(greedy), score the answers and decide per metric from a paired bootstrap CI.",
-    )
+    p = add_command(sub, "eval", cmd_eval)
     p.add_argument("--config", help="YAML file with the fields below (flags override it)")
     p.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8080")
     p.add_argument("--api-key", help="bearer token, if the endpoint needs one")
@@ -123,7 +124,6 @@ def _register_eval(sub: Any) -> None:
     p.add_argument("--out", default="eval-report", help="folder for report.md/json, samples.jsonl")
     p.add_argument("--publish", metavar="NAME", help="report artifact name (default <run>/eval)")
     p.add_argument("--no-publish", action="store_true", help="write --out only")
-    p.set_defaults(handler=cmd_eval)
 
 
 def _floats(text: str) -> list[float]:
@@ -138,6 +138,11 @@ def _floats(text: str) -> list[float]:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
+    """streamed load sweep against an OpenAI-compatible endpoint (TTFT, TPOT, ITL, ...)
+
+    Sweep concurrency levels and/or Poisson request rates; per level report TTFT, TPOT, ITL
+    and E2E percentiles, throughput, goodput and server peaks.
+    """
     from pydantic import ValidationError
 
     from evaluation.loadtest_config import LoadtestConfig
@@ -174,12 +179,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def _register_loadtest(sub: Any) -> None:
-    p = sub.add_parser(
-        "loadtest",
-        help="streamed load sweep against an OpenAI-compatible endpoint (TTFT, TPOT, ITL, ...)",
-        description="Sweep concurrency levels and/or Poisson request rates; per level report "
-        "TTFT, TPOT, ITL and E2E percentiles, throughput, goodput and server peaks.",
-    )
+    p = add_command(sub, "loadtest", cmd_loadtest)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (vLLM or gateway)")
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument("--api-key", help="bearer token, if the endpoint needs one")
@@ -209,7 +209,6 @@ def _register_loadtest(sub: Any) -> None:
     )
     p.add_argument("--out", default="loadtest", help="folder for report.md/json, PNG, samples")
     p.add_argument("--publish", metavar="NAME", help="also publish as a report artifact")
-    p.set_defaults(handler=cmd_loadtest)
 
 
 def _print_cost(report: Any) -> None:
@@ -242,6 +241,7 @@ def _read_json(path: Path) -> Any:
 
 
 def cmd_cost_estimate(args: argparse.Namespace) -> int:
+    """before a run: steps x s/step x price + storage + allowance"""
     from evaluation.cost import estimate_training, steps_for, time_warm_steps
     from lorastack.errors import ConfigError
     from lorastack.run_record import read_steps
@@ -282,6 +282,7 @@ def cmd_cost_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_cost_actual(args: argparse.Namespace) -> int:
+    """after a run: billed time x price from training-complete.json"""
     from evaluation.cost import actual_training
 
     path = Path(args.source)
@@ -300,6 +301,7 @@ def cmd_cost_actual(args: argparse.Namespace) -> int:
 
 
 def cmd_cost_serving(args: argparse.Namespace) -> int:
+    """price per hour / measured throughput -> cost per 1M tokens"""
     from evaluation.cost import serving_costs
 
     path = _in_folder(Path(args.loadtest), "report.json")
@@ -325,7 +327,7 @@ def _register_cost(sub: Any) -> None:
     p = sub.add_parser("cost", help="cost before a run, after it, and per million served tokens")
     s = p.add_subparsers(dest="cost_command", metavar="ACTION", required=True)
 
-    e = s.add_parser("estimate", help="before a run: steps x s/step x price + storage + allowance")
+    e = add_command(s, "estimate", cmd_cost_estimate)
     e.add_argument("--steps", type=int, help="optimizer steps of the full run")
     e.add_argument("--examples", type=int, help="training examples (with --batch-size, --epochs)")
     e.add_argument("--batch-size", type=int, default=8, help="examples per optimizer step")
@@ -341,19 +343,16 @@ def _register_cost(sub: Any) -> None:
     e.add_argument("--setup-hours", type=float, default=0.25, help="per GPU (default 0.25)")
     e.add_argument("--idle-fraction", type=float, default=0.10, help="of compute (default 0.10)")
     e.add_argument("--currency", default="USD")
-    e.set_defaults(handler=cmd_cost_estimate)
 
-    a = s.add_parser("actual", help="after a run: billed time x price from training-complete.json")
+    a = add_command(s, "actual", cmd_cost_actual)
     a.add_argument("source", help="training-complete.json, its run folder, or an adapter ref")
     a.add_argument("--price-per-gpu-hour", type=float, help="default: the price the run recorded")
     a.add_argument("--currency", default="USD")
-    a.set_defaults(handler=cmd_cost_actual)
 
-    v = s.add_parser("serving", help="price per hour / measured throughput -> cost per 1M tokens")
+    v = add_command(s, "serving", cmd_cost_serving)
     v.add_argument("loadtest", help="report.json of 'lorastack loadtest' (or its folder)")
     v.add_argument("--price-per-hour", type=float, required=True, help="for the whole server")
     v.add_argument("--currency", default="USD")
-    v.set_defaults(handler=cmd_cost_serving)
 
 
 def register(sub: Any) -> None:

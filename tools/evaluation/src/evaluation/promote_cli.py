@@ -12,9 +12,17 @@ from typing import Any
 
 from lorastack.settings import CommonSettings
 from lorastack.store import LabelRecord
+from lorastack.subcommands import add_command
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
+    """label an adapter NAME@promoted, only on an improvement verdict
+
+    Point NAME@LABEL (default NAME@promoted) at an adapter version when its published
+    evaluation (lorastack eval --adapter REF) says 'improvement' on the primary metric;
+    otherwise refuse with the numbers. Serve configs that name NAME@promoted follow the label
+    without a restart.
+    """
     from evaluation.promotion import promote
     from lorastack.errors import ConfigError
     from lorastack.manifest import served_label_name
@@ -56,18 +64,10 @@ def print_labels(records: list[LabelRecord], url: str) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "promote",
-        help="label an adapter NAME@promoted, only on an improvement verdict",
-        description="Point NAME@LABEL (default NAME@promoted) at an adapter version when its "
-        "published evaluation (lorastack eval --adapter REF) says 'improvement' on the "
-        "primary metric; otherwise refuse with the numbers. Serve configs that name "
-        "NAME@promoted follow the label without a restart.",
-    )
+    p = add_command(sub, "promote", cmd_promote)
     p.add_argument("ref", nargs="?", metavar="RUN/adapter[:VERSION]")
     p.add_argument("--label", default="promoted", help="label to move (default: promoted)")
     p.add_argument("--report", metavar="NAME[:VERSION]", help="the evaluation that decides")
     p.add_argument("--force", action="store_true", help="promote without an improvement")
     p.add_argument("--reason", help="why (required with --force; recorded)")
     p.add_argument("--list", action="store_true", help="list labels in force (REF: a prefix)")
-    p.set_defaults(handler=cmd_promote)
