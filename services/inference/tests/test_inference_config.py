@@ -266,3 +266,32 @@ def test_vllm_s_refusals_carry_its_own_message() -> None:
         with pytest.raises(EngineFailed) as e:
             unload_lora(fake.base_url, "chat")
         assert e.value.message.endswith("(404): The lora adapter 'chat' cannot be found.")
+
+
+def test_the_serve_settings_reach_the_engine_and_the_kv_estimate(tmp_path: Path) -> None:
+    from inference.kv_cache import KvSetup
+
+    s = build_settings(
+        home=tmp_path, model="m:1", port=8100, host="0.0.0.0", max_model_len=4096,
+        max_num_seqs=16, kv_cache_gib=3.0, gpu_memory_utilization=0.8, gpu_kv_cache_gib=5.0,
+        enable_lora=True, max_lora_rank=32, max_loras=4, kv_cache_dtype="fp8",
+        gpu_overhead_gib=1.5, typical_request_tokens=512, vllm_api_key="k" * 32,
+    )  # fmt: skip
+    spec = EngineSpec.from_settings(
+        s, model_dir=tmp_path, dtype="bfloat16", platform="cuda", extra_args=["--x"]
+    )
+    assert (spec.port, spec.host, spec.max_model_len, spec.max_num_seqs) == (
+        8100, "0.0.0.0", 4096, 16
+    )  # fmt: skip
+    assert (spec.kv_cache_gib, spec.gpu_memory_utilization, spec.gpu_kv_cache_gib) == (3, 0.8, 5)
+    assert (spec.enable_lora, spec.max_lora_rank, spec.max_loras) == (True, 32, 4)
+    assert (spec.dtype, spec.platform, spec.extra_args, spec.api_key) == (
+        "bfloat16", "cuda", ("--x",), "k" * 32
+    )  # fmt: skip
+    assert spec.workdir == tmp_path / "serve"
+    kv = KvSetup.from_settings(s, platform="cuda", dtype="bfloat16", gpu_mem_gib=80.0)
+    assert kv == KvSetup(
+        platform="cuda", max_model_len=4096, max_num_seqs=16, dtype="bfloat16", kv_dtype="fp8",
+        kv_cache_gib=3.0, gpu_mem_gib=80.0, gpu_util=0.8, gpu_kv_cache_gib=5.0, overhead_gib=1.5,
+        typical_tokens=512,
+    )  # fmt: skip

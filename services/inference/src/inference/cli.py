@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from inference.kv_cache import KvEstimate, ModelShape
 
 N = TypeVar("N", int, float)
+# the kv-estimate flags that set the KvSetup field of the same name
+_KV_SETUP_FLAGS = (
+    "max_model_len max_num_seqs kv_dtype kv_cache_gib gpu_util overhead_gib typical_tokens"
+)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -71,15 +75,9 @@ def cmd_kv_estimate(args: argparse.Namespace) -> int:
         dtype = "float32"
     setup = KvSetup(
         platform=platform,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
         dtype=dtype,
-        kv_dtype=args.kv_dtype,
-        kv_cache_gib=args.kv_cache_gib,
         gpu_mem_gib=args.gpu_mem_gib or 0.0,
-        gpu_util=args.gpu_util,
-        overhead_gib=args.overhead_gib,
-        typical_tokens=args.typical_tokens,
+        **{name: getattr(args, name) for name in _KV_SETUP_FLAGS.split()},
     )
     est = estimate(shape, setup)
     if args.json:

@@ -87,6 +87,13 @@ def _group_alive(pid: int, *, group: bool = True) -> bool:
     return True
 
 
+# the serve settings vLLM takes as they are, each the EngineSpec field of its name
+_SETTINGS_AS_THEY_ARE = (
+    "port host max_model_len max_num_seqs kv_cache_gib gpu_memory_utilization gpu_kv_cache_gib "
+    "enable_lora max_lora_rank max_loras"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineSpec:
     """What one vLLM runs: the model and the name it serves it under, where it listens, its
@@ -129,21 +136,12 @@ class EngineSpec:
         return cls(
             model_dir=model_dir,
             served_name=settings.resolved_served_name,
-            port=settings.port,
             workdir=settings.resolved_workdir,
-            host=settings.host,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
             dtype=dtype,
-            kv_cache_gib=settings.kv_cache_gib,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            gpu_kv_cache_gib=settings.gpu_kv_cache_gib,
-            enable_lora=settings.enable_lora,
-            max_lora_rank=settings.max_lora_rank,
-            max_loras=settings.max_loras,
             extra_args=tuple(extra_args),
             platform=platform,
             api_key=key.get_secret_value() if key is not None else None,
+            **{name: getattr(settings, name) for name in _SETTINGS_AS_THEY_ARE.split()},
         )
 
 

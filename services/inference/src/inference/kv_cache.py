@@ -136,6 +136,10 @@ def capacity_tokens(budget_bytes: int, per_token: int, block_size: int) -> tuple
     return blocks, blocks * block_size
 
 
+# the KvSetup fields a serve setting of the same name gives as it is
+_SETTINGS_AS_THEY_ARE = "max_model_len max_num_seqs kv_cache_gib gpu_kv_cache_gib typical_tokens"
+
+
 @dataclass(frozen=True, kw_only=True)
 class KvSetup:
     """What the estimate asks besides the model's shape: the platform, the limits vLLM runs
@@ -163,16 +167,12 @@ class KvSetup:
         `platform` with `gpu_mem_gib` (0 on CPU)."""
         return cls(
             platform=platform,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
             dtype=dtype,
             kv_dtype=settings.kv_cache_dtype,
-            kv_cache_gib=settings.kv_cache_gib,
             gpu_mem_gib=gpu_mem_gib,
             gpu_util=settings.gpu_memory_utilization,
-            gpu_kv_cache_gib=settings.gpu_kv_cache_gib,
             overhead_gib=settings.gpu_overhead_gib,
-            typical_tokens=settings.typical_tokens,
+            **{name: getattr(settings, name) for name in _SETTINGS_AS_THEY_ARE.split()},
         )
 
 
