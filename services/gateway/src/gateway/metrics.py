@@ -86,6 +86,10 @@ class GatewayMetrics:
             """A gauge labelled by a backend alone, set alike by every worker (a scrape)."""
             return Gauge(name, doc, ["backend"], multiprocess_mode=_SCRAPED, registry=r)
 
+        def key_counter(name: str, doc: str, *labels: str) -> Counter:
+            """A counter labelled by a key's name (never its secret), then by `labels`."""
+            return Counter(name, doc, ["key", *labels], registry=r)
+
         self.backend_up = backend_gauge(
             "lorastack_gateway_backend_up",
             "1 when the last scrape of the backend succeeded",
@@ -188,30 +192,22 @@ class GatewayMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
-        k = ["key"]  # the key's name, never its secret
-        self.key_requests = Counter(
+        self.key_requests = key_counter(
             "lorastack_gateway_key_requests_total",
             "requests admitted (past auth, model check and limits), by key name",
-            k,
-            registry=r,
         )
-        self.key_prompt_tokens = Counter(
+        self.key_prompt_tokens = key_counter(
             "lorastack_gateway_key_prompt_tokens_total",
             "prompt tokens of answered requests, by key name (the backend's usage)",
-            k,
-            registry=r,
         )
-        self.key_completion_tokens = Counter(
+        self.key_completion_tokens = key_counter(
             "lorastack_gateway_key_completion_tokens_total",
             "completion tokens of answered requests, by key name (the backend's usage)",
-            k,
-            registry=r,
         )
-        self.key_rejections = Counter(
+        self.key_rejections = key_counter(
             "lorastack_gateway_key_rejections_total",
             "requests of a known key the gateway refused, by key name and reason",
-            [*k, "reason"],
-            registry=r,
+            "reason",
         )
         self.redis_up = Gauge(
             "lorastack_gateway_redis_up",
