@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from inference.artifacts import ServedAdapter
+from inference.periodic import Periodic
 from inference.supervisor import Supervisor
 from lorastack.errors import LorastackError
 from lorastack.manifest import validate_name
@@ -47,8 +48,7 @@ class AdapterReconciler:
         self.deployment = supervisor.settings.resolved_deployment
         self.interval_s = supervisor.settings.adapter_sync_s  # seconds; 0 = at start only
         self._lock = threading.Lock()  # one change or look at a time (timer, admin routes)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._looks = Periodic("adapter-sync", TICK_S, self._look)
         self.declaration = Declaration(deployment=self.deployment)  # as last read
         self.last_check = 0.0  # unix time of the last completed look
         self.synced_start = 0.0  # the supervisor's `started_at` that the last look saw
@@ -61,14 +61,11 @@ class AdapterReconciler:
 
     def start(self) -> None:
         """Start syncing the served adapters with the declaration, in a daemon thread."""
-        self._thread = threading.Thread(target=self._run, name="adapter-sync", daemon=True)
-        self._thread.start()
+        self._looks.start()
 
     def stop(self) -> None:
         """Stop the sync thread and wait for it (30 s at most)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._looks.stop()
 
     def due(self) -> bool:
         """A look is due: vLLM (re)started since the last one, or the interval has passed."""
@@ -79,16 +76,15 @@ class AdapterReconciler:
             return True
         return self.interval_s > 0 and time.time() - self.last_check >= self.interval_s
 
-    def _run(self) -> None:
-        while not self._stop.wait(TICK_S):
-            if not self.due():
-                continue
-            try:
-                self.check()
-            except Exception:  # top of the thread: keep reconciling whatever happened
-                log.exception("reconciling the declared adapters failed")
-                self.last_check = time.time()  # next try after the interval, not at once
-                self.synced_start = self.supervisor.started_at
+    def _look(self) -> None:
+        if not self.due():
+            return
+        try:
+            self.check()
+        except Exception:  # top of the thread: keep reconciling whatever happened
+            log.exception("reconciling the declared adapters failed")
+            self.last_check = time.time()  # next try after the interval, not at once
+            self.synced_start = self.supervisor.started_at
 
     # -- reconciling -------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from inference.artifacts import fetch_adapter, resolve
+from inference.periodic import Periodic
 from inference.supervisor import Supervisor
 from lorastack.errors import LorastackError
 
@@ -34,8 +35,7 @@ class LabelFollower:
         self.supervisor = supervisor
         self.interval_s = supervisor.settings.label_refresh_s  # seconds; 0 = on request only
         self._check_lock = threading.Lock()  # one look at a time (timer and admin route)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._looks = Periodic("label-follower", self.interval_s, self._look)
         self.last_check = 0.0  # unix time of the last completed look
         self.errors: dict[str, str] = {}  # labelled ref -> why it was not followed
         self.switches = 0  # versions switched since start
@@ -43,21 +43,17 @@ class LabelFollower:
     def start(self) -> None:
         """Start following labels in a daemon thread (none when the interval is 0)."""
         if self.interval_s > 0:  # a look with no labelled adapter costs nothing
-            self._thread = threading.Thread(target=self._run, name="label-follower", daemon=True)
-            self._thread.start()
+            self._looks.start()
 
     def stop(self) -> None:
         """Stop the follower thread and wait for it (30 s at most)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._looks.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check()
-            except Exception:  # top of the thread: keep following whatever happened
-                log.exception("following labels failed")
+    def _look(self) -> None:
+        try:
+            self.check()
+        except Exception:  # top of the thread: keep following whatever happened
+            log.exception("following labels failed")
 
     def check(self) -> list[dict[str, str]]:
         """Look once: switch every followed adapter whose label moved; the switches made."""
