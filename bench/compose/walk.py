@@ -240,15 +240,17 @@ class Walk:
                 ):
                     continue
                 copy = self.work / "mounts" / name / target.strip("/").replace("/", "_")
-                shutil.rmtree(copy, ignore_errors=True)
-                shutil.copytree(src, copy)
+                # made once: a running service may read its config again
+                if not copy.is_dir():
+                    shutil.copytree(src, copy)
                 changed = []
                 for p, text in texts.items():
                     mapped = "\n".join(map_text(line, name, {"volumes": theirs}, bare)
                                        for line in text.split("\n"))  # fmt: skip
                     if mapped != text:
-                        (copy / p.name).write_text(mapped)
                         changed.append(p.name)
+                    if (copy / p.name).read_text() != mapped:
+                        (copy / p.name).write_text(mapped)
                 out.setdefault(name, {})[target] = copy
                 self.state.setdefault("mapped_files", {})[f"{name}:{target}"] = changed
         return out
