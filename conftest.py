@@ -1,9 +1,12 @@
 """Fixtures shared by every test suite: isolated settings, a real S3 server on loopback
-(moto), and the embedded base model converted once per machine."""
+(moto), and the embedded base model converted once per machine; and how the suite is spread
+over pytest-xdist's processes (scripts/test.sh runs two)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parent
 TEST_HOME = REPO / ".cache" / "test-home"  # survives runs: the model conversion is slow
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (with --dist loadgroup)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, a test file is one unit of work: its module and session fixtures
+    (a vLLM server, the demo's run) are made once, in one process. The files with the most
+    slow tests go first, so the longest unit never starts last while the other process idles
+    (xdist hands out units in this order with --no-loadscope-reorder)."""
+    if getattr(config.option, "dist", "no") == "no":
+        return
+    slow = Counter(str(item.path) for item in items if item.get_closest_marker("slow"))
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(REPO))))
+    items.sort(key=lambda item: -slow[str(item.path)])  # stable: a file's order is kept
 
 
 @pytest.fixture
@@ -49,7 +67,10 @@ def embedded_model() -> Path:
 
     gguf = find_default_gguf()
     out = TEST_HOME / "models" / f"smollm2-{sha256_file(gguf)[:12]}"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one process converts, another (pytest-xdist's) waits for it rather than racing
+    with open(out.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            convert_gguf(gguf, out)
     return out
