@@ -34,6 +34,9 @@ if [ ! -f $S/.compose-installed ]; then
 else  # this tree's code again (the call may carry a newer commit than the install's)
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target $S "${code[@]}" || exit 1
 fi
+# pip --target --upgrade replaces $S/bin with the last install's scripts alone: the stand-in
+# store's command (moto_server) written again, as its console script would be
+[ -x $S/bin/moto_server ] || { printf '#!/bin/sh\nexec python3 -m moto.server "$@"\n' > $S/bin/moto_server && chmod +x $S/bin/moto_server; }
 # every image's python imports what its processes need, or the call stops here
 python3 -c "import moto.server, flask, boto3, vllm, inference.supervisor, gateway.main, lorastack_testing.fake_hub, openai" || exit 1
 PYTHONPATH=$J:$S python3 -c "
