@@ -22,18 +22,14 @@ REPO = Path(__file__).resolve().parent
 TEST_HOME = REPO / ".cache" / "test-home"  # survives runs: the model conversion is slow
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (with --dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, a test file is one unit of work: its module and session fixtures
-    (a vLLM server, the demo's run) are made once, in one process. The files with the most
+    """Under pytest-xdist (scripts/test.sh: --dist loadfile, a test file one unit of work, so
+    its module and session fixtures are made once, in one process), the files with the most
     slow tests go first, so the longest unit never starts last while the other process idles
-    (xdist hands out units in this order with --no-loadscope-reorder)."""
-    if getattr(config.option, "dist", "no") == "no":
+    (xdist hands the files out in this order with --no-loadscope-reorder)."""
+    if not hasattr(config, "workerinput"):  # only xdist's worker processes collect for it
         return
     slow = Counter(str(item.path) for item in items if item.get_closest_marker("slow"))
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(REPO))))
     items.sort(key=lambda item: -slow[str(item.path)])  # stable: a file's order is kept
 
 

@@ -9,4 +9,4 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-.venv/bin/python -m pytest -n "${LORASTACK_TEST_PROCESSES:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest -n "${LORASTACK_TEST_PROCESSES:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -121,13 +121,29 @@ def test_cpu_command_and_environment(tmp_path: Path) -> None:
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     # eager helpers: a logprobs request must not need a C++ compiler the image lacks
     assert env["TORCHDYNAMO_DISABLE"] == "1"
-    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(
-        str(tmp_path)
-    )
+    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
     half = VllmServer(EngineSpec(model_dir=tmp_path, served_name="m", port=1, workdir=tmp_path,
                                  kv_cache_gib=0.5, platform="cpu"))  # fmt: skip
     assert "VLLM_CPU_KVCACHE_SPACE" not in half.environment()  # the variable takes whole GiB
     assert half.command()[half.command().index("--kv-cache-memory-bytes") + 1] == str(2**29)
+
+
+def test_vllm_sockets_fit_however_deep_the_workdir(tmp_path: Path) -> None:
+    """vLLM binds ipc://TMPDIR/<uuid4>; a Unix socket path holds 107 bytes. A deep workdir
+    (pytest-xdist's temp folders were one) gets a short TMPDIR of its own instead of a start
+    that fails with ZMQError "ipc path ... is longer than 107"."""
+
+    def tmpdir(workdir: Path) -> str:
+        spec = EngineSpec(model_dir=tmp_path, served_name="m", port=1, workdir=workdir)
+        return VllmServer(spec).environment()["TMPDIR"]
+
+    assert tmpdir(Path("/srv/w")) == "/srv/w/tmp"  # room left: the workdir's own
+    deep = Path("/srv") / ("d" * 80) / "w"
+    short = tmpdir(deep)
+    assert not short.startswith(str(deep)) and len(short) + 1 + 36 <= 107
+    assert short == tmpdir(deep) != tmpdir(deep.parent / "other")  # one folder a workdir
+    edge = Path("/" + "e" * (107 - 37 - len("/w/tmp") - 1)) / "w"  # the path + a uuid: 107
+    assert tmpdir(edge) == f"{edge}/tmp" and len(f"{edge}/tmp") + 37 == 107
 
 
 def test_cuda_command(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ process group and `stop()` ends the whole group.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata as metadata
 import importlib.util
 import logging
@@ -25,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -43,6 +45,7 @@ from lorastack import pidfile
 if TYPE_CHECKING:
     from inference.settings import InferenceSettings
 
+_SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sizeof(sockaddr_un.sun_path) - 1)
 log = logging.getLogger(__name__)
 
 Platform = Literal["cpu", "cuda"]
@@ -210,10 +213,9 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         """vLLM's environment: ours plus its cache and temporary folders and platform settings."""
         env = dict(os.environ)
-        cache, tmp = self.workdir / "cache", self.workdir / "tmp"
         env.update(
-            VLLM_CACHE_ROOT=str(cache),  # or vLLM writes to ~/.cache/vllm
-            TMPDIR=str(tmp),  # or vLLM leaves its sockets in /tmp
+            VLLM_CACHE_ROOT=str(self.workdir / "cache"),  # or vLLM writes to ~/.cache/vllm
+            TMPDIR=str(self.tmp_dir),  # or vLLM leaves its sockets in /tmp
             PYTHONUNBUFFERED="1",  # the log file is read while the server runs
             HF_HUB_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
@@ -236,6 +238,18 @@ class VllmServer:
         return env
 
     @property
+    def tmp_dir(self) -> Path:
+        """vLLM's TMPDIR: the workdir's tmp/, unless that path leaves no room for the sockets
+        vLLM binds there (ipc://TMPDIR/<uuid4>: a Unix socket's path holds 107 bytes); then
+        a short folder of the system's, named after the workdir (a deep workdir would
+        otherwise fail every start with ZMQError "ipc path ... is longer than 107")."""
+        tmp = self.workdir / "tmp"
+        if len(str(tmp).encode()) + len("/") + 36 <= _SOCKET_PATH_MAX:
+            return tmp
+        digest = hashlib.sha256(str(self.workdir.absolute()).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"lorastack-vllm-{digest}"
+
+    @property
     def sampler_env(self) -> dict[str, str]:
         """`sampler_env` for this server (whether `flashinfer` imports here)."""
         has = self.platform == "cuda" and importlib.util.find_spec("flashinfer") is not None
@@ -247,7 +261,7 @@ class VllmServer:
         """Start vLLM, its output going to the log; EngineFailed if it is already running."""
         if self.running:
             raise EngineFailed("vLLM is already running", "call stop() before start()")
-        for d in (self.workdir, self.workdir / "cache", self.workdir / "tmp"):
+        for d in (self.workdir, self.workdir / "cache", self.tmp_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.stop_leftover()
         if self.log_path.exists():  # keep the previous run's log beside the new one
