@@ -375,3 +375,20 @@ def test_a_verdict_reads_as_one_line_wherever_it_is_shown() -> None:
     assert describe({"model": "b", "ok": None, "reference": None}) == (
         "parity b: not checked (it carries no parity reference)"
     )
+
+
+def test_a_qlora_reference_recorded_on_the_served_base_is_held_to_refusal() -> None:
+    """A QLoRA adapter's reference recorded on the unquantised base it is served on
+    (trainer.publish.reference): the same limits and policy as any adapter, so what the
+    nf4-recorded reference let through with a warning (bench/compose: the right adapter at
+    top-1 80% there) is now a near miss refused; served on vLLM's 4-bit base the hint says
+    that the reference was recorded unquantised."""
+    ref = reference("bfloat16").model_copy(update={"trained_quantization": "nf4"})
+    assert default_policy(ref) == "refuse"
+    assert judge("m", ref, faithful(ref), served_dtype="bfloat16").ok
+    near = judge("m", ref, faithful(ref, shift=0.5), served_dtype="bfloat16")
+    assert not near.ok and near.policy == "refuse" and near.limits == HALF, near.problems
+    on_nf4 = judge(
+        "m", ref, faithful(ref, shift=4.0), served_dtype="bfloat16", served_quantization="nf4"
+    )
+    assert "recorded on the unquantised base (trained on nf4)" in on_nf4.problems[0]

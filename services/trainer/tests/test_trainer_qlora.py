@@ -1,5 +1,5 @@
 """The QLoRA path (nf4, double quant, fp32 compute) trains on CPU and publishes the
-adapter with its metrics, plot, completion record and lineage."""
+adapter with its metrics, plot, completion record, lineage and parity reference."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lorastack.parity import REFERENCE_FILE, read_reference_bytes
 from lorastack.store import open_store
 from trainer.config import load_config
 from trainer.recipe import run_training
@@ -54,3 +55,8 @@ def test_qlora_trains_a_few_steps_on_cpu_and_publishes_the_adapter(
     adapter_cfg = json.loads((folder / "adapter_config.json").read_text())
     assert adapter_cfg["base_model_name_or_path"].startswith("smollm2-135m-instruct:")
     assert [v for v in store.versions("qlora/checkpoints")] == ["2"]
+    # its parity reference is recorded on the unquantised base it is served on (float32 on
+    # the CPU), so serving holds it to the limits of any adapter
+    ref = read_reference_bytes((folder / REFERENCE_FILE).read_bytes(), "the reference")
+    assert (ref.quantization, ref.trained_quantization, ref.dtype) == ("none", "nf4", "float32")
+    assert m.metadata["parity_reference"]["trained_quantization"] == "nf4"

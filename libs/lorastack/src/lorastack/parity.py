@@ -104,7 +104,10 @@ class Reference(BaseModel):
     format: int = 2  # one of FORMATS
     recorded_by: str  # "trainer" or "merger"
     dtype: str  # compute dtype the model ran in: float32 | bfloat16 | float16
-    quantization: str = "none"  # of the base weights: none | nf4
+    quantization: str = "none"  # of the base weights it was recorded on: none | nf4
+    # the run's quantisation where it was recorded on another base: a QLoRA adapter
+    # recorded on the unquantised base that vLLM and the merge serve it on; "" = as above
+    trained_quantization: str = ""
     device: str = ""  # cpu | cuda
     base_digest: str = ""  # the base model the adapter was trained on
     max_new_tokens: int = Field(ge=1)
@@ -585,9 +588,14 @@ def _numeric_hint(reference: Reference, served_dtype: str, served_quantization: 
             "quantised as it was trained: extra_vllm_args [--quantization, bitsandbytes])"
         )
     if trained == "none" and served != "none":
+        was = (
+            f"recorded on the unquantised base (trained on {reference.trained_quantization})"
+            if reference.trained_quantization
+            else "trained on an unquantised base"
+        )
         return (
-            f"it was trained on an unquantised base and is served on a {served} one: serve "
-            "it unquantised (no --quantization in extra_vllm_args)"
+            f"it was {was} and is served on a {served} one: serve it unquantised (no "
+            "--quantization in extra_vllm_args)"
         )
     if trained != "none":
         return (

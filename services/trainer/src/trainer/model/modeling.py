@@ -92,14 +92,17 @@ def read_model_config(base_dir: Path) -> dict[str, Any]:
     return cfg
 
 
-def base_load_kwargs(config: RunConfig, device: torch.device) -> dict[str, Any]:
+def base_load_kwargs(
+    config: RunConfig, device: torch.device, quantization: str | None = None
+) -> dict[str, Any]:
     """`from_pretrained` keywords that load the base as training runs it: the compute
-    dtype, and nf4 with double quantisation for QLoRA."""
+    dtype, and nf4 with double quantisation for QLoRA (`quantization` overrides the
+    run's: "none" loads a QLoRA run's base unquantised, as it is served)."""
     from transformers import BitsAndBytesConfig
 
     dtype = compute_dtype(device)
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if config.quantization == "nf4":
+    if (quantization or config.quantization) == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",

@@ -265,6 +265,11 @@ def record_parity_reference(
     say(
         f"parity reference: {len(ref.probes)} held-out prompts recorded in {ref.dtype}"
         f"{'' if ref.quantization == 'none' else ' on the ' + ref.quantization + ' base'}"
+        + (
+            f" on the unquantised base it is served on (trained on {ref.trained_quantization})"
+            if ref.trained_quantization
+            else ""
+        )
         + ("" if control is None else f"; the base alone is {control:.2f} nats a token away")
     )
     return {
@@ -272,6 +277,7 @@ def record_parity_reference(
         "probes": len(ref.probes),
         "dtype": ref.dtype,
         "quantization": ref.quantization,
+        "trained_quantization": ref.trained_quantization or ref.quantization,
         "control_distance": None if control is None else round(control, 4),
     }
 

@@ -3,9 +3,13 @@ and evaluated generates from held-out prompts, written into the adapter folder b
 is published, so any deployment can check that it serves the same model.
 
 The model is loaded afresh from the base and the adapter folder about to be published, in
-the run's compute dtype and quantisation (trainer.model.modeling.base_load_kwargs): the
-adapter published is the selected checkpoint's, not necessarily the last step's weights
-that the training model holds. Greedy continuations come from `generate`; the
+the run's compute dtype (trainer.model.modeling.base_load_kwargs): the adapter published is
+the selected checkpoint's, not necessarily the last step's weights that the training model
+holds. A QLoRA run's reference is recorded on the unquantised base, the one vLLM and the
+merge serve the adapter on, so serving is held to the same limits as any adapter's (on the
+nf4 base it trained on, serving differed by the quantisation itself: top-1 80% for the
+right adapter, bench/compose); on the nf4 base only when the unquantised one does not fit
+the device's free memory, and the run says so. Greedy continuations come from `generate`; the
 log-probability of each generated token is read from one teacher-forced forward over
 prompt + continuation in float32 (log-softmax of the logits), as vLLM's prompt_logprobs
 computes it on the serving side, with the TOP_K most likely tokens at each position (a
@@ -37,7 +41,8 @@ from lorastack.parity import (
 )
 from trainer.config import RunConfig
 from trainer.data.samples import render, template_messages
-from trainer.model.modeling import base_load_kwargs, compute_dtype
+from trainer.model.memory import base_params
+from trainer.model.modeling import base_load_kwargs, compute_dtype, read_model_config
 
 PROBES = 8  # held-out prompts recorded
 MAX_NEW_TOKENS = 32  # tokens generated per probe
@@ -61,16 +66,47 @@ def stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(set(ids))
 
 
+ROOM_BYTES = 1 << 30  # beside the weights: a probe's logits and log-softmax over the vocab
+
+
+def recording_quantization(
+    config: RunConfig, base_cfg: dict[str, Any], device: torch.device, free_bytes: int | None
+) -> tuple[str, str]:
+    """The base the reference is recorded on ("none": unquantised, as served) and, when it
+    is the run's quantised one, why: the unquantised base in the compute dtype, with 10% and
+    ROOM_BYTES to spare, does not fit `free_bytes` (None: not known, tried)."""
+    if config.quantization == "none":
+        return "none", ""
+    linear, other = base_params(base_cfg)
+    need = int((linear + other) * compute_dtype(device).itemsize * 1.1) + ROOM_BYTES
+    if free_bytes is None or need <= free_bytes:
+        return "none", ""
+    return config.quantization, (
+        f"the unquantised base needs {need / 1e9:.1f} GB and {free_bytes / 1e9:.1f} GB are "
+        f"free on {device}"
+    )
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device` now (CUDA, after releasing the allocator's cache); None on
+    the CPU, whose memory the run was planned against."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
 def _load_adapted(
-    base_dir: Path, adapter_dir: Path, config: RunConfig, device: torch.device
+    base_dir: Path, adapter_dir: Path, config: RunConfig, device: torch.device, quantization: str
 ) -> Any:
-    """The base model with the published adapter, as the run trained it (device, dtype,
-    quantisation), in eval mode."""
+    """The base model with the published adapter on `device` in the run's compute dtype,
+    its base quantised as `quantization` says, in eval mode."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base: Any = AutoModelForCausalLM.from_pretrained(base_dir, **base_load_kwargs(config, device))
-    if config.quantization != "nf4":
+    kwargs = base_load_kwargs(config, device, quantization)
+    base: Any = AutoModelForCausalLM.from_pretrained(base_dir, **kwargs)
+    if quantization != "nf4":
         base.to(device)
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
@@ -91,7 +127,16 @@ def record_reference(
     """Run the published adapter on `conversations`' prompts and return the reference
     (written by `write_reference`). `spare`: more held-out conversations to record when
     the first do not tell the adapter from its base (MIN_CONTROL)."""
-    model = _load_adapted(base_dir, adapter_dir, config, device)
+    quantization, why = recording_quantization(
+        config, read_model_config(base_dir), device, free_memory(device)
+    )
+    if why and say is not None:
+        say(
+            f"parity reference: recorded on the {quantization} base the adapter trained on, "
+            f"not the unquantised one it is served on ({why}): serving it unquantised will "
+            "differ by the quantisation's gap, and its check warns instead of refusing"
+        )
+    model = _load_adapted(base_dir, adapter_dir, config, device, quantization)
     stops = stop_ids(model, tokenizer)
     with torch.inference_mode():
         probes = [_probe(model, tokenizer, c, device, stops, max_new_tokens) for c in conversations]
@@ -113,7 +158,8 @@ def record_reference(
     return Reference(
         recorded_by="trainer",
         dtype=str(compute_dtype(device)).removeprefix("torch."),
-        quantization=config.quantization,
+        quantization=quantization,
+        trained_quantization="" if quantization == config.quantization else config.quantization,
         device=device.type,
         base_digest=base_digest,
         max_new_tokens=max_new_tokens,
