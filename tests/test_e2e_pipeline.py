@@ -342,7 +342,7 @@ def test_refuse_unloads_a_failing_adapter_and_warn_serves_it(
         served_base_digest=adapter.parents[0].digest,
     )
     assert checked.serve and checked.outcome == "warned"
-    assert warn.results()["date-iso/adapter-v1"]["ok"] is False
+    assert warn.results()["date-iso/adapter-v1"].ok is False
 
 
 @pytest.mark.slow

@@ -82,10 +82,10 @@ def replay(model: Any, reference: Reference, device: str) -> list[Replay]:
             Replay(
                 rendered_ids=list(probe.prompt_ids),
                 encoded_ids=list(probe.prompt_ids),
-                forced_logprobs=[f[0] for f in forced],
-                forced_top1=[f[1] for f in forced],
+                forced_logprobs=[f.logprob for f in forced],
+                forced_top1=[f.top1 for f in forced],
                 greedy_ids=greedy,
-                forced_margins=[f[2] for f in forced],
+                forced_margins=[f.margin for f in forced],
                 forced_tokens=chosen,
                 rendered_text=probe.prompt_text,
             )

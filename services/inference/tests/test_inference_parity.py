@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.parity import _forced_at, served_quantization
+from inference.parity import Forced, _forced_at, served_quantization
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_the_served_base_quantisation_is_read_from_vllms_arguments(
 
 def test_the_margin_is_how_far_the_server_preferred_its_own_token() -> None:
     top = {5: -0.1, 6: -0.5}
-    assert _forced_at(top, 5, 5) == (-0.1, True, 0.0)
-    assert _forced_at(top, 6, 5) == (-0.5, False, pytest.approx(0.4))
+    assert _forced_at(top, 5, 5) == Forced(-0.1, True, 0.0, 5)
+    assert _forced_at(top, 6, 5) == Forced(-0.5, False, pytest.approx(0.4), 5)
     # outside the server's top few: its log-prob is at most the least of them, margin unknown
-    assert _forced_at(top, 7, 5) == (-0.5, False, None)
+    assert _forced_at(top, 7, 5) == Forced(-0.5, False, None, 5)

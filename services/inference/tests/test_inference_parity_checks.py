@@ -16,9 +16,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from inference.main import create_app
+from inference.parity import ParityVerdict
 from inference.settings import InferenceSettings
 from lorastack.manifest import Manifest
-from lorastack.parity import CHECK_PREFIX, REFERENCE_FILE, ProbeRecord, Reference
+from lorastack.parity import CHECK_PREFIX, REFERENCE_FILE, ProbeRecord, Reference, Replay, judge
 from lorastack.settings import CommonSettings
 from lorastack.store import ArtifactStore, open_store
 from lorastack_testing.fake_engine import FakeEngine, publish_tiny_model
@@ -165,6 +166,42 @@ def test_an_adapter_is_served_under_its_name_only_after_it_passed(
     metrics = client.get("/metrics").text
     assert 'lorastack_inference_parity_ok{model="good/adapter-v1"} 1.0' in metrics
     assert 'lorastack_inference_parity_checks_total{outcome="passed"} 1.0' in metrics
+
+
+def test_status_names_every_field_of_a_verdict_as_the_verdict_writes_it(
+    store: tuple[ArtifactStore, Manifest], tmp_path: Path
+) -> None:
+    """/status's schema names and describes each field of a parity verdict: those
+    lorastack.parity.Verdict.as_dict writes, in its order, and the check's seconds; the
+    record kept shows exactly them (here a verdict whose greedy answers parted)."""
+    parted = Replay(
+        rendered_ids=PROMPT_IDS,
+        encoded_ids=PROMPT_IDS,
+        forced_logprobs=[-0.1, -0.2, -1.0, -0.01],
+        forced_top1=[True, True, False, True],
+        greedy_ids=[7, 8, RUNNER_UP, 2],
+        forced_margins=[0.0, 0.0, 0.7, 0.0],
+        forced_tokens=[7, 8, RUNNER_UP, 9],
+        rendered_text=PROMPT,
+    )
+    verdict = judge("m", reference(), [parted, parted], served_dtype="float32")
+    shown = {**verdict.as_dict(), "seconds": 0.25}
+    assert shown["greedy_partings"] and shown["limits"], shown
+    record = ParityVerdict.of(verdict).model_copy(update={"seconds": 0.25})
+    assert json.loads(record.model_dump_json()) == shown
+    assert list(record.model_dump()) == list(shown)
+    settings = InferenceSettings(
+        home=str(tmp_path / "home"), model="tiny", engine="cpu", workdir=str(tmp_path / "w")
+    )
+    schemas = create_app(settings, store=store[0], server_factory=Engine).openapi()
+    schemas = schemas["components"]["schemas"]
+    kinds = schemas["StatusBody"]["properties"]["parity"]["additionalProperties"]["anyOf"]
+    assert [k["$ref"].rpartition("/")[2] for k in kinds] == [
+        "ParityVerdict", "ParityNotRun", "ParityNoReference"
+    ]  # fmt: skip
+    fields = schemas["ParityVerdict"]["properties"]
+    assert list(fields) == list(shown)
+    assert all(f.get("description") for f in fields.values()), fields
 
 
 def test_a_half_applied_adapter_is_refused_and_never_answers_a_client(

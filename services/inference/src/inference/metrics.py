@@ -7,7 +7,7 @@ parity with what was trained, the labels they follow and the deployment's declar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from inference.declared_adapters import AdapterReconciler
 from inference.label_follow import LabelFollower
+from inference.parity import Outcome, ParityNoReference, ParityRecord, ParityVerdict
 from inference.supervisor import Supervisor
 
 
@@ -121,7 +122,7 @@ def kv_metrics(kv: dict[str, Any]) -> Iterator[Metric]:
 
 
 def parity_metrics(
-    results: dict[str, dict[str, Any]], outcomes: dict[str, int]
+    results: Mapping[str, ParityRecord], outcomes: Mapping[Outcome, int]
 ) -> Iterator[Metric]:
     """Per served model and adapter: did its answers match its parity reference
     (lorastack.parity), by how much, and how long the check took; a check that could not
@@ -133,32 +134,30 @@ def parity_metrics(
         "trained), 0 when it did not or its check could not run",
         labels=["model"],
     )
-    numbers = {
-        "top1_agreement": GaugeMetricFamily(
-            "lorastack_inference_parity_top1_agreement",
-            "fraction of the reference's tokens that are still vLLM's most likely token",
-            labels=["model"],
-        ),
-        "max_abs_logprob_delta": GaugeMetricFamily(
-            "lorastack_inference_parity_max_logprob_delta",
-            "largest |log-prob served - log-prob trained| of a reference token, nats",
-            labels=["model"],
-        ),
-        "seconds": GaugeMetricFamily(
-            "lorastack_inference_parity_check_seconds",
-            "how long the last parity check of the model took, seconds",
-            labels=["model"],
-        ),
-    }
-    for name, v in sorted(results.items()):
-        if v.get("ok") is None and "error" not in v:
-            continue  # no reference: nothing was checked
-        ok.add_metric([name], 1.0 if v.get("ok") else 0.0)
-        for key, family in numbers.items():
-            if v.get(key) is not None:
-                family.add_metric([name], float(v[key]))
-    yield ok
-    yield from numbers.values()
+    top1 = GaugeMetricFamily(
+        "lorastack_inference_parity_top1_agreement",
+        "fraction of the reference's tokens that are still vLLM's most likely token",
+        labels=["model"],
+    )
+    delta = GaugeMetricFamily(
+        "lorastack_inference_parity_max_logprob_delta",
+        "largest |log-prob served - log-prob trained| of a reference token, nats",
+        labels=["model"],
+    )
+    seconds = GaugeMetricFamily(
+        "lorastack_inference_parity_check_seconds",
+        "how long the last parity check of the model took, seconds",
+        labels=["model"],
+    )
+    for name, record in sorted(results.items()):
+        if isinstance(record, ParityNoReference):
+            continue  # nothing was checked
+        ok.add_metric([name], 1.0 if record.ok else 0.0)  # a check that could not run: 0
+        if isinstance(record, ParityVerdict):
+            top1.add_metric([name], record.top1_agreement)
+            delta.add_metric([name], record.max_abs_logprob_delta)
+        seconds.add_metric([name], record.seconds)
+    yield from (ok, top1, delta, seconds)
     checks = CounterMetricFamily(
         "lorastack_inference_parity_checks",
         "parity checks by outcome: passed, refused, warned (failed, served under warn), "

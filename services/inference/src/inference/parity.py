@@ -8,6 +8,9 @@ once, so it batches them; every request's timeout is cut to what is left of the 
 deadline. vLLM's errors become EngineFailed. The verdict itself is lorastack.parity.judge;
 `ParityChecks` is the supervisor's use of it, and it fails closed: a check that cannot run
 refuses the model under `refuse` (and `auto` where the reference is readable and unquantised).
+Owns the record kept per served name (`ParityRecord`: a verdict, a check that could not run,
+or no reference), which /status shows field by field and /metrics reads, and `Checked`, what
+one check decided.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from inference import vllm_api
 from inference.errors import EngineFailed
 from lorastack.parity import (
     REFERENCE_FILE,
+    Limits,
+    Parting,
     Policy,
     ProbeRecord,
     Reference,
@@ -101,14 +108,24 @@ def _steps(answer: dict[str, Any]) -> list[tuple[list[int], list[dict[int, float
     return out
 
 
-def _forced_at(top: dict[int, float], token: int, chosen: int) -> tuple[float, bool, float | None]:
+@dataclass(frozen=True)
+class Forced:
+    """The server at one reference position, the reference token forced (`_forced_at`)."""
+
+    logprob: float  # the reference token's log-probability (a lower bound: see _forced_at)
+    top1: bool  # whether it was the server's most likely token
+    margin: float | None  # by how much the server preferred its own token (None: unknown)
+    chosen: int  # the server's own (most likely) token there
+
+
+def _forced_at(top: dict[int, float], token: int, chosen: int) -> Forced:
     """The log-probability of `token` where the server chose `chosen`, whether it was the
     server's top-1, and by how much the server preferred `chosen` (None when `token` is not
     among the top TOP_LOGPROBS). A token outside them gets the least of them: its own is
     lower still, so the |Δ| reported is a lower bound."""
     if token not in top:
-        return min(top.values(), default=float("-inf")), False, None
-    return top[token], token == chosen, top.get(chosen, top[token]) - top[token]
+        return Forced(min(top.values(), default=float("-inf")), False, None, chosen)
+    return Forced(top[token], token == chosen, top.get(chosen, top[token]) - top[token], chosen)
 
 
 def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
@@ -132,22 +149,22 @@ def replay_probe(vllm: _Vllm, probe: ProbeRecord) -> Replay:
     same = 0
     while same < min(len(greedy), len(wanted)) and greedy[same] == wanted[same]:
         same += 1
-    forced = [(*_forced_at(tops[i], wanted[i], greedy[i]), greedy[i]) for i in range(same)]
+    forced = [_forced_at(tops[i], wanted[i], greedy[i]) for i in range(same)]
     if same < len(wanted):
         prefixes = [probe.prompt_ids + wanted[:i] for i in range(same, len(wanted))]
         answer = vllm.post("/v1/completions", {"prompt": prefixes, "max_tokens": 1, **asked})
         forced += [
-            (*_forced_at(top[0], wanted[i], ids[0]), ids[0])
+            _forced_at(top[0], wanted[i], ids[0])
             for i, (ids, top) in zip(range(same, len(wanted)), _steps(answer), strict=True)
         ]
     return Replay(
         rendered_ids=rendered,
         encoded_ids=encoded,
-        forced_logprobs=[lp for lp, _, _, _ in forced],
-        forced_top1=[top1 for _, top1, _, _ in forced],
+        forced_logprobs=[f.logprob for f in forced],
+        forced_top1=[f.top1 for f in forced],
         greedy_ids=greedy,
-        forced_margins=[margin for _, _, margin, _ in forced],
-        forced_tokens=[token for _, _, _, token in forced],
+        forced_margins=[f.margin for f in forced],
+        forced_tokens=[f.chosen for f in forced],
         rendered_text=rendered_text,
     )
 
@@ -215,15 +232,87 @@ def check(
 Outcome = Literal["passed", "refused", "warned", "error_refused", "error_served", "no_reference"]
 
 
+class ParityVerdict(BaseModel):
+    """A check that ran: its verdict as lorastack.parity.Verdict.as_dict writes it (the same
+    fields, in that order, rounded as there), and how long the check took."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str = Field(description="the served name")
+    ok: bool = Field(description="what vLLM serves matched its parity reference")
+    policy: Policy = Field(description="what a failure does: refuse or warn")
+    served_dtype: str = Field(description="what vLLM computes in")
+    precision: str = Field(description="the precisions on both sides, which chose the limits")
+    limits: Limits = Field(description="what the answers must keep of the reference")
+    probes: int = Field(description="reference prompts replayed")
+    positions: int = Field(description="reference tokens compared")
+    top1_agreement: float = Field(
+        description="fraction of the reference tokens that are still vLLM's most likely token"
+    )
+    max_abs_logprob_delta: float = Field(
+        description="nats: the largest |log-prob served - log-prob trained| of a reference token"
+    )
+    mean_abs_logprob_delta: float = Field(description="nats: the mean of those |Δ|")
+    greedy_identical: int = Field(description="probes whose greedy tokens were all the same")
+    greedy_near_ties: int = Field(description="probes whose greedy tokens parted at a near-tie")
+    greedy_partings: list[Parting] = Field(
+        description="per probe that parted: where, and how sure each side was of its own "
+        "token there (nats; null where the other's token is not among its top few)"
+    )
+    control_distance: float | None = Field(
+        description="nats: the base model alone's mean |Δ| from the trained one (the "
+        "control); null when the reference carries none"
+    )
+    control_ratio: float | None = Field(
+        description="mean_abs_logprob_delta as a fraction of control_distance"
+    )
+    problems: list[str] = Field(description="what differs, each with what to change")
+    notes: list[str] = Field(description="what differs but does not refuse")
+    seconds: float = Field(0.0, description="how long the check took")
+
+    @classmethod
+    def of(cls, verdict: Verdict) -> ParityVerdict:
+        """The record of `verdict` (its seconds are set where the check is timed)."""
+        return cls.model_validate(verdict.as_dict())
+
+
+class ParityNotRun(BaseModel):
+    """A check that could not run (an unreadable reference, vLLM not answering in time, any
+    error): the model is served unchecked under parity warn, else refused."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str = Field(description="the served name")
+    ok: None = Field(None, description="null: no verdict was made")
+    served: bool = Field(description="served unchecked (parity warn), else refused")
+    error: str = Field(description="why the check could not run")
+    seconds: float = Field(0.0, description="how long the attempt took")
+
+
+class ParityNoReference(BaseModel):
+    """Nothing was checked: the folder carries no parity reference (made before references
+    were recorded, or with parity_probes: 0), and the model is served."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str = Field(description="the served name")
+    ok: None = Field(None, description="null: nothing was checked")
+    reference: None = Field(None, description="null: the folder has no parity reference")
+    seconds: float = Field(0.0, description="how long looking took")
+
+
+# what ParityChecks keeps per served name: /status shows it under `parity`, /metrics reads it
+ParityRecord = ParityVerdict | ParityNotRun | ParityNoReference
+
+
 @dataclass(frozen=True)
 class Checked:
-    """What one parity check decided: the outcome, why a refused model is refused, and the
-    record /status shows (Verdict.as_dict(), or why no verdict was made)."""
+    """What one parity check decided: the outcome, its record, and why a refused model is
+    refused."""
 
-    model: str  # served name
     outcome: Outcome
+    record: ParityRecord  # under parity: off, a ParityNoReference that is kept nowhere
     reason: str = ""  # why it must not be served ("" when it may)
-    record: dict[str, Any] = field(default_factory=dict)
 
     @property
     def serve(self) -> bool:
@@ -233,7 +322,7 @@ class Checked:
 class ParityChecks:
     """The parity checks of one supervisor: each served model or adapter replayed against
     the reference its folder carries, `setting` applied (auto | refuse | warn | off,
-    InferenceSettings.parity), the verdicts kept for /status and /metrics. Fails closed: a
+    InferenceSettings.parity), the records kept for /status and /metrics. Fails closed: a
     check that cannot run (an unreadable reference, vLLM not answering in time, any error)
     refuses the model unless the policy is warn. Without a reference it is served and the
     record says why nothing was checked."""
@@ -253,15 +342,15 @@ class ParityChecks:
         self.served_quantization = served_quantization
         self.max_model_len, self.timeout_s, self.deadline_s = max_model_len, timeout_s, deadline_s
         self._lock = threading.Lock()
-        self._results: dict[str, dict[str, Any]] = {}  # served name -> Checked.record
-        self.outcomes: dict[str, int] = dict.fromkeys(Outcome.__args__, 0)  # type: ignore[attr-defined]
+        self._results: dict[str, ParityRecord] = {}  # served name -> the last check's record
+        self.outcomes: dict[Outcome, int] = dict.fromkeys(get_args(Outcome), 0)
 
-    def results(self) -> dict[str, dict[str, Any]]:
-        """A copy of the verdicts so far, by served name."""
+    def results(self) -> dict[str, ParityRecord]:
+        """A copy of the records so far, by served name."""
         with self._lock:
             return dict(self._results)
 
-    def restore(self, served_name: str, record: dict[str, Any] | None) -> None:
+    def restore(self, served_name: str, record: ParityRecord | None) -> None:
         """Put back the record of what is served under `served_name` (a new version refused
         in its place leaves the old one served, with its own verdict)."""
         with self._lock:
@@ -280,17 +369,17 @@ class ParityChecks:
         asked_as: str = "",
     ) -> Checked:
         """Check what vLLM at `base_url` serves as `asked_as` (default: `served_name`, the
-        name the verdict is kept under). `served_base_digest`: the base an adapter runs on."""
+        name the record is kept under). `served_base_digest`: the base an adapter runs on."""
         if self.setting == "off":
-            record = {"model": served_name, "ok": None, "why": "parity: off"}
-            return Checked(served_name, "no_reference", record=record)
+            return Checked("no_reference", ParityNoReference(model=served_name))
         started = time.monotonic()
         checked = self._judge(base_url, served_name, folder, served_base_digest, asked_as)
-        checked.record["seconds"] = round(time.monotonic() - started, 3)
+        seconds = round(time.monotonic() - started, 3)
+        record = checked.record.model_copy(update={"seconds": seconds})
         with self._lock:
-            self._results[served_name] = checked.record
+            self._results[served_name] = record
             self.outcomes[checked.outcome] += 1
-        return checked
+        return replace(checked, record=record)
 
     def _policy(self, reference: Reference | None) -> Policy:
         if self.setting in ("refuse", "warn"):
@@ -311,8 +400,7 @@ class ParityChecks:
         try:
             reference = read_reference(folder)
             if reference is None:
-                record = {"model": served_name, "ok": None, "reference": None}
-                return Checked(served_name, "no_reference", record=record)
+                return Checked("no_reference", ParityNoReference(model=served_name))
             judged, notes = fitting(reference, self.max_model_len)
             verdict = check(
                 base_url,
@@ -333,25 +421,25 @@ class ParityChecks:
             return self._could_not(served_name, reference, f"{type(e).__name__}: {e}")
         verdict.model = served_name
         verdict.notes[:0] = notes
-        record = verdict.as_dict()
+        record = ParityVerdict.of(verdict)
         if verdict.ok:
             log.info("%s", verdict.summary())
-            return Checked(served_name, "passed", record=record)
+            return Checked("passed", record)
         refuse = verdict.policy == "refuse"
         problems = "; ".join(verdict.problems)
         log.log(logging.ERROR if refuse else logging.WARNING, "%s: %s", verdict.summary(), problems)
         if not refuse:
-            return Checked(served_name, "warned", record=record)
+            return Checked("warned", record)
         reason = f"{served_name} differs from the model that was trained: {verdict.problems[0]}"
-        return Checked(served_name, "refused", reason, record)
+        return Checked("refused", record, reason)
 
     def _could_not(self, served_name: str, reference: Reference | None, why: str) -> Checked:
         refuse = self._policy(reference) == "refuse"
-        record = {"model": served_name, "ok": None, "served": not refuse, "error": why}
+        record = ParityNotRun(model=served_name, served=not refuse, error=why)
         if not refuse:
             log.warning("parity of %s could not be checked (served: parity warn): %s",
                         served_name, why)  # fmt: skip
-            return Checked(served_name, "error_served", record=record)
+            return Checked("error_served", record)
         log.error("parity of %s could not be checked, so it is refused: %s", served_name, why)
         reason = f"the parity check of {served_name} could not run: {why}"
-        return Checked(served_name, "error_refused", reason, record)
+        return Checked("error_refused", record, reason)

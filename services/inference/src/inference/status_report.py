@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from inference.artifacts import ServedModel
 from inference.engine import VllmServer
 from inference.engine_log import RootCause
+from inference.parity import ParityRecord
 
 
 class ModelStatus(BaseModel):
@@ -83,7 +84,10 @@ class SupervisorStatus(BaseModel):
     model: ModelStatus
     adapters: list[dict[str, Any]] = Field(description="inference.artifacts.ServedAdapter.describe")
     dtype: dict[str, str] = Field(description="`served`: what vLLM computes in; `why`")
-    parity: dict[str, dict[str, Any]] = Field(description="the verdicts, by served name")
+    parity: dict[str, ParityRecord] = Field(
+        description="by served name: its parity verdict, why its check could not run, or "
+        "that it carries no reference (inference.parity)"
+    )
     chat_format: dict[str, Any] = Field(description="template and tool parser, and their source")
     vllm: VllmStatus
     restarts: int

@@ -186,17 +186,17 @@ class Supervisor:
                     server.base_url, self.settings.resolved_served_name, api_key=self._vllm_key
                 )
                 self.kv.read(server.read_log(), vllm_api.get_metrics(server.base_url))
-                refused = self._check_served_parity(server)
+                checked = self._check_served_parity(server)
                 with self._lock:
                     if self._stop.is_set() or self._draining.is_set():
                         break
                     self.history.reached_ready()
-                    if refused:
-                        self.state, self.last_error = "refused", refused
-                    else:
+                    if checked.serve:
                         self.ready, self.state, self.last_error = True, "ready", ""
-                if refused:  # fail closed: nothing is served, and no restart serves it again
-                    log.error("%s: vLLM stopped", refused)
+                    else:
+                        self.state, self.last_error = "refused", checked.reason
+                if not checked.serve:  # fail closed: nothing served, and no restart serves it again
+                    log.error("%s: vLLM stopped", checked.reason)
                     server.stop()
                     break
                 self.kv.log(self.engine_args)
@@ -236,14 +236,15 @@ class Supervisor:
 
     # -- parity: is what vLLM serves what was trained? (lorastack.parity) -----------------
 
-    def _check_served_parity(self, server: VllmServer) -> str:
+    def _check_served_parity(self, server: VllmServer) -> parity.Checked:
         """Check the model, then load and check every adapter of the registry (_admit);
-        drop those refused. Returns why the model itself is refused, or ""."""
+        drop those refused. Returns the model's own check: when it may not be served
+        (`serve` false, `reason` says why), no adapter is loaded."""
         checked = self.parity.check(
             server.base_url, self.settings.resolved_served_name, self.plan.model.path
         )
         if not checked.serve:
-            return checked.reason
+            return checked
         for name, adapter in self.adapters.items():
             try:
                 self._admit(server, adapter)
@@ -253,7 +254,7 @@ class Supervisor:
                 log.error("adapter %s not served: %s", name, e.message)
                 with self._lock:
                     self._adapters.pop(name, None)
-        return ""
+        return checked
 
     def _admit(self, server: VllmServer, adapter: ServedAdapter, *, inplace: bool = False) -> None:
         """Serve `adapter` under its served name only once it passed its parity check, run
