@@ -13,7 +13,9 @@
 # (README, "Several workers"): WORKERS="1 4" LEVELS="256 512" NGINX=0
 # EXTRA="--pace 0.0025 --fakes 3 --client-procs 3". GATEWAY_CPUS (a comma list, the first N
 # for N workers: e.g. one hyperthread a core where cores have two), UPSTREAM_CPUS,
-# CLIENT_CPUS: other pins.
+# CLIENT_CPUS: other pins. PROFILE=1: py-spy (its wheel carried in .dev-prof) samples every
+# process of each run at PROFILE_RATE Hz (200) into $OUT/gw-wN.pyspy.txt (collapsed stacks,
+# one line per stack and process: bench/gateway/profile_summary.py reads them).
 set -uo pipefail
 t0=$(date +%s)
 S=/tmp/site
@@ -37,7 +39,12 @@ for w in ${WORKERS:-1 2 4}; do
   if [ -n "${GATEWAY_CPUS:-}" ]; then  # e.g. "0,2,4,6": the first w of them
     gw_cpus=$(echo "$GATEWAY_CPUS" | cut -d, -f1-"$w")
   fi
-  timeout 170 python3 bench/gateway/gateway_latency.py --tokenizer "${TOKENIZER:-/tmp/stage/tokenizer}" \
+  prof=()
+  if [ -n "${PROFILE:-}" ]; then  # py-spy (carried in .dev-prof) samples every process of the run
+    [ -x /tmp/prof/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/prof .dev-prof/py_spy-*.whl || exit 1
+    prof=(/tmp/prof/bin/py-spy record --subprocesses --nonblocking -r "${PROFILE_RATE:-200}" -f raw -o "$OUT/gw-w$w.pyspy.txt" --)
+  fi
+  timeout 170 "${prof[@]}" python3 bench/gateway/gateway_latency.py --tokenizer "${TOKENIZER:-/tmp/stage/tokenizer}" \
     --duration "${DURATION:-8}" --concurrency ${LEVELS:-64 256} --keep-alive --workers "$w" $PEER \
     --pin-gateway "$gw_cpus" --pin-upstream "${UPSTREAM_CPUS:-4-9}" --pin-client "${CLIENT_CPUS:-10-15}" ${EXTRA:-} \
     > "$OUT/gw-w$w.json" 2> "$OUT/gw-w$w.log"
