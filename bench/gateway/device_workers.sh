@@ -49,6 +49,7 @@ for w in ${WORKERS:-1 2 4}; do
     --pin-gateway "$gw_cpus" --pin-upstream "${UPSTREAM_CPUS:-4-9}" --pin-client "${CLIENT_CPUS:-10-15}" ${EXTRA:-} \
     > "$OUT/gw-w$w.json" 2> "$OUT/gw-w$w.log"
   echo "workers $w: rc $? at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/gw-w$w.log"
+  [ -z "${PROFILE:-}" ] || sed -i '/^py-spy> /d' "$OUT/gw-w$w.json"  # py-spy's lines share stdout
   PEER=""  # nginx, one process: the floor per core, measured beside the first count only
 done
 echo "the call took $(( $(date +%s) - t0 )) s"
