@@ -44,13 +44,12 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
+    from lorastack_testing.s3 import S3Server
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = S3Server(free_port())
     server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server.endpoint
     finally:
         server.stop()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,44 @@ def test_a_damaged_record_is_named_with_what_to_do(store: ArtifactStore) -> None
     with pytest.raises(IntegrityError, match=r"00000002\.json") as e:
         declared.current(store.backend, "chat")
     assert "remove that record" in e.value.hint
+
+
+def test_one_of_the_racing_conditional_writes_creates_the_key(moto_endpoint: str) -> None:
+    """What the declarations' numbering stands on (S3's If-None-Match: * is atomic), held by
+    the tests' S3 server too (lorastack_testing.s3: moto checked and stored in two steps, and
+    under load two racing declarations both got 200 for one number)."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    def client() -> Any:
+        return boto3.client(
+            "s3",
+            endpoint_url=moto_endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        )
+
+    client().create_bucket(Bucket="racing-writes")
+    writers = [client() for _ in range(8)]
+
+    def put(s3: Any, key: str, n: int, start: threading.Barrier, created: list[int]) -> None:
+        start.wait()
+        try:
+            s3.put_object(Bucket="racing-writes", Key=key, Body=b"%d" % n, IfNoneMatch="*")
+            created.append(n)
+        except ClientError as e:
+            assert e.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+
+    for round_ in range(10):
+        created: list[int] = []
+        start = threading.Barrier(len(writers))
+        threads = [
+            threading.Thread(target=put, args=(s3, f"k{round_}", n, start, created))
+            for n, s3 in enumerate(writers)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(created) == 1, (round_, created)
